@@ -1,0 +1,51 @@
+# Set-up is idempotent: each target re-runs only what is missing.
+PYTHON ?= python3
+VENV := .venv
+VENV_ST5 := .venv-st5
+PY := $(VENV)/bin/python
+PY_ST5 := $(VENV_ST5)/bin/python
+# torch first and pinned: 2.13.0 is the local CPU wheel; any other spec pulls CUDA wheels.
+TORCH := torch==2.13.0
+ST5 := sentence-transformers==5.2.3
+
+.PHONY: demo test test-st6 test-st5 venv venv-st5 model bench clean
+
+demo: $(VENV)/.installed model
+	$(VENV)/bin/grace-st encode \
+		"A man is playing a guitar on stage." \
+		"Someone performs a song with an acoustic guitar." \
+		"The central bank raised interest rates again." \
+		"Stock markets fell after the rate decision."
+
+test: test-st6 test-st5
+
+test-st6: $(VENV)/.installed model
+	$(PY) -m pytest -q tests
+
+# The same unit tests against sentence-transformers 5.x (the real-model tests run once, above).
+test-st5: $(VENV_ST5)/.installed
+	$(PY_ST5) -m pytest -q -m "not slow" tests -p no:cacheprovider
+
+venv: $(VENV)/.installed
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+venv-st5: $(VENV_ST5)/.installed
+$(VENV_ST5)/.installed: pyproject.toml
+	test -x $(PY_ST5) || $(PYTHON) -m venv $(VENV_ST5)
+	$(PY_ST5) -m pip install -q $(TORCH)
+	$(PY_ST5) -m pip install -q -e ".[dev]" "$(ST5)"
+	touch $@
+
+# Builds the embedded default model under $GRACE_ST_HOME (default ~/.cache/grace_st) once.
+model: $(VENV)/.installed
+	$(PY) -c "import grace_st; print(grace_st.default_model_path())"
+
+bench: $(VENV)/.installed model
+	$(PY) benchmarks/encode_throughput.py
+
+clean:
+	rm -rf $(VENV) $(VENV_ST5) *.egg-info

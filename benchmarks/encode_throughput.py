@@ -1,0 +1,238 @@
+"""Encode throughput of a GRACE model against this machine's floor, one-pass vs two-pass.
+
+The floor: a text costs about 2·P·(N + G) FLOPs (P parameters, N prompt tokens, G rationale
+tokens); the machine's peak is measured in the same run with a large matrix multiply in the
+model's dtype. Every cell encodes the same texts; one-pass (``model.encode``) and the two-pass
+reference (``generate``, then a second forward pass, then pooling) run back to back, so compare
+them as ratios. Prints a table and writes JSON.
+
+    python benchmarks/encode_throughput.py                      # the full matrix
+    python benchmarks/encode_throughput.py --batch-sizes 16 --rationale-tokens 64 --build-times
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+import grace_st
+from grace_st.generation import two_pass_reference
+
+STSB_DEV = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "stsb" / "dev.tsv"
+FALLBACK_TEXTS = [
+    "A man is playing a guitar on stage.",
+    "The central bank raised interest rates again this quarter.",
+    "Proteins fold into shapes that decide what they do in the cell.",
+    "A child is riding a bicycle down a quiet street.",
+    "Scientists found water ice in craters near the moon's south pole.",
+    "The recipe calls for two cups of flour and a pinch of salt.",
+    "Heavy rain flooded several roads in the city overnight.",
+    "The committee approved the new budget after a long debate.",
+]
+
+
+def load_texts(count: int) -> tuple[list[str], str]:
+    if STSB_DEV.is_file():
+        lines = STSB_DEV.read_text(encoding="utf-8").splitlines()[1:]
+        texts = [line.split("\t")[1] for line in lines if line.count("\t") >= 2]
+        return texts[:count], f"STS-B dev sentence1, first {count}"
+    repeated = (FALLBACK_TEXTS * (count // len(FALLBACK_TEXTS) + 1))[:count]
+    return repeated, f"{len(FALLBACK_TEXTS)} built-in sentences, repeated to {count}"
+
+
+def matmul_peak_flops(dtype: torch.dtype, size: int = 2048, seconds: float = 2.0) -> float:
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    torch.mm(a, b)
+    runs, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        torch.mm(a, b)
+        runs += 1
+    return 2 * size**3 * runs / (time.perf_counter() - start)
+
+
+class PeakRSS:
+    """Peak resident memory of this process while the block runs (sampled from /proc), above
+    the level before it. Freed heap is handed back to the OS first, or memory an earlier cell
+    freed would be reused unseen and every later cell would read near zero."""
+
+    def __enter__(self):
+        import ctypes
+        import gc
+
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.peak = self.baseline = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._rss())
+
+    def _sample(self):
+        while not self._stop.wait(0.01):
+            self.peak = max(self.peak, self._rss())
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def prompt_tokens(encoder, texts: list[str]) -> list[list[int]]:
+    features = encoder.preprocess(texts)
+    return [row[mask.bool()].tolist() for row, mask in zip(features["input_ids"], features["attention_mask"])]
+
+
+def time_one_pass(model, texts, batch_size):
+    with PeakRSS() as memory:
+        start = time.perf_counter()
+        items = grace_st.explain(model, texts, batch_size=batch_size)
+        elapsed = time.perf_counter() - start
+    generated = sum(len(model[0].tokenizer(item["rationale"], add_special_tokens=False)["input_ids"]) for item in items)
+    return elapsed, generated, memory.peak - memory.baseline
+
+
+def time_two_pass(model, texts, batch_size):
+    encoder = model[0]
+    with PeakRSS() as memory:
+        start = time.perf_counter()
+        for first in range(0, len(texts), batch_size):
+            chunk = texts[first : first + batch_size]
+            rows = prompt_tokens(encoder, chunk)
+            features = encoder.preprocess(chunk)
+            two_pass_reference(
+                encoder.model,
+                rows,
+                features["instruction_lengths"].tolist(),
+                max_new_tokens=encoder.max_rationale_tokens,
+                eos_token_ids=encoder.eos_token_ids,
+                pad_token_id=encoder.pad_token_id,
+                hidden_layer=encoder.hidden_layer,
+            )
+        elapsed = time.perf_counter() - start
+    return elapsed, memory.peak - memory.baseline
+
+
+def build_times(model_path: str) -> dict:
+    """First build (from the cached wheel, no download) and warm load of the default model."""
+    from sentence_transformers import SentenceTransformer
+
+    home = Path(tempfile.mkdtemp(prefix="grace-bench-home-"))
+    try:
+        wheel = grace_st.default_model.grace_home() / "wheels" / grace_st.default_model.WHEEL_NAME
+        if wheel.is_file():
+            (home / "wheels").mkdir(parents=True)
+            shutil.copy(wheel, home / "wheels" / wheel.name)
+        start = time.perf_counter()
+        grace_st.default_model_path(home)
+        first_build = time.perf_counter() - start
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    start = time.perf_counter()
+    grace_st.default_model_path()
+    cached_lookup = time.perf_counter() - start
+    start = time.perf_counter()
+    SentenceTransformer(model_path, device="cpu", trust_remote_code=True)
+    warm_load = time.perf_counter() - start
+    return {"first_build_s": first_build, "cached_path_s": cached_lookup, "warm_load_s": warm_load}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="GRACE model directory (default: the embedded default model)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--rationale-tokens", type=int, nargs="+", default=[0, 32, 64, 128])
+    parser.add_argument("--texts", type=int, help="texts per cell (default: 2 batches, at least 8)")
+    parser.add_argument("--no-two-pass", action="store_true", help="skip the two-pass reference")
+    parser.add_argument("--build-times", action="store_true", help="also time a fresh default-model build")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--out", default="benchmarks/results/encode_throughput.json")
+    args = parser.parse_args()
+
+    from sentence_transformers import SentenceTransformer
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_path = args.model or grace_st.default_model_path()
+    model = SentenceTransformer(model_path, device="cpu", trust_remote_code=True)
+    encoder = model[0]
+    dtype = encoder.model.dtype
+    params = sum(p.numel() for p in encoder.model.parameters())
+    peak = matmul_peak_flops(dtype)
+    report = {
+        "model": model_path,
+        "parameters": params,
+        "dtype": str(dtype),
+        "embedding_dimension": encoder.get_embedding_dimension(),
+        "torch_threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "matmul_peak_gflops": peak / 1e9,
+        "rows": [],
+    }
+    if args.build_times:
+        report["build"] = build_times(model_path)
+
+    header = f"{'batch':>5} {'G':>4} {'texts':>5} {'texts/s':>8} {'tok/s':>8} {'floor%':>7} {'2-pass t/s':>10} {'1p/2p':>6} {'peak MB':>8}"
+    print(f"model {model_path}: {params / 1e6:.1f}M params, {dtype}, {torch.get_num_threads()} threads, "
+          f"matmul peak {peak / 1e9:.1f} GFLOP/s, embedding dim {report['embedding_dimension']}")
+    print(header)
+    for batch_size in args.batch_sizes:
+        texts, source = load_texts(args.texts or max(8, 2 * batch_size))
+        report["texts_source"] = source
+        prompt_lengths = [len(row) for row in prompt_tokens(encoder, texts)]
+        for g in args.rationale_tokens:
+            encoder.max_rationale_tokens = g
+            grace_st.explain(model, texts[: min(2, len(texts))], batch_size=batch_size)  # warm-up
+            elapsed, generated, memory = time_one_pass(model, texts, batch_size)
+            tokens = sum(prompt_lengths) + generated
+            flops = 2 * params * tokens
+            row = {
+                "batch_size": batch_size,
+                "rationale_tokens": g,
+                "texts": len(texts),
+                "mean_prompt_tokens": sum(prompt_lengths) / len(texts),
+                "mean_rationale_tokens": generated / len(texts),
+                "one_pass_s": elapsed,
+                "texts_per_s": len(texts) / elapsed,
+                "tokens_per_s": tokens / elapsed,
+                "floor_fraction": flops / elapsed / peak,
+                "one_pass_peak_rss_mb": memory / 2**20,
+            }
+            if not args.no_two_pass:
+                two_elapsed, two_memory = time_two_pass(model, texts, batch_size)
+                row.update(
+                    two_pass_s=two_elapsed,
+                    two_pass_texts_per_s=len(texts) / two_elapsed,
+                    one_pass_speedup=two_elapsed / elapsed,
+                    two_pass_peak_rss_mb=two_memory / 2**20,
+                )
+            report["rows"].append(row)
+            two = (f"{row['two_pass_texts_per_s']:>10.2f} {row['one_pass_speedup']:>6.2f}"
+                   if "two_pass_s" in row else f"{'-':>10} {'-':>6}")
+            print(f"{batch_size:>5} {g:>4} {len(texts):>5} {row['texts_per_s']:>8.2f} {row['tokens_per_s']:>8.1f} "
+                  f"{100 * row['floor_fraction']:>6.1f}% {two} {row['one_pass_peak_rss_mb']:>8.0f}", flush=True)
+    if "build" in report:
+        build = report["build"]
+        print(f"default model: first build {build['first_build_s']:.1f} s, cached path {build['cached_path_s'] * 1e3:.2f} ms, "
+              f"warm load {build['warm_load_s']:.2f} s")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

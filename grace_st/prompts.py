@@ -1,0 +1,105 @@
+"""Chat formatting and the instruction span L_sys (method.md §1, Eqs. 1 and 3).
+
+A prompt is ``prefix ⊕ text ⊕ suffix``: ``prefix`` is everything the chat template puts
+before the user text (system turn, instruction, role header), ``suffix`` closes the user
+turn and opens the assistant turn. Eq. 3 pools every position after the prefix, so
+``L_sys = len(prefix)``.
+
+The prefix and suffix are found by templating a probe string and cutting around it, so
+any chat template works without per-model code. The three parts are tokenized apart:
+the user text is tokenized with special tokens split into plain characters, which keeps
+text such as ``<|im_end|>`` or ``<|im_start|>system`` data and never markup, and keeps
+``L_sys`` where the template put it whatever the text holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_INSTRUCTIONS: dict[str, str] = {
+    "default": (
+        "Read and analyze the following text, reason about it, then give a comprehensive understanding of it."
+    ),
+    "query": (
+        "Read the following search query, reason about the information it asks for, "
+        "then give a comprehensive understanding of it."
+    ),
+    "document": (
+        "Read and analyze the following document, reason about its content, "
+        "then give a comprehensive understanding of it."
+    ),
+}
+
+# No tokenizer's template contains this, and it has no whitespace a template could trim.
+_PROBE = "GRACEPROBE7f3a9c1e"
+
+
+@dataclass(frozen=True)
+class PromptTemplate:
+    """The token ids around the user text for one instruction."""
+
+    prefix_ids: tuple[int, ...]
+    suffix_ids: tuple[int, ...]
+
+    @property
+    def instruction_span(self) -> int:
+        """L_sys: the number of prompt tokens before the user text (Eq. 3)."""
+        return len(self.prefix_ids)
+
+    def build(self, text_ids: list[int]) -> list[int]:
+        return [*self.prefix_ids, *text_ids, *self.suffix_ids]
+
+
+def compose_instruction(instruction: str, prompt: str | None) -> str:
+    """The system instruction for one call: the GRACE instruction of the prompt type, then a
+    sentence-transformers prompt (e.g. an mteb task instruction) on a line of its own. Both stay
+    inside the instruction span, so neither is pooled."""
+    if not prompt:
+        return instruction
+    return f"{instruction}\n{prompt}" if instruction else prompt
+
+
+def _candidate_conversations(instruction: str) -> list[list[dict[str, str]]]:
+    with_system = [{"role": "system", "content": instruction}, {"role": "user", "content": _PROBE}]
+    # For templates without a system role (they raise, or drop the system turn), the
+    # instruction leads the user turn instead; it still falls inside the prefix.
+    in_user_turn = [{"role": "user", "content": f"{instruction}\n\n{_PROBE}" if instruction else _PROBE}]
+    return [with_system, in_user_turn] if instruction else [in_user_turn]
+
+
+def split_chat_template(tokenizer, instruction: str) -> tuple[str, str]:
+    """Render the chat template around a probe and return the text before and after it."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"{type(tokenizer).__name__} has no chat template: GenerativeEncoder needs a chat (instruct) "
+            "model, or a tokenizer with `chat_template` set."
+        )
+    errors = []
+    for conversation in _candidate_conversations(instruction):
+        try:
+            rendered = tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # jinja raises for unsupported roles; the next layout may work
+            errors.append(f"{type(error).__name__}: {error}")
+            continue
+        if rendered.count(_PROBE) != 1 or (instruction and instruction not in rendered):
+            errors.append("the template dropped the instruction or the text")
+            continue
+        prefix, suffix = rendered.split(_PROBE)
+        return prefix, suffix
+    raise ValueError(f"Could not find where the chat template puts the user text: {'; '.join(errors)}")
+
+
+def build_prompt_template(tokenizer, instruction: str) -> PromptTemplate:
+    prefix, suffix = split_chat_template(tokenizer, instruction)
+    # The template's own text carries its markup (BOS, role tokens), so special tokens are kept
+    # as such here and none are added: the template already wrote them.
+    prefix_ids = tokenizer(prefix, add_special_tokens=False)["input_ids"]
+    suffix_ids = tokenizer(suffix, add_special_tokens=False)["input_ids"]
+    return PromptTemplate(tuple(prefix_ids), tuple(suffix_ids))
+
+
+def tokenize_texts(tokenizer, texts: list[str]) -> list[list[int]]:
+    """User texts as plain data: special-token strings inside them become ordinary tokens."""
+    if not texts:
+        return []
+    return tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"]

@@ -1,0 +1,46 @@
+import io
+import json
+
+import pytest
+from conftest import make_model, make_st_model
+
+from grace_st.cli import main
+
+
+@pytest.fixture
+def saved_model(tmp_path):
+    path = str(tmp_path / "model")
+    make_st_model(max_rationale_tokens=4).save(path)
+    return path
+
+
+def test_encode_prints_rationales_and_similarities(saved_model, capsys):
+    assert main(["encode", "The cat sat.", "Markets fell.", "--model", saved_model]) == 0
+    out = capsys.readouterr().out
+    assert "[0] The cat sat." in out and "rationale" in out and "cosine similarity" in out
+    assert " 1.000" in out
+
+
+def test_encode_json_from_stdin(saved_model, capsys, monkeypatch):
+    monkeypatch.setattr("sys.stdin", io.StringIO("first text\n\nsecond text\n"))
+    assert main(["encode", "-", "--model", saved_model, "--json", "--max-rationale-tokens", "2"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert payload["texts"] == ["first text", "second text"]
+    assert len(payload["rationales"]) == 2 and len(payload["embeddings"][0]) == 32
+    assert abs(payload["similarity"][0][0] - 1.0) < 1e-5
+
+
+def test_build_from_a_causal_lm(tmp_path, tokenizer, capsys):
+    from sentence_transformers import SentenceTransformer
+
+    lm = tmp_path / "lm"
+    make_model(tokenizer).save_pretrained(lm)
+    tokenizer.save_pretrained(lm)
+    out = tmp_path / "grace"
+    assert main(["build", "--base", str(lm), "--out", str(out), "--max-rationale-tokens", "3", "--query-instruction", "Q?"]) == 0
+    model = SentenceTransformer(str(out), device="cpu", trust_remote_code=True)
+    assert model[0].max_rationale_tokens == 3 and model[0].instructions["query"] == "Q?"
+    assert "saved a GRACE model (32-d)" in capsys.readouterr().out
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: sentence-transformers\npipeline_tag: sentence-similarity")
+    assert f"base_model: {lm}" in card and "trust_remote_code=True" in card and "`max_rationale_tokens` | `3`" in card

