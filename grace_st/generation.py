@@ -38,6 +38,7 @@ class Rollouts:
     token_embeddings: Tensor  # (B, N + G, H) hidden states of the chosen layer
     rationale_ids: Tensor  # (B, G) rationale token ids, -1 after the rationale ends
     truncated: Tensor  # (B,) hit the length limit without EOS (Eq. 28's length penalty)
+    stop_ids: Tensor  # (B,) the EOS token that ended each rationale, -1 where none did
     prompt_length: int  # N, the padded prompt width
 
 
@@ -136,6 +137,7 @@ def generate_rollouts(
     full_mask = attention_mask
     tokens: list[Tensor] = []
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    stop_ids = torch.full((batch,), -1, dtype=torch.long, device=device)
 
     with _final_hidden_states(model) as captured:
         states, logits = _forward(
@@ -153,7 +155,9 @@ def generate_rollouts(
                 token = _sample(logits, temperature, top_p, generators)
             else:
                 token = logits.argmax(-1)
-            finished |= torch.isin(token, eos)
+            stopping = ~finished & torch.isin(token, eos)
+            stop_ids = torch.where(stopping, token, stop_ids)
+            finished |= stopping
             alive = ~finished
             if not alive.any():
                 break
@@ -183,6 +187,7 @@ def generate_rollouts(
         token_embeddings=torch.cat(all_states, 1),
         rationale_ids=rationale_ids,
         truncated=~finished if max_new_tokens > 0 else torch.zeros_like(finished),
+        stop_ids=stop_ids,
         prompt_length=input_ids.shape[1],
     )
 

@@ -78,7 +78,8 @@ def test_eos_ends_the_rationale_and_is_not_pooled():
     stopped = _one_pass(model, tokenizer, rows, spans, 10, eos=[tokenizer.eos_token_id, stop])
     first = _rationales(stopped)[0]
     assert stop not in first and first == _rationales(free)[0][: len(first)]
-    assert not stopped.truncated[0]
+    assert not stopped.truncated[0] and int(stopped.stop_ids[0]) == stop
+    assert (free.stop_ids == -1).all()
     # pooled positions: prompt after L_sys plus exactly the rationale tokens, EOS excluded
     prompt_pooled = len(rows[0]) - spans[0]
     assert int(stopped.pooling_mask[0].sum()) == prompt_pooled + len(first)
