@@ -76,6 +76,9 @@ class GenerativeEncoder(InputModule):
     ]
     forward_kwargs = {"task"}
     save_in_root = True
+    # Prompt names the calling libraries use, and the prompt type each one means:
+    # mteb and sentence-transformers say query/document, LlamaIndex says "text" for documents.
+    prompt_names = {"query": "query", "document": "document", "text": "document", "passage": "document"}
 
     def __init__(
         self,
@@ -117,6 +120,8 @@ class GenerativeEncoder(InputModule):
         self.num_rationales = num_rationales
         self.hidden_layer = hidden_layer
         self._templates: dict[str, PromptTemplate] = {}
+        # instruction text -> prompt type, for prompts that are our own instructions (see on_model_ready)
+        self._instruction_prompts = {text: kind for kind, text in self.instructions.items()}
         self.check_settings()
         # Fail at construction, not at the first encode, when the template cannot be split.
         self.prompt_template(self.instructions["default"])
@@ -178,8 +183,32 @@ class GenerativeEncoder(InputModule):
         return self._templates[instruction]
 
     def instruction_for(self, task: str | None, prompt: str | None) -> str:
+        """The system instruction for a call.
+
+        A prompt that is one of this module's instructions (as :meth:`on_model_ready` puts them
+        in the model's prompts) selects that prompt type's *current* instruction; any other
+        prompt is appended to the instruction of ``task``.
+        """
+        kind = {text: kind for kind, text in self.instructions.items()}.get(prompt or "")
+        kind = kind or self._instruction_prompts.get(prompt or "")
+        if kind is not None:
+            return self.instructions.get(kind, self.instructions["default"])
         base = self.instructions.get(task or "default", self.instructions["default"])
         return compose_instruction(base, prompt)
+
+    def on_model_ready(self, model) -> None:
+        """sentence-transformers 6.x hook, run once the model is built or loaded.
+
+        Makes the query and document instructions the model's ``query`` / ``document`` prompts
+        where those are unset or empty, so callers that only pass a prompt name still get them:
+        LangChain (``prompt_name`` in its encode kwargs), LlamaIndex (which resets the "query"
+        prompt to "" and asks for "text" for documents), mteb (``model.prompts``).
+        """
+        for name, kind in self.prompt_names.items():
+            if name in ("query", "document") or name in model.prompts:
+                if not model.prompts.get(name):
+                    model.prompts[name] = self.instructions.get(kind, self.instructions["default"])
+        self._instruction_prompts.update({text: kind for kind, text in self.instructions.items()})
 
     # -- sentence-transformers interface -----------------------------------------------------
 
