@@ -27,14 +27,14 @@ test-st5: $(VENV_ST5)/.installed
 	$(PY_ST5) -m pytest -q -m "not slow" tests -p no:cacheprovider
 
 venv: $(VENV)/.installed
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev,mteb,langchain,llamaindex]"
+	$(PY) -m pip install -q -e ".[dev,mteb,langchain,llamaindex,bench]"
 	touch $@
 
 venv-st5: $(VENV_ST5)/.installed
-$(VENV_ST5)/.installed: pyproject.toml
+$(VENV_ST5)/.installed: pyproject.toml Makefile
 	test -x $(PY_ST5) || $(PYTHON) -m venv $(VENV_ST5)
 	$(PY_ST5) -m pip install -q $(TORCH)
 	$(PY_ST5) -m pip install -q -e ".[dev]" "$(ST5)"

@@ -151,55 +151,45 @@ def build_times(model_path: str) -> dict:
     return {"first_build_s": first_build, "cached_path_s": cached_lookup, "warm_load_s": warm_load}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="GRACE model directory (default: the embedded default model)")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
-    parser.add_argument("--rationale-tokens", type=int, nargs="+", default=[0, 32, 64, 128])
-    parser.add_argument("--texts", type=int, help="texts per cell (default: 2 batches, at least 8)")
-    parser.add_argument("--no-two-pass", action="store_true", help="skip the two-pass reference")
-    parser.add_argument("--build-times", action="store_true", help="also time a fresh default-model build")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
-    parser.add_argument("--out", default="benchmarks/results/encode_throughput.json")
-    args = parser.parse_args()
+def sts_spearman(model, pairs: int, batch_size: int) -> float:
+    from scipy.stats import spearmanr
 
+    if not STSB_DEV.is_file():
+        raise SystemExit(f"--sts-pairs needs {STSB_DEV}")
+    rows = [line.split("\t") for line in STSB_DEV.read_text(encoding="utf-8").splitlines()[1 : pairs + 1]]
+    first = model.encode([r[1] for r in rows], batch_size=batch_size, normalize_embeddings=True)
+    second = model.encode([r[2] for r in rows], batch_size=batch_size, normalize_embeddings=True)
+    return float(spearmanr((first * second).sum(1), [float(r[0]) for r in rows]).statistic)
+
+
+def run_dtype(model_path: str, dtype: torch.dtype, args) -> dict:
+    """Every (batch size, G) cell for one weights dtype, against the matmul peak in that dtype."""
     from sentence_transformers import SentenceTransformer
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model_path = args.model or grace_st.default_model_path()
-    model = SentenceTransformer(model_path, device="cpu", trust_remote_code=True)
+    model = SentenceTransformer(model_path, device="cpu", trust_remote_code=True, model_kwargs={"dtype": dtype})
     encoder = model[0]
-    dtype = encoder.model.dtype
     params = sum(p.numel() for p in encoder.model.parameters())
     peak = matmul_peak_flops(dtype)
-    report = {
-        "model": model_path,
-        "parameters": params,
+    run = {
         "dtype": str(dtype),
+        "parameters": params,
         "embedding_dimension": encoder.get_embedding_dimension(),
-        "torch_threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
         "matmul_peak_gflops": peak / 1e9,
         "rows": [],
     }
-    if args.build_times:
-        report["build"] = build_times(model_path)
-
+    print(f"\nmodel {model_path}: {params / 1e6:.1f}M params, {dtype}, {torch.get_num_threads()} threads, "
+          f"matmul peak {peak / 1e9:.1f} GFLOP/s, embedding dim {run['embedding_dimension']}")
     header = f"{'batch':>5} {'G':>4} {'texts':>5} {'texts/s':>8} {'tok/s':>8} {'floor%':>7} {'2-pass t/s':>10} {'1p/2p':>6} {'peak MB':>8}"
-    print(f"model {model_path}: {params / 1e6:.1f}M params, {dtype}, {torch.get_num_threads()} threads, "
-          f"matmul peak {peak / 1e9:.1f} GFLOP/s, embedding dim {report['embedding_dimension']}")
     print(header)
     for batch_size in args.batch_sizes:
         texts, source = load_texts(args.texts or max(8, 2 * batch_size))
-        report["texts_source"] = source
+        run["texts_source"] = source
         prompt_lengths = [len(row) for row in prompt_tokens(encoder, texts)]
         for g in args.rationale_tokens:
             encoder.max_rationale_tokens = g
             grace_st.explain(model, texts[: min(2, len(texts))], batch_size=batch_size)  # warm-up
             elapsed, generated, memory = time_one_pass(model, texts, batch_size)
             tokens = sum(prompt_lengths) + generated
-            flops = 2 * params * tokens
             row = {
                 "batch_size": batch_size,
                 "rationale_tokens": g,
@@ -209,7 +199,7 @@ def main() -> None:
                 "one_pass_s": elapsed,
                 "texts_per_s": len(texts) / elapsed,
                 "tokens_per_s": tokens / elapsed,
-                "floor_fraction": flops / elapsed / peak,
+                "floor_fraction": 2 * params * tokens / elapsed / peak,
                 "one_pass_peak_rss_mb": memory / 2**20,
             }
             if not args.no_two_pass:
@@ -220,11 +210,43 @@ def main() -> None:
                     one_pass_speedup=two_elapsed / elapsed,
                     two_pass_peak_rss_mb=two_memory / 2**20,
                 )
-            report["rows"].append(row)
+            run["rows"].append(row)
             two = (f"{row['two_pass_texts_per_s']:>10.2f} {row['one_pass_speedup']:>6.2f}"
                    if "two_pass_s" in row else f"{'-':>10} {'-':>6}")
             print(f"{batch_size:>5} {g:>4} {len(texts):>5} {row['texts_per_s']:>8.2f} {row['tokens_per_s']:>8.1f} "
                   f"{100 * row['floor_fraction']:>6.1f}% {two} {row['one_pass_peak_rss_mb']:>8.0f}", flush=True)
+    if args.sts_pairs:
+        run["sts_spearman"] = {}
+        for g in args.rationale_tokens:
+            encoder.max_rationale_tokens = g
+            run["sts_spearman"][g] = sts_spearman(model, args.sts_pairs, max(args.batch_sizes))
+            print(f"STS-B dev Spearman, {args.sts_pairs} pairs, G={g}: {run['sts_spearman'][g]:.4f}", flush=True)
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="GRACE model directory (default: the embedded default model)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16, 64])
+    parser.add_argument("--rationale-tokens", type=int, nargs="+", default=[0, 32, 64, 128])
+    parser.add_argument("--texts", type=int, help="texts per cell (default: 2 batches, at least 8)")
+    parser.add_argument("--no-two-pass", action="store_true", help="skip the two-pass reference")
+    parser.add_argument("--build-times", action="store_true", help="also time a fresh default-model build")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's choice)")
+    parser.add_argument("--dtypes", nargs="+", default=["float32"], help="weights dtypes to compare, e.g. float32 bfloat16")
+    parser.add_argument("--sts-pairs", type=int, default=0,
+                        help="also score STS-B dev Spearman on this many pairs for each dtype and G (quality beside speed)")
+    parser.add_argument("--out", default="benchmarks/results/encode_throughput.json")
+    args = parser.parse_args()
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_path = args.model or grace_st.default_model_path()
+    report = {"model": model_path, "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(), "runs": []}
+    if args.build_times:
+        report["build"] = build_times(model_path)
+    for dtype_name in args.dtypes:
+        report["runs"].append(run_dtype(model_path, getattr(torch, dtype_name), args))
     if "build" in report:
         build = report["build"]
         print(f"default model: first build {build['first_build_s']:.1f} s, cached path {build['cached_path_s'] * 1e3:.2f} ms, "

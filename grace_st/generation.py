@@ -117,10 +117,13 @@ def generate_rollouts(
     top_p: float = 1.0,
     seeds: Sequence[int] | None = None,
     hidden_layer: int = -1,
+    drop_finished: bool = True,
 ) -> Rollouts:
     """Generate a rationale for each left-padded prompt and keep its hidden states (Eqs. 1–2).
 
     Greedy unless ``do_sample``. With ``seeds`` (one a row) sampling is reproducible per text.
+    ``drop_finished`` stops feeding rows whose rationale has ended (the result is the same;
+    it only saves work).
     """
     from transformers import DynamicCache
 
@@ -132,12 +135,15 @@ def generate_rollouts(
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
 
     cache = DynamicCache(config=model.config)
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     pooled = [prompt_pooling_mask(attention_mask, instruction_lengths.to(device))]
-    full_mask = attention_mask
     tokens: list[Tensor] = []
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     stop_ids = torch.full((batch,), -1, dtype=torch.long, device=device)
+    # Rows of the batch still fed to the model, and their attention mask so far. Finished rows
+    # are dropped from the batch and the KV cache once enough of them accumulate: dropping
+    # copies the cache (about one decode step's memory traffic), so it waits for a quarter.
+    active = torch.arange(batch, device=device)
+    active_mask = attention_mask
 
     with _final_hidden_states(model) as captured:
         states, logits = _forward(
@@ -146,35 +152,45 @@ def generate_rollouts(
             hidden_layer,
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids,
+            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
             past_key_values=cache,
         )
         all_states = [states]
         for _ in range(max_new_tokens):
             if do_sample:
-                token = _sample(logits, temperature, top_p, generators)
+                row_generators = None if generators is None else [generators[i] for i in active.tolist()]
+                token = _sample(logits, temperature, top_p, row_generators)
             else:
                 token = logits.argmax(-1)
-            stopping = ~finished & torch.isin(token, eos)
-            stop_ids = torch.where(stopping, token, stop_ids)
-            finished |= stopping
-            alive = ~finished
+            stopping = ~finished[active] & torch.isin(token, eos)
+            stop_ids[active[stopping]] = token[stopping]
+            finished[active[stopping]] = True
+            alive = ~finished[active]
             if not alive.any():
                 break
+            step_tokens = torch.full((batch,), -1, dtype=torch.long, device=device)
+            step_tokens[active[alive]] = token[alive]
+            tokens.append(step_tokens)
+            dead = int((~alive).sum())
+            if drop_finished and dead and dead >= len(active) // 4:
+                keep = alive.nonzero().squeeze(1)
+                cache.batch_select_indices(keep)
+                active, active_mask, token, alive = active[keep], active_mask[keep], token[keep], alive[keep]
             token = torch.where(alive, token, pad_token_id)
-            tokens.append(torch.where(alive, token, -1))
-            full_mask = torch.cat([full_mask, alive[:, None].long()], dim=1)
+            active_mask = torch.cat([active_mask, alive[:, None].long()], dim=1)
             states, logits = _forward(
                 model,
                 captured,
                 hidden_layer,
                 input_ids=token[:, None],
-                attention_mask=full_mask,
-                position_ids=full_mask.sum(1, keepdim=True) - 1,
+                attention_mask=active_mask,
+                position_ids=active_mask.sum(1, keepdim=True) - 1,
                 past_key_values=cache,
             )
-            all_states.append(states)
-            pooled.append(alive[:, None])
+            step_states = states.new_zeros((batch, 1, states.shape[-1]))
+            step_states[active] = states
+            all_states.append(step_states)
+            pooled.append((step_tokens >= 0)[:, None])
 
     rationale_ids = torch.stack(tokens, 1) if tokens else torch.empty((batch, 0), dtype=torch.long, device=device)
     rationale_mask = rationale_ids >= 0

@@ -115,3 +115,24 @@ def test_seeded_sampling_is_reproducible_and_per_row():
     assert _rationales(alone)[0] == _rationales(first)[2]
     other_seed = _one_pass(model, tokenizer, rows, spans, 8, seeds=[9, 9, 9, 9], **kwargs)
     assert _rationales(other_seed) != _rationales(first)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_dropping_finished_rows_changes_nothing(do_sample):
+    tokenizer, model, rows, spans = _prompts()
+    decoding = dict(do_sample=do_sample, seeds=[1, 2, 3, 4] if do_sample else None)
+    free = _one_pass(model, tokenizer, rows, spans, 10, **decoding)
+    # stop tokens that end rows 0 and 2 early, at different steps, so rows leave the batch
+    stops = [tokenizer.eos_token_id, _rationales(free)[0][2], _rationales(free)[2][5]]
+    kwargs = dict(eos=stops, **decoding)
+    dropped = _one_pass(model, tokenizer, rows, spans, 10, drop_finished=True, **kwargs)
+    kept = _one_pass(model, tokenizer, rows, spans, 10, drop_finished=False, **kwargs)
+    assert _rationales(dropped) == _rationales(kept)
+    assert not dropped.truncated.all()
+    assert torch.equal(dropped.pooling_mask, kept.pooling_mask) and torch.equal(dropped.stop_ids, kept.stop_ids)
+    torch.testing.assert_close(
+        masked_mean(dropped.token_embeddings, dropped.pooling_mask),
+        masked_mean(kept.token_embeddings, kept.pooling_mask),
+        atol=1e-5,
+        rtol=1e-4,
+    )
