@@ -10,6 +10,8 @@ The saved directory is both a sentence-transformers model and a plain causal-LM 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +41,14 @@ def _hub_kwargs(token, cache_folder, revision, local_files_only, trust_remote_co
     return kwargs
 
 
+def _model_id(name_or_path: str) -> str:
+    """A Hub id stays as it is; a local directory becomes ``local/<directory name>`` (mteb wants
+    an ``organisation/name`` shape)."""
+    if os.path.isdir(name_or_path) or not name_or_path.count("/") == 1:
+        return f"local/{os.path.basename(os.path.abspath(name_or_path)) or 'grace-model'}"
+    return name_or_path
+
+
 class GenerativeEncoder(InputModule):
     """Embeds a text with a causal LM: ``h = mean(π_θ(P(x) ⊕ r))`` with ``r ~ π_θ(· | P(x))``.
 
@@ -58,6 +68,8 @@ class GenerativeEncoder(InputModule):
             text (test-time scaling).
         hidden_layer: which hidden states to pool; -1 is the last layer after the final norm,
             other values index ``hidden_states`` of transformers (0 = embeddings).
+        weights_revision: fingerprint of the weights as last saved (written by :meth:`save`);
+            with the settings it makes the revision mteb files results under.
         model, tokenizer: an already loaded causal LM and tokenizer, instead of a path.
         model_kwargs, tokenizer_kwargs: passed to ``from_pretrained``.
     """
@@ -73,6 +85,7 @@ class GenerativeEncoder(InputModule):
         "seed",
         "num_rationales",
         "hidden_layer",
+        "weights_revision",
     ]
     forward_kwargs = {"task"}
     save_in_root = True
@@ -93,6 +106,7 @@ class GenerativeEncoder(InputModule):
         seed: int | None = 0,
         num_rationales: int = 1,
         hidden_layer: int = -1,
+        weights_revision: str | None = None,
         model=None,
         tokenizer=None,
         model_kwargs: dict[str, Any] | None = None,
@@ -119,6 +133,10 @@ class GenerativeEncoder(InputModule):
         self.seed = seed
         self.num_rationales = num_rationales
         self.hidden_layer = hidden_layer
+        self.weights_revision = weights_revision
+        # What evaluation libraries call this model when it has no Hub id (see describe_for_mteb).
+        self.model_id = _model_id(model_name_or_path or getattr(model, "name_or_path", "") or "grace-model")
+        self._described: tuple[str | None, str | None] = (None, None)
         self._templates: dict[str, PromptTemplate] = {}
         # instruction text -> prompt type, for prompts that are our own instructions (see on_model_ready)
         self._instruction_prompts = {text: kind for kind, text in self.instructions.items()}
@@ -209,6 +227,33 @@ class GenerativeEncoder(InputModule):
                 if not model.prompts.get(name):
                     model.prompts[name] = self.instructions.get(kind, self.instructions["default"])
         self._instruction_prompts.update({text: kind for kind, text in self.instructions.items()})
+        self.describe_for_mteb(model)
+
+    def revision(self) -> str:
+        """The weights' fingerprint and a hash of the current settings: what determines an embedding."""
+        from .cache import weights_fingerprint
+
+        if self.weights_revision is None:
+            self.weights_revision = weights_fingerprint(self.model)[:16]
+        settings = {k: v for k, v in self.get_config_dict().items() if k != "weights_revision"}
+        digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
+        return f"{self.weights_revision}-{digest}"
+
+    def describe_for_mteb(self, model) -> None:
+        """Give a model with no Hub id a name and revision in its model card data, which is where
+        mteb reads them: results are filed under ``local/<directory>`` and a revision that changes
+        with the weights or the settings, so a new checkpoint is not mistaken for a cached one.
+        A Hub-loaded model keeps its repository id and commit. Call again after changing settings
+        at run time (``grace-st eval`` does)."""
+        card = model.model_card_data
+        ours_name, ours_revision = self._described
+        if card.base_model and ours_name is None:  # loaded from the Hub: its id and commit stand
+            return
+        if card.model_name in (None, ours_name):
+            card.model_name = self.model_id
+        if card.base_model_revision in (None, ours_revision):
+            card.base_model_revision = self.revision()
+        self._described = (card.model_name, card.base_model_revision)
 
     # -- sentence-transformers interface -----------------------------------------------------
 
@@ -307,6 +352,9 @@ class GenerativeEncoder(InputModule):
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         if not safe_serialization:
             raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
+        from .cache import weights_fingerprint
+
+        self.weights_revision = weights_fingerprint(self.model)[:16]
         self.model.save_pretrained(output_path)
         self.tokenizer.save_pretrained(output_path)
         self.save_config(output_path)

@@ -234,3 +234,23 @@ def test_from_causal_lm_from_a_directory(tmp_path, tokenizer):
     model = grace_st.from_causal_lm(str(tmp_path / "lm"), max_rationale_tokens=3, device="cpu")
     assert isinstance(model, SentenceTransformer)
     assert model.encode(["hi"]).shape == (1, 32)
+
+
+def test_model_card_data_names_a_local_model_for_mteb(tiny_model, tmp_path):
+    if ST_MAJOR < 6:
+        pytest.skip("the on_model_ready hook is sentence-transformers 6.x")
+    path = str(tmp_path / "my-checkpoint")
+    tiny_model.save(path)
+    model = load(path)
+    encoder = model[0]
+    card = model.model_card_data
+    assert card.model_name == "local/my-checkpoint"
+    assert card.base_model_revision.startswith(encoder.weights_revision + "-")
+    first = card.base_model_revision
+    encoder.max_rationale_tokens = 2
+    encoder.describe_for_mteb(model)
+    assert card.base_model_revision != first and card.base_model_revision.startswith(encoder.weights_revision)
+    with torch.no_grad():
+        next(encoder.model.parameters()).add_(1.0)
+    encoder.save(path)
+    assert load(path).model_card_data.base_model_revision.split("-")[0] != first.split("-")[0]
