@@ -15,10 +15,12 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
-from .generation import generate_rollouts, left_pad
+from .cache import CacheEntry, RationaleCache, entry_key, is_deterministic, weights_fingerprint
+from .generation import Rollouts, generate_rollouts, left_pad
 from .pooling import masked_mean
 from .prompts import DEFAULT_INSTRUCTIONS, PromptTemplate, build_prompt_template, compose_instruction, tokenize_texts
 
@@ -137,6 +139,9 @@ class GenerativeEncoder(InputModule):
         # What evaluation libraries call this model when it has no Hub id (see describe_for_mteb).
         self.model_id = _model_id(model_name_or_path or getattr(model, "name_or_path", "") or "grace-model")
         self._described: tuple[str | None, str | None] = (None, None)
+        self._cache_path: str | None = None
+        self._cache: tuple[int, RationaleCache] | None = None  # (process id, open cache)
+        self._fingerprint: tuple[tuple, str] | None = None  # (parameter versions, weights fingerprint)
         self._templates: dict[str, PromptTemplate] = {}
         # instruction text -> prompt type, for prompts that are our own instructions (see on_model_ready)
         self._instruction_prompts = {text: kind for kind, text in self.instructions.items()}
@@ -231,10 +236,8 @@ class GenerativeEncoder(InputModule):
 
     def revision(self) -> str:
         """The weights' fingerprint and a hash of the current settings: what determines an embedding."""
-        from .cache import weights_fingerprint
-
         if self.weights_revision is None:
-            self.weights_revision = weights_fingerprint(self.model)[:16]
+            self.weights_revision = self.weights_key()[:16]
         settings = {k: v for k, v in self.get_config_dict().items() if k != "weights_revision"}
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
         return f"{self.weights_revision}-{digest}"
@@ -254,6 +257,56 @@ class GenerativeEncoder(InputModule):
         if card.base_model_revision in (None, ours_revision):
             card.base_model_revision = self.revision()
         self._described = (card.model_name, card.base_model_revision)
+
+    # -- the rationale cache ------------------------------------------------------------------
+
+    def set_rationale_cache(self, path: str | os.PathLike | None) -> None:
+        """Use a persistent rationale cache (one SQLite file, :mod:`grace_st.cache`), or none.
+
+        Used only under deterministic settings (greedy, or sampling with a seed). A hit skips
+        generation and the forward pass: the rationale and the pooled vector come from the file.
+        The key covers the weights, the prompt's token ids (tokenizer, chat template,
+        instruction, text, truncation) and every generation setting. Hits have no per-token
+        states, so with a cache the outputs carry no ``token_embeddings``. Not a saved setting:
+        a cache file belongs to a machine, not to the model.
+        """
+        if self._cache is not None and self._cache[0] == os.getpid():
+            self._cache[1].close()
+        self._cache_path = os.fspath(path) if path is not None else None
+        self._cache = None
+        if self._cache_path is not None:
+            self._open_cache()  # a corrupt or foreign file is reported now, not at the first encode
+
+    def _open_cache(self) -> RationaleCache:
+        # A sqlite connection must not cross a fork or a pickle: each process opens its own.
+        if self._cache is None or self._cache[0] != os.getpid():
+            self._cache = (os.getpid(), RationaleCache(self._cache_path))
+        return self._cache[1]
+
+    def __getstate__(self) -> dict:
+        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
+        return {**state, "_cache": None}
+
+    def weights_key(self) -> str:
+        """:func:`grace_st.cache.weights_fingerprint` of the policy, recomputed only when a
+        parameter has changed (in-place updates bump a tensor's version counter)."""
+        versions = tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+        if self._fingerprint is None or self._fingerprint[0] != versions:
+            self._fingerprint = (versions, weights_fingerprint(self.model))
+        return self._fingerprint[1]
+
+    def generation_settings(self) -> dict[str, Any]:
+        return {
+            "max_rationale_tokens": self.max_rationale_tokens,
+            "max_input_tokens": self.max_input_tokens,
+            "do_sample": self.do_sample,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "num_rationales": self.num_rationales,
+            "hidden_layer": self.hidden_layer,
+            "eos_token_ids": self.eos_token_ids,
+        }
 
     # -- sentence-transformers interface -----------------------------------------------------
 
@@ -279,6 +332,14 @@ class GenerativeEncoder(InputModule):
                 f"tokens, more than max_input_tokens={self.max_input_tokens}"
             )
         rows = [template.build(ids[:budget]) for ids in tokenize_texts(self.tokenizer, texts)]
+        cache_keys = None
+        settings = self.generation_settings()
+        if self._cache_path is not None and is_deterministic(settings):
+            weights = self.weights_key()
+            cache_keys = [
+                entry_key(weights, instruction, text, {**settings, "prompt_token_ids": row})
+                for text, row in zip(texts, rows)
+            ]
         repeats = self.num_rationales
         rows = [row for row in rows for _ in range(repeats)]
         input_ids, attention_mask = left_pad(rows, self.pad_token_id)
@@ -292,6 +353,8 @@ class GenerativeEncoder(InputModule):
                 [self._rationale_seed(instruction, text, k) for text in texts for k in range(repeats)],
                 dtype=torch.long,
             )
+        if cache_keys is not None:
+            features["cache_keys"] = cache_keys
         return features
 
     def tokenize(self, texts: list[str], **kwargs):
@@ -309,7 +372,13 @@ class GenerativeEncoder(InputModule):
         first rationale's ``P(x) ⊕ r``, ``rationale_token_ids`` (B, num_rationales, G; -1 pads)
         and ``rationale_truncated`` (B, num_rationales).
         """
-        rollouts = generate_rollouts(
+        if "cache_keys" in features:
+            return self._forward_cached(features)
+        return self.pool(features, self.rollout(features))
+
+    def rollout(self, features: dict[str, Tensor]) -> Rollouts:
+        """Rationales and their hidden states for preprocessed prompts, in one pass (Eqs. 1–2)."""
+        return generate_rollouts(
             self.model,
             features["input_ids"],
             features["attention_mask"],
@@ -323,7 +392,40 @@ class GenerativeEncoder(InputModule):
             seeds=features["rationale_seeds"].tolist() if "rationale_seeds" in features else None,
             hidden_layer=self.hidden_layer,
         )
-        return self.pool(features, rollouts)
+
+    def _forward_cached(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+        """:meth:`forward` through the rationale cache: generate only the texts it lacks."""
+        cache, keys, repeats = self._open_cache(), features["cache_keys"], self.num_rationales
+        found = cache.get_many(keys)
+        missing = [i for i, key in enumerate(keys) if key not in found or found[key].embedding is None]
+        if missing:
+            rows = torch.tensor([i * repeats + k for i in missing for k in range(repeats)], device=features["input_ids"].device)
+            names = ("input_ids", "attention_mask", "instruction_lengths", "rationale_seeds")
+            subset = {name: features[name][rows] for name in names if name in features}
+            out = self.pool(subset, self.rollout(subset))
+            fresh = {
+                keys[i]: CacheEntry(
+                    rationale_ids=[[t for t in row if t >= 0] for row in out["rationale_token_ids"][j].tolist()],
+                    truncated=[bool(t) for t in out["rationale_truncated"][j].tolist()],
+                    embedding=out["sentence_embedding"][j].float().cpu().numpy(),
+                )
+                for j, i in enumerate(missing)
+            }
+            cache.put_many(fresh)
+            found.update(fresh)
+        entries = [found[key] for key in keys]
+        width = max((len(ids) for entry in entries for ids in entry.rationale_ids), default=0)
+        rationale_ids = torch.full((len(entries), repeats, width), -1, dtype=torch.long)
+        for i, entry in enumerate(entries):
+            for k, ids in enumerate(entry.rationale_ids):
+                rationale_ids[i, k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        device = features["input_ids"].device
+        return {
+            "input_ids": features["input_ids"][::repeats],
+            "sentence_embedding": torch.from_numpy(np.stack([entry.embedding for entry in entries])).to(device),
+            "rationale_token_ids": rationale_ids.to(device),
+            "rationale_truncated": torch.tensor([entry.truncated for entry in entries], device=device),
+        }
 
     def pool(self, features: dict[str, Tensor], rollouts) -> dict[str, Tensor]:
         """Eq. 3 on each rollout, then the mean over a text's ``num_rationales`` rollouts."""
@@ -352,9 +454,7 @@ class GenerativeEncoder(InputModule):
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         if not safe_serialization:
             raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
-        from .cache import weights_fingerprint
-
-        self.weights_revision = weights_fingerprint(self.model)[:16]
+        self.weights_revision = self.weights_key()[:16]
         self.model.save_pretrained(output_path)
         self.tokenizer.save_pretrained(output_path)
         self.save_config(output_path)

@@ -244,19 +244,73 @@ def two_pass_reference(
         cut = next((i for i, token in enumerate(row) if token in stop), len(row))
         rationales.append(row[:cut])
 
-    # Re-encode P(x) ⊕ r as one right-padded batch: causal attention means a real token never
-    # sees the padding after it, and positions start at 0 as in an unpadded pass.
-    full = [[*prompt, *rationale] for prompt, rationale in zip(prompts, rationales)]
-    width = max(len(row) for row in full)
-    ids = torch.full((len(full), width), pad_token_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(full), width), dtype=torch.long, device=device)
-    pooled = torch.zeros((len(full), width), dtype=torch.bool, device=device)
-    for i, (row, span) in enumerate(zip(full, instruction_lengths)):
-        ids[i, : len(row)] = torch.tensor(row, device=device)
+    return pooled_embeddings(model, prompts, instruction_lengths, rationales, pad_token_id, hidden_layer), rationales
+
+
+@torch.no_grad()
+def pooled_embeddings(
+    model,
+    prompts: Sequence[Sequence[int]],
+    instruction_lengths: Sequence[int] | Tensor,
+    rationales: Sequence[Sequence[int]],
+    pad_token_id: int,
+    hidden_layer: int = -1,
+    *,
+    batch_size: int | None = None,
+) -> Tensor:
+    """Eqs. 2–3 over given rationales: one HF forward pass over each ``prompt ⊕ rationale`` and
+    the mean of its hidden states at positions ``t >= instruction_lengths[i]`` (the user text,
+    template suffix and rationale; the rationale must exclude EOS).
+
+    This is the second pass of :func:`two_pass_reference`, and how rationales generated
+    elsewhere (vLLM) are embedded: right-padded rows, positions from 0, ``hidden_layer`` -1 the
+    decoder's final (normed) states, other values an index into transformers' ``hidden_states``.
+    With ``batch_size=None`` it is one batch; with a ``batch_size``, rows are batched by length (less padding), which
+    changes results only by floating-point noise. Returns (B, H) float32 on the model's device.
+    """
+    if isinstance(instruction_lengths, Tensor):
+        instruction_lengths = instruction_lengths.tolist()
+    spans = [int(span) for span in instruction_lengths]
+    if not len(prompts) == len(spans) == len(rationales):
+        raise ValueError(f"{len(prompts)} prompts, {len(spans)} instruction lengths and {len(rationales)} rationales")
+    for i, (prompt, span) in enumerate(zip(prompts, spans)):
+        if not 0 <= span <= len(prompt):
+            raise ValueError(f"instruction length {span} of row {i} is outside its prompt of {len(prompt)} tokens")
+    rows = [[*map(int, prompt), *map(int, rationale)] for prompt, rationale in zip(prompts, rationales)]
+    if not rows:
+        hidden = model.config.get_text_config().hidden_size
+        return torch.empty((0, hidden), dtype=torch.float32, device=model.device)
+    if batch_size is None:
+        return _pool_rows(model, rows, spans, pad_token_id, hidden_layer)
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1 or None, got {batch_size!r}")
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)
+    pooled = [None] * len(rows)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        vectors = _pool_rows(model, [rows[i] for i in chunk], [spans[i] for i in chunk], pad_token_id, hidden_layer)
+        for i, vector in zip(chunk, vectors):
+            pooled[i] = vector
+    return torch.stack(pooled)
+
+
+def _pool_rows(model, rows: list[list[int]], spans: list[int], pad_token_id: int, hidden_layer: int) -> Tensor:
+    device = model.device
+    width = max(len(row) for row in rows)
+    # Right padding: causal attention means a real token never sees the padding after it, and
+    # positions start at 0 as in an unpadded pass.
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
+    pooled = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
+    for i, (row, span) in enumerate(zip(rows, spans)):
+        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long, device=device)
         mask[i, : len(row)] = 1
         pooled[i, span : len(row)] = True
+    # The decoder alone: the LM head's logits over the whole vocabulary are never needed here.
+    decoder = model.get_decoder()
     if hidden_layer == -1:
-        states = model.get_decoder()(input_ids=ids, attention_mask=mask).last_hidden_state
+        states = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
     else:
-        states = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states[hidden_layer]
-    return masked_mean(states, pooled), rationales
+        output = decoder(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
+        states = output.hidden_states[hidden_layer]
+    return masked_mean(states, pooled)

@@ -1,0 +1,502 @@
+"""A persistent rationale cache: one SQLite file, shared safely by several processes.
+
+Generation dominates encode latency (method.md §1), and under deterministic decoding the
+rationale of a text is a function of the weights, the instruction, the text and the
+generation settings. :class:`RationaleCache` stores, per :func:`entry_key` of those, the
+rationale token ids (Eq. 1), whether each hit the length limit (Eq. 28), and optionally the
+pooled embedding (Eq. 3): a hit skips generation, and with the embedding the forward pass too.
+
+The file is never trusted blindly: a file that is not SQLite, a SQLite database that is not
+ours, another format version, a failing ``PRAGMA quick_check`` or a row that does not decode
+raises :class:`CacheError`. Nothing is ever overwritten to "repair" it.
+
+Only stdlib ``sqlite3`` and numpy; torch is touched only by :func:`weights_fingerprint`,
+through the model it is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import numbers
+import os
+import sqlite3
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+FORMAT_NAME = "grace-st-rationale-cache"
+FORMAT_VERSION = 1
+# Bumped whenever entry_key's encoding changes, so old keys can never alias new ones.
+KEY_VERSION = 1
+
+# The settings that decide a rationale and its embedding; entry_key refuses a dict without them.
+REQUIRED_SETTINGS = (
+    "max_rationale_tokens",
+    "max_input_tokens",
+    "do_sample",
+    "temperature",
+    "top_p",
+    "seed",
+    "num_rationales",
+    "hidden_layer",
+    "eos_token_ids",
+)
+
+# Config entries that do not change a forward pass: where the model was loaded from, library
+# bookkeeping, output switches, and the dtype (each tensor's own dtype is hashed). Leaving a
+# harmless entry in only costs cache misses; leaving a relevant one out would give wrong hits.
+_CONFIG_KEYS_NOT_HASHED = frozenset(
+    {
+        "_name_or_path",
+        "transformers_version",
+        "architectures",
+        "dtype",
+        "torch_dtype",
+        "output_hidden_states",
+        "output_attentions",
+        "return_dict",
+        "use_cache",
+        "id2label",
+        "label2id",
+        "_attn_implementation",
+        "_attn_implementation_autoset",
+    }
+)
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+_INT32 = np.dtype("<i4")
+_FLOAT32 = np.dtype("<f4")
+# Stay under SQLite's host-parameter limit (999 on old builds) in IN (...) queries.
+_QUERY_CHUNK = 500
+
+_SCHEMA = (
+    "CREATE TABLE metadata (key TEXT PRIMARY KEY, value TEXT NOT NULL)",
+    # lengths: int32 per rationale; ids: the rationales' int32 ids concatenated;
+    # truncated: one byte (0/1) per rationale; embedding: float32 x embedding_dim, or NULL.
+    (
+        "CREATE TABLE entries ("
+        " key TEXT PRIMARY KEY,"
+        " num_rationales INTEGER NOT NULL,"
+        " lengths BLOB NOT NULL,"
+        " ids BLOB NOT NULL,"
+        " truncated BLOB NOT NULL,"
+        " embedding_dim INTEGER,"
+        " embedding BLOB"
+        ") WITHOUT ROWID"
+    ),
+)
+
+
+class CacheError(ValueError):
+    """The cache file, or a row of it, is not what this version of grace-st wrote."""
+
+
+@dataclass(eq=False)
+class CacheEntry:
+    """What the cache holds for one key.
+
+    ``rationale_ids[k]`` is rationale k's token ids (EOS excluded), ``truncated[k]`` whether it
+    hit the length limit without EOS, ``embedding`` the pooled vector (float32, 1-D) or None.
+    """
+
+    rationale_ids: list[list[int]]
+    truncated: list[bool]
+    embedding: np.ndarray | None = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, CacheEntry):
+            return NotImplemented
+        if self.rationale_ids != other.rationale_ids or self.truncated != other.truncated:
+            return False
+        if self.embedding is None or other.embedding is None:
+            return self.embedding is None and other.embedding is None
+        return np.array_equal(self.embedding, other.embedding)
+
+
+# -- keys ----------------------------------------------------------------------------------------
+
+
+def weights_fingerprint(model) -> str:
+    """A sha256 hex digest of a torch module's weights and the config that shapes its forward pass.
+
+    Covers every parameter and buffer (non-persistent ones too, e.g. rotary frequencies): its
+    name, dtype, shape and raw bytes, in sorted name order, so the same weights give the same
+    digest whatever device they sit on, and any changed value, dtype or shape gives another.
+    When the module has a transformers ``config``, its values are hashed too (less entries such
+    as the load path or library version that do not change the result): e.g. ``rms_norm_eps``
+    is in no tensor. Cost: one sha256 pass over the weights, about 0.3 s for a 135M-parameter
+    float32 model (540 MB) on a CPU with SHA instructions, plus the copy to host for GPU weights.
+    """
+    import torch
+
+    digest = hashlib.sha256(f"{FORMAT_NAME}/weights/v1\n".encode())
+    tensors: dict[str, torch.Tensor] = {}
+    for name, tensor in (*model.named_parameters(), *model.named_buffers()):
+        tensors.setdefault(name, tensor)
+    with torch.no_grad():
+        for name in sorted(tensors):
+            tensor = tensors[name].detach()
+            if tensor.device.type == "meta":
+                raise ValueError(f"weights_fingerprint: {name} is on the meta device, it has no values to hash")
+            header = json.dumps([name, str(tensor.dtype), list(tensor.shape)])
+            digest.update(f"{len(header)}:{header}".encode())
+            data = tensor.contiguous().reshape(-1)
+            if data.numel():
+                # A byte view: hashes every dtype (bfloat16, float8 ...) without conversion.
+                digest.update(data.view(torch.uint8).cpu().numpy().data)
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "to_dict"):
+        values = {k: v for k, v in config.to_dict().items() if k not in _CONFIG_KEYS_NOT_HASHED}
+        digest.update(b"config:" + json.dumps(values, sort_keys=True, default=str).encode())
+    return digest.hexdigest()
+
+
+def _canonical(value: Any, where: str) -> Any:
+    """A JSON value with one spelling per meaning: 1 and 1.0 are the same temperature."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        if not math.isfinite(value):
+            raise ValueError(f"entry_key: {where} is {value!r}; only finite numbers can be keyed")
+        return int(value) if value.is_integer() else value
+    if isinstance(value, Mapping):
+        out = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise TypeError(f"entry_key: {where} has a non-string key {key!r}")
+            out[key] = _canonical(item, f"{where}.{key}")
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_canonical(item, f"{where}[{i}]") for i, item in enumerate(value)]
+    raise TypeError(f"entry_key: {where} is a {type(value).__name__}; use str, numbers, bools, None, lists, dicts")
+
+
+def entry_key(fingerprint: str, instruction: str, text: str, settings: Mapping[str, Any]) -> str:
+    """The cache key of one text: a sha256 hex digest of a canonical JSON encoding of all parts.
+
+    ``instruction`` is the full system instruction (task instruction plus any prompt), ``text``
+    the raw user text, ``settings`` must hold every name in :data:`REQUIRED_SETTINGS` and may
+    hold more (e.g. a tokenizer or chat-template fingerprint); all of it is keyed. Equal inputs
+    give equal keys in any process; changing any part, any setting included, changes the key.
+    Numbers are keyed by value (``1 == 1.0``); list order is kept (pass eos ids sorted).
+    """
+    if not isinstance(fingerprint, str) or not fingerprint:
+        raise TypeError("entry_key: fingerprint must be a non-empty str (see weights_fingerprint)")
+    if not isinstance(instruction, str) or not isinstance(text, str):
+        raise TypeError("entry_key: instruction and text must be str")
+    missing = [name for name in REQUIRED_SETTINGS if name not in settings]
+    if missing:
+        raise ValueError(
+            f"entry_key: settings lack {missing}; every one of {list(REQUIRED_SETTINGS)} decides the result"
+        )
+    parts = {
+        "key_version": KEY_VERSION,
+        "fingerprint": fingerprint,
+        "instruction": instruction,
+        "text": text,
+        "settings": _canonical(dict(settings), "settings"),
+    }
+    encoded = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+    return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+
+
+def is_deterministic(settings: Mapping[str, Any]) -> bool:
+    """True when the settings make the rationale a function of the inputs: greedy decoding,
+    sampling with a seed (the encoder seeds each text from ``seed`` and the text), or no
+    rationale at all. Only then may results be cached. "Function" up to floating point: a
+    greedy near-tie can break differently on other hardware or in another batch, and the
+    cache then returns one of the valid answers consistently.
+    """
+    if settings.get("max_rationale_tokens", None) == 0:
+        return True
+    return not settings["do_sample"] or settings["seed"] is not None
+
+
+# -- encoding rows -------------------------------------------------------------------------------
+
+
+def _encode(key: str, entry: CacheEntry) -> tuple:
+    if not isinstance(key, str) or not key:
+        raise TypeError(f"cache keys are non-empty str, got {key!r}")
+    ids, truncated = entry.rationale_ids, entry.truncated
+    if len(ids) != len(truncated):
+        raise ValueError(f"key {key}: {len(ids)} rationales but {len(truncated)} truncated flags")
+    lengths = np.array([len(row) for row in ids], dtype=_INT32)
+    flat = [token for row in ids for token in row]
+    flat_ids = np.array(flat, dtype=np.int64)
+    if flat_ids.size and (flat_ids.min() < 0 or flat_ids.max() > np.iinfo(_INT32).max):
+        raise ValueError(f"key {key}: token ids must lie in [0, 2**31)")
+    embedding_dim = embedding = None
+    if entry.embedding is not None:
+        vector = np.asarray(entry.embedding, dtype=_FLOAT32)
+        if vector.ndim != 1:
+            raise ValueError(f"key {key}: the embedding must be one vector, got shape {vector.shape}")
+        embedding_dim, embedding = int(vector.shape[0]), vector.tobytes()
+    return (
+        key,
+        len(ids),
+        lengths.tobytes(),
+        flat_ids.astype(_INT32).tobytes(),
+        bytes(bool(flag) for flag in truncated),
+        embedding_dim,
+        embedding,
+    )
+
+
+def _decode(row: tuple) -> CacheEntry:
+    key, count, lengths, ids, truncated, embedding_dim, embedding = row
+
+    def bad(what: str) -> CacheError:
+        return CacheError(f"cache row {key!r} does not decode: {what}")
+
+    if not isinstance(count, int) or count < 0:
+        raise bad(f"num_rationales is {count!r}")
+    for name, blob in (("lengths", lengths), ("ids", ids), ("truncated", truncated)):
+        if not isinstance(blob, bytes):
+            raise bad(f"{name} is a {type(blob).__name__}, not a blob")
+    if len(lengths) != count * _INT32.itemsize:
+        raise bad(f"lengths blob has {len(lengths)} bytes for {count} rationales")
+    sizes = np.frombuffer(lengths, dtype=_INT32)
+    if (sizes < 0).any():
+        raise bad("a negative rationale length")
+    if len(ids) != int(sizes.sum()) * _INT32.itemsize:
+        raise bad(f"ids blob has {len(ids)} bytes for {int(sizes.sum())} int32 token ids")
+    if len(truncated) != count or any(flag > 1 for flag in truncated):
+        raise bad(f"truncated blob {truncated!r} for {count} rationales")
+    tokens = np.frombuffer(ids, dtype=_INT32)
+    if (tokens < 0).any():
+        raise bad("a negative token id")
+    bounds = np.concatenate([[0], np.cumsum(sizes)])
+    rationale_ids = [tokens[bounds[i] : bounds[i + 1]].tolist() for i in range(count)]
+    vector = None
+    if (embedding_dim is None) != (embedding is None):
+        raise bad("embedding and embedding_dim must both be set or both NULL")
+    if embedding is not None:
+        if not isinstance(embedding, bytes) or not isinstance(embedding_dim, int) or embedding_dim < 0:
+            raise bad(f"embedding of type {type(embedding).__name__} with dimension {embedding_dim!r}")
+        if len(embedding) != embedding_dim * _FLOAT32.itemsize:
+            raise bad(f"embedding blob has {len(embedding)} bytes for dimension {embedding_dim} float32")
+        # a copy: frombuffer views are read-only and would pin the row's bytes
+        vector = np.frombuffer(embedding, dtype=_FLOAT32).astype(np.float32)
+    return CacheEntry(rationale_ids=rationale_ids, truncated=[bool(flag) for flag in truncated], embedding=vector)
+
+
+# -- the cache -----------------------------------------------------------------------------------
+
+
+class RationaleCache:
+    """Rationales (and optionally pooled embeddings) by :func:`entry_key`, in one SQLite file.
+
+    Args:
+        path: the cache file. Created with its parent directory when missing; an existing file
+            must be a cache this format version wrote and pass ``PRAGMA quick_check``, else
+            :class:`CacheError` (the file is left untouched).
+        timeout: seconds a writer waits for another process's lock before giving up.
+
+    Several processes may open the same file at once: WAL journaling lets readers run beside
+    the one writer, and a busy timeout makes writers queue instead of failing. Each process
+    (and thread) must open its own ``RationaleCache``: a SQLite connection must not cross a
+    ``fork``, so one that did raises :class:`CacheError`.
+    """
+
+    def __init__(self, path: str | os.PathLike, *, timeout: float = 60.0) -> None:
+        self.path = os.fspath(path)
+        self._pid = os.getpid()
+        self._conn: sqlite3.Connection | None = None
+        self._check_header()
+        parent = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(parent, exist_ok=True)
+        try:
+            # isolation_level=None: transactions are begun and ended here, explicitly.
+            conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+        except sqlite3.Error as error:
+            raise CacheError(f"{self.path}: cannot open the rationale cache: {error}") from error
+        try:
+            conn.execute(f"PRAGMA busy_timeout = {int(timeout * 1000)}")
+            created = self._initialise(conn)
+            if not created:
+                self._quick_check(conn)
+            # WAL after validation, so a foreign file is never switched to it. Where WAL is not
+            # available (some network file systems) the rollback journal plus busy timeout
+            # still serialise writers correctly, only with less read concurrency.
+            conn.execute("PRAGMA journal_mode = WAL").fetchone()
+            # Safe in WAL mode: a power cut may lose the last commits, never corrupt the file.
+            conn.execute("PRAGMA synchronous = NORMAL")
+        except CacheError:
+            conn.close()
+            raise
+        except sqlite3.Error as error:
+            conn.close()
+            raise CacheError(f"{self.path}: not a usable rationale cache: {error}") from error
+        self._conn = conn
+
+    # -- opening ---------------------------------------------------------------------------------
+
+    def _check_header(self) -> None:
+        # sqlite3 opens a non-database lazily and only fails at the first query; looking at the
+        # magic first gives a plain message and guarantees we never write to such a file.
+        try:
+            with open(self.path, "rb") as handle:
+                head = handle.read(len(_SQLITE_MAGIC))
+        except FileNotFoundError:
+            return
+        except OSError as error:
+            raise CacheError(f"{self.path}: cannot read the rationale cache: {error}") from error
+        if head and head != _SQLITE_MAGIC:
+            raise CacheError(
+                f"{self.path}: not a SQLite database (it starts with {head[:16]!r}), not a rationale cache"
+            )
+
+    def _initialise(self, conn: sqlite3.Connection) -> bool:
+        """Create the schema in an empty database, or validate an existing one. True if created.
+
+        One IMMEDIATE transaction: of several processes opening a new file at once, one
+        creates the schema and the others then find and validate it.
+        """
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not tables:
+                # An empty database (a new or zero-byte file) holds nothing to trust or lose.
+                for statement in _SCHEMA:
+                    conn.execute(statement)
+                conn.executemany(
+                    "INSERT INTO metadata (key, value) VALUES (?, ?)",
+                    [("format", FORMAT_NAME), ("version", str(FORMAT_VERSION))],
+                )
+                conn.execute("COMMIT")
+                return True
+            self._validate_metadata(conn, tables)
+            conn.execute("COMMIT")
+            return False
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def _validate_metadata(self, conn: sqlite3.Connection, tables: set[str]) -> None:
+        if "metadata" not in tables:
+            raise CacheError(
+                f"{self.path}: a SQLite database without a metadata table (tables: {sorted(tables)}), "
+                "not a rationale cache; refusing to use or change it"
+            )
+        try:
+            metadata = dict(conn.execute("SELECT key, value FROM metadata"))
+        except sqlite3.Error as error:
+            raise CacheError(f"{self.path}: unreadable metadata table ({error}), not a rationale cache") from error
+        if metadata.get("format") != FORMAT_NAME:
+            raise CacheError(
+                f"{self.path}: metadata format is {metadata.get('format')!r}, expected {FORMAT_NAME!r}; "
+                "not a rationale cache, refusing to use or change it"
+            )
+        if metadata.get("version") != str(FORMAT_VERSION):
+            raise CacheError(
+                f"{self.path}: rationale cache format version {metadata.get('version')!r}, this grace-st reads "
+                f"version {FORMAT_VERSION}; use another path or delete the file"
+            )
+        if "entries" not in tables:
+            raise CacheError(f"{self.path}: rationale cache metadata but no entries table; the file is damaged")
+
+    def _quick_check(self, conn: sqlite3.Connection) -> None:
+        problems = [row[0] for row in conn.execute("PRAGMA quick_check")]
+        if problems != ["ok"]:
+            shown = "; ".join(str(p) for p in problems[:5])
+            raise CacheError(f"{self.path}: the rationale cache is corrupt (PRAGMA quick_check: {shown})")
+
+    def _connection(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise CacheError(f"{self.path}: the rationale cache is closed")
+        if os.getpid() != self._pid:
+            raise CacheError(
+                f"{self.path}: this RationaleCache was opened in process {self._pid} and used in {os.getpid()}; "
+                "open one in each process (a SQLite connection must not cross a fork)"
+            )
+        return self._conn
+
+    # -- reading and writing -----------------------------------------------------------------------
+
+    def get_many(self, keys: Iterable[str]) -> dict[str, CacheEntry]:
+        """The entries of those ``keys`` that are cached (absent keys are simply missing).
+
+        Raises :class:`CacheError` naming the key of a row that does not decode.
+        """
+        conn = self._connection()
+        wanted = list(dict.fromkeys(keys))
+        found: dict[str, CacheEntry] = {}
+        try:
+            for start in range(0, len(wanted), _QUERY_CHUNK):
+                chunk = wanted[start : start + _QUERY_CHUNK]
+                rows = conn.execute(
+                    "SELECT key, num_rationales, lengths, ids, truncated, embedding_dim, embedding FROM entries "
+                    f"WHERE key IN ({', '.join('?' * len(chunk))})",
+                    chunk,
+                )
+                for row in rows:
+                    found[row[0]] = _decode(row)
+        except sqlite3.DatabaseError as error:
+            raise CacheError(f"{self.path}: reading the rationale cache failed: {error}") from error
+        return found
+
+    def put_many(self, entries: Mapping[str, CacheEntry]) -> None:
+        """Store (or replace) every entry in one transaction: all of them land, or none."""
+        rows = [_encode(key, entry) for key, entry in entries.items()]
+        if not rows:
+            return
+        conn = self._connection()
+        try:
+            # IMMEDIATE takes the write lock up front, so a busy writer is waited for here
+            # (busy timeout) rather than failing halfway through the transaction.
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.executemany(
+                    "INSERT OR REPLACE INTO entries "
+                    "(key, num_rationales, lengths, ids, truncated, embedding_dim, embedding) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    rows,
+                )
+                conn.execute("COMMIT")
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+        except sqlite3.DatabaseError as error:
+            raise CacheError(f"{self.path}: writing to the rationale cache failed: {error}") from error
+
+    def __len__(self) -> int:
+        (count,) = self._connection().execute("SELECT COUNT(*) FROM entries").fetchone()
+        return int(count)
+
+    def clear(self) -> None:
+        """Delete every entry (the file, its format and metadata stay)."""
+        conn = self._connection()
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            conn.execute("DELETE FROM entries")
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+
+    def close(self) -> None:
+        """Close the connection; further use raises :class:`CacheError`. Closing twice is fine."""
+        if self._conn is not None and os.getpid() == self._pid:
+            self._conn.close()
+        self._conn = None
+
+    def __enter__(self) -> RationaleCache:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._conn is None else "open"
+        return f"RationaleCache({self.path!r}, {state})"
