@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from .cache import CacheEntry, RationaleCache, entry_key, is_deterministic, weights_fingerprint
-from .generation import Rollouts, generate_rollouts, left_pad
+from .generation import Rollouts, generate_rollouts, left_pad, pooled_embeddings
 from .pooling import masked_mean
 from .prompts import DEFAULT_INSTRUCTIONS, PromptTemplate, build_prompt_template, compose_instruction, tokenize_texts
 
@@ -49,6 +49,16 @@ def _model_id(name_or_path: str) -> str:
     if os.path.isdir(name_or_path) or not name_or_path.count("/") == 1:
         return f"local/{os.path.basename(os.path.abspath(name_or_path)) or 'grace-model'}"
     return name_or_path
+
+
+def _pad_rationales(groups: list[list[list[int]]], repeats: int) -> Tensor:
+    """(texts, repeats, longest) rationale ids, -1 after each rationale's end."""
+    width = max((len(ids) for group in groups for ids in group), default=0)
+    padded = torch.full((len(groups), repeats, width), -1, dtype=torch.long)
+    for i, group in enumerate(groups):
+        for k, ids in enumerate(group):
+            padded[i, k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+    return padded
 
 
 class GenerativeEncoder(InputModule):
@@ -142,6 +152,8 @@ class GenerativeEncoder(InputModule):
         self._cache_path: str | None = None
         self._cache: tuple[int, RationaleCache] | None = None  # (process id, open cache)
         self._fingerprint: tuple[tuple, str] | None = None  # (parameter versions, weights fingerprint)
+        self._source_path = model_name_or_path if model_name_or_path and os.path.isdir(model_name_or_path) else None
+        self._vllm = None
         self._templates: dict[str, PromptTemplate] = {}
         # instruction text -> prompt type, for prompts that are our own instructions (see on_model_ready)
         self._instruction_prompts = {text: kind for kind, text in self.instructions.items()}
@@ -284,8 +296,28 @@ class GenerativeEncoder(InputModule):
         return self._cache[1]
 
     def __getstate__(self) -> dict:
+        # An open cache connection or a GPU engine does not travel to another process.
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        return {**state, "_cache": None}
+        return {**state, "_cache": None, "_vllm": None}
+
+    def use_vllm(self, model_path: str | os.PathLike | None = None, **vllm_kwargs: Any) -> None:
+        """Write rationales with vLLM (GPU, ``pip install "grace-st[vllm]"``) and pool them with one
+        HF forward pass (:func:`grace_st.generation.pooled_embeddings`); :meth:`use_hf` switches back.
+        Under greedy decoding the embeddings equal the HF backend's within
+        floating-point tolerance. ``model_path`` defaults to the directory this module was
+        loaded from; ``vllm_kwargs`` go to :class:`grace_st.vllm_backend.VLLMRationaleGenerator`
+        (``dtype``, ``gpu_memory_utilization`` ...). Outputs carry no ``token_embeddings``.
+        """
+        from .vllm_backend import VLLMRationaleGenerator
+
+        path = model_path or self._source_path
+        if path is None:
+            raise ValueError("use_vllm needs a model directory: save the model first, or pass model_path")
+        self._vllm = VLLMRationaleGenerator(os.fspath(path), **vllm_kwargs)
+
+    def use_hf(self) -> None:
+        """Generate with the HF model again (the default one-pass backend)."""
+        self._vllm = None
 
     def weights_key(self) -> str:
         """:func:`grace_st.cache.weights_fingerprint` of the policy, recomputed only when a
@@ -374,7 +406,35 @@ class GenerativeEncoder(InputModule):
         """
         if "cache_keys" in features:
             return self._forward_cached(features)
-        return self.pool(features, self.rollout(features))
+        return self.embed(features)
+
+    def embed(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Rationales and pooled embeddings for preprocessed prompts: the HF one-pass rollout,
+        or vLLM generation and an HF pass when :meth:`use_vllm` is on."""
+        if self._vllm is None:
+            return self.pool(features, self.rollout(features))
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(features["input_ids"], features["attention_mask"])]
+        rationales, truncated = self._vllm.generate(
+            prompts,
+            max_new_tokens=self.max_rationale_tokens,
+            eos_token_ids=self.eos_token_ids,
+            do_sample=self.do_sample,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            seeds=features["rationale_seeds"].tolist() if "rationale_seeds" in features else None,
+        )
+        pooled = pooled_embeddings(
+            self.model, prompts, features["instruction_lengths"], rationales, self.pad_token_id, self.hidden_layer
+        )
+        repeats = self.num_rationales
+        grouped = [rationales[i : i + repeats] for i in range(0, len(rationales), repeats)]
+        device = features["input_ids"].device
+        return {
+            "input_ids": features["input_ids"][::repeats],
+            "sentence_embedding": pooled.view(len(grouped), repeats, -1).mean(1),
+            "rationale_token_ids": _pad_rationales(grouped, repeats).to(device),
+            "rationale_truncated": torch.tensor(truncated, device=device).view(len(grouped), repeats),
+        }
 
     def rollout(self, features: dict[str, Tensor]) -> Rollouts:
         """Rationales and their hidden states for preprocessed prompts, in one pass (Eqs. 1–2)."""
@@ -402,7 +462,7 @@ class GenerativeEncoder(InputModule):
             rows = torch.tensor([i * repeats + k for i in missing for k in range(repeats)], device=features["input_ids"].device)
             names = ("input_ids", "attention_mask", "instruction_lengths", "rationale_seeds")
             subset = {name: features[name][rows] for name in names if name in features}
-            out = self.pool(subset, self.rollout(subset))
+            out = self.embed(subset)
             fresh = {
                 keys[i]: CacheEntry(
                     rationale_ids=[[t for t in row if t >= 0] for row in out["rationale_token_ids"][j].tolist()],
@@ -414,16 +474,11 @@ class GenerativeEncoder(InputModule):
             cache.put_many(fresh)
             found.update(fresh)
         entries = [found[key] for key in keys]
-        width = max((len(ids) for entry in entries for ids in entry.rationale_ids), default=0)
-        rationale_ids = torch.full((len(entries), repeats, width), -1, dtype=torch.long)
-        for i, entry in enumerate(entries):
-            for k, ids in enumerate(entry.rationale_ids):
-                rationale_ids[i, k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         device = features["input_ids"].device
         return {
             "input_ids": features["input_ids"][::repeats],
             "sentence_embedding": torch.from_numpy(np.stack([entry.embedding for entry in entries])).to(device),
-            "rationale_token_ids": rationale_ids.to(device),
+            "rationale_token_ids": _pad_rationales([entry.rationale_ids for entry in entries], repeats).to(device),
             "rationale_truncated": torch.tensor([entry.truncated for entry in entries], device=device),
         }
 

@@ -5,6 +5,7 @@ import importlib.util
 import sys
 import types
 
+import numpy as np
 import pytest
 import torch
 from conftest import make_model, make_tokenizer
@@ -285,3 +286,29 @@ def test_vllm_matches_the_hf_backend_on_gpu(tmp_path, monkeypatch):
         for _ in range(2)
     ]
     assert sampled[0] == sampled[1]
+
+
+def test_encoder_on_the_vllm_path_matches_the_hf_path(fake_vllm, tmp_path, monkeypatch):
+    """encode through use_vllm (here the stand-in engine) gives the HF backend's rationales and
+    embeddings, with and without the rationale cache in front."""
+    from conftest import make_st_model
+    from sentence_transformers import SentenceTransformer
+
+    from grace_st import explain
+
+    path = str(tmp_path / "model")
+    make_st_model(max_rationale_tokens=6).save(path)
+    model = SentenceTransformer(path, device="cpu", trust_remote_code=True)
+    texts = ["The cat sat on the mat.", "", "Markets fell."]
+    hf = explain(model, texts)
+    monkeypatch.setattr(fake_vllm.LLM, "model", model[0].model)
+    model[0].use_vllm(dtype="float32")
+    on_vllm = explain(model, texts)
+    model[0].set_rationale_cache(tmp_path / "cache.sqlite")
+    cached = explain(model, texts)
+    for a, b, c in zip(hf, on_vllm, cached):
+        assert a["rationale"] == b["rationale"] == c["rationale"] and a["truncated"] == b["truncated"]
+        np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
+        np.testing.assert_array_equal(b["embedding"], c["embedding"])
+    model[0].use_hf()
+    np.testing.assert_allclose(model.encode(texts), np.stack([a["embedding"] for a in hf]), atol=1e-6)
