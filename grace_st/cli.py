@@ -61,6 +61,33 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16 or auto")
     build.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code")
     _encoder_options(build)
+
+    evaluate = commands.add_parser(
+        "eval", help="run mteb on local task files (and registered MTEB tasks when online); print a table"
+    )
+    evaluate.add_argument("model", help="GRACE model directory or Hub id")
+    local = evaluate.add_argument_group("local tasks (each option may be repeated)")
+    local.add_argument("--sts", action="append", default=[], metavar="FILE", help="table: score sentence1 sentence2")
+    local.add_argument("--beir", action="append", default=[], metavar="DIR", help="corpus.jsonl, queries.jsonl, qrels/")
+    local.add_argument("--beir-split", metavar="SPLIT", help="qrels split (default: test, or the folder's only one)")
+    local.add_argument("--classification", action="append", default=[], metavar="FILE", help="table: text,label")
+    local.add_argument("--pairs", action="append", default=[], metavar="FILE", help="table: label sentence1 sentence2")
+    evaluate.add_argument("--tasks", nargs="+", default=[], metavar="NAME", help="registered MTEB tasks (Hub data)")
+    evaluate.add_argument("--limit", type=int, help="at most N pairs / test texts / queries per local task")
+    evaluate.add_argument("--corpus-limit", type=int, help="retrieval: relevant documents plus a sample, N in all")
+    evaluate.add_argument("--batch-size", type=int, default=16)
+    evaluate.add_argument("--device", help="torch device, e.g. cpu or cuda")
+    evaluate.add_argument("--output", metavar="FILE", help="write the results as JSON")
+    evaluate.add_argument("--cache-dir", help="mteb result cache (default: $GRACE_ST_HOME/mteb, else the temp dir)")
+    evaluate.add_argument(
+        "--overwrite-strategy",
+        default="always",
+        choices=["always", "only-missing"],
+        help="'always' (default) re-runs every task; 'only-missing' reuses cached results of any model "
+        "with the same mteb name and revision",
+    )
+    evaluate.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    _encoder_options(evaluate)
     return parser
 
 
@@ -138,8 +165,74 @@ def run_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_eval(args: argparse.Namespace) -> int:
+    import os
+
+    from .evaluation.runner import default_cache_dir
+
+    # mteb creates its default cache folder when imported; point it at ours first.
+    cache_dir = args.cache_dir or str(default_cache_dir())
+    os.environ.setdefault("MTEB_CACHE", cache_dir)
+    from sentence_transformers import SentenceTransformer
+
+    from .evaluation import DataFileError, format_table, run_evaluation
+    from .evaluation import local_tasks as local
+
+    try:
+        tasks = (
+            [local.sts_task(path, limit=args.limit) for path in args.sts]
+            + [
+                local.retrieval_task(path, args.beir_split, limit=args.limit, corpus_limit=args.corpus_limit)
+                for path in args.beir
+            ]
+            + [local.classification_task(path, limit=args.limit) for path in args.classification]
+            + [local.pair_classification_task(path, limit=args.limit) for path in args.pairs]
+        )
+        names = [task.metadata.name for task in tasks]
+        duplicates = sorted({name for name in names if names.count(name) > 1})
+        if duplicates:
+            raise ValueError(f"two local tasks are both named {', '.join(duplicates)}: give files distinct names")
+        for task in tasks:  # malformed files stop here, before the model is loaded
+            task.load_data()
+    except (DataFileError, OSError, ValueError) as error:
+        raise SystemExit(f"grace-st eval: {error}") from None
+    if not tasks and not args.tasks:
+        raise SystemExit("grace-st eval: nothing to evaluate; give --sts, --beir, --classification, --pairs or --tasks")
+
+    model = SentenceTransformer(args.model, device=args.device, trust_remote_code=True)
+    encoder = model[0]
+    for name, value in _encoder_settings(args).items():
+        if name == "instructions":
+            encoder.instructions.update(value)
+        else:
+            setattr(encoder, name, value)
+    if hasattr(encoder, "check_settings"):
+        encoder.check_settings()
+    if hasattr(encoder, "describe_for_mteb"):  # the revision mteb reports must follow the overrides
+        encoder.describe_for_mteb(model)
+    report = run_evaluation(
+        model,
+        tasks,
+        args.tasks,
+        batch_size=args.batch_size,
+        cache_dir=cache_dir,
+        overwrite_strategy=args.overwrite_strategy,
+        show_progress_bar=not args.no_progress,
+    )
+    report["model"]["path"] = args.model
+    print(format_table(report))
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            json.dump(report, handle, indent=2)
+            handle.write("\n")
+        print(f"results written to {args.output}")
+    return 1 if any(entry["error"] for entry in report["tasks"]) else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command == "eval":
+        return run_eval(args)
     return run_encode(args) if args.command == "encode" else run_build(args)
 
 
