@@ -1,0 +1,42 @@
+"""Offline mteb evaluation: mteb task classes built from local files, and a runner.
+
+```python
+import mteb
+from grace_st.evaluation import sts_task, retrieval_task
+
+tasks = [sts_task("stsb/dev.tsv", limit=200), retrieval_task("scifact", split="train", limit=50)]
+results = mteb.evaluate(model, tasks, encode_kwargs={"batch_size": 16})
+```
+
+Needs the ``mteb`` extra (``pip install grace-st[mteb]``).
+"""
+
+from __future__ import annotations
+
+from ._files import DataFileError
+from .local_tasks import (
+    LocalClassificationTask,
+    LocalPairClassificationTask,
+    LocalRetrievalTask,
+    LocalSTSTask,
+    classification_task,
+    pair_classification_task,
+    retrieval_task,
+    sts_task,
+)
+from .runner import default_cache_dir, format_table, run_evaluation
+
+__all__ = [
+    "DataFileError",
+    "LocalClassificationTask",
+    "LocalPairClassificationTask",
+    "LocalRetrievalTask",
+    "LocalSTSTask",
+    "classification_task",
+    "default_cache_dir",
+    "format_table",
+    "pair_classification_task",
+    "retrieval_task",
+    "run_evaluation",
+    "sts_task",
+]

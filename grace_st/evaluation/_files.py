@@ -1,0 +1,194 @@
+"""Reading local evaluation files: header-named tables and JSON lines, with errors that name
+the file and the 1-based line, plus the deterministic sampling the local tasks share."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+# Fixed seed of every subsample and generated split: the same file and options give the same rows.
+SAMPLING_SEED = 42
+
+
+class DataFileError(ValueError):
+    """A malformed evaluation file. The message starts with ``"<path>, line <n>: "``.
+
+    Attributes:
+        path: the file, as given.
+        line: 1-based line number of the offending line (1 is the header of a table).
+    """
+
+    def __init__(self, path: str | os.PathLike, line: int, reason: str) -> None:
+        self.path = str(path)
+        self.line = line
+        self.reason = reason
+        super().__init__(f"{self.path}, line {line}: {reason}")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One record of a table: its values by header name and the line it starts on."""
+
+    line: int
+    values: dict[str, str]
+
+    def __getitem__(self, column: str) -> str:
+        return self.values[column]
+
+
+def _delimiter(path: Path, header: str) -> str:
+    suffix = path.suffix.lower()
+    if suffix in (".tsv", ".tab"):
+        return "\t"
+    if suffix == ".csv":
+        return ","
+    # Unknown extension (.txt ...): tab, else semicolon (CARER emotion's `text;label_name`), else comma.
+    if "\t" in header:
+        return "\t"
+    return ";" if ";" in header and "," not in header else ","
+
+
+def read_table(path: str | os.PathLike) -> tuple[list[str], list[Row]]:
+    """Header names and rows of a CSV or TSV file (``.tsv`` / ``.csv``; other extensions are
+    read as TSV if the header has a tab, else as ``;``-separated if it has a ``;`` and no comma,
+    else as CSV).
+
+    TSV fields are taken literally (quotes are text, as in STS-B and MRPC); CSV follows the
+    usual quoting rules, so a quoted field may span lines. Blank lines are skipped. A row with
+    a different number of fields than the header raises :class:`DataFileError`.
+    """
+    path = Path(path)
+    with open(path, encoding="utf-8-sig", newline="") as handle:
+        first = handle.readline()
+        if not first.strip():
+            raise DataFileError(path, 1, "empty file: expected a header row naming the columns")
+        delimiter = _delimiter(path, first)
+        handle.seek(0)
+        quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
+        reader = csv.reader(handle, delimiter=delimiter, quoting=quoting, strict=True)
+        try:
+            header = [name.strip() for name in next(reader)]
+            rows = []
+            start = reader.line_num + 1
+            for fields in reader:
+                if fields and any(field.strip() for field in fields):
+                    if len(fields) != len(header):
+                        raise DataFileError(
+                            path, start, f"expected {len(header)} fields ({', '.join(header)}), found {len(fields)}"
+                        )
+                    rows.append(Row(start, dict(zip(header, fields))))
+                start = reader.line_num + 1
+        except csv.Error as error:
+            kind = {"\t": "TSV", ",": "CSV"}.get(delimiter, f"{delimiter!r}-separated file")
+            raise DataFileError(path, reader.line_num, f"malformed {kind}: {error}") from None
+    duplicates = sorted({name for name in header if header.count(name) > 1})
+    if duplicates:
+        raise DataFileError(path, 1, f"duplicate column names: {', '.join(duplicates)}")
+    return header, rows
+
+
+def find_column(path: Path, header: Sequence[str], role: str, candidates: Sequence[str]) -> str:
+    """The first of ``candidates`` present in ``header`` (exact, then case-insensitive)."""
+    for name in candidates:
+        if name in header:
+            return name
+    lowered = {name.lower(): name for name in header}
+    for name in candidates:
+        if name.lower() in lowered:
+            return lowered[name.lower()]
+    raise DataFileError(
+        path,
+        1,
+        f"missing {role} column: expected one of {', '.join(repr(c) for c in candidates)}; "
+        f"the header has {', '.join(repr(c) for c in header)}",
+    )
+
+
+def parse_float(path: Path, row: Row, column: str) -> float:
+    text = row[column].strip()
+    try:
+        value = float(text)
+    except ValueError:
+        raise DataFileError(path, row.line, f"{column} {text!r} is not a number") from None
+    if not math.isfinite(value):
+        raise DataFileError(path, row.line, f"{column} {text!r} is not a finite number")
+    return value
+
+
+def parse_int(path: Path, row: Row, column: str, allowed: Iterable[int] | None = None) -> int:
+    text = row[column].strip()
+    try:
+        number = float(text)
+    except ValueError:
+        number = math.nan
+    if not number.is_integer():
+        raise DataFileError(path, row.line, f"{column} {text!r} is not an integer")
+    value = int(number)
+    if allowed is not None and value not in set(allowed):
+        raise DataFileError(
+            path, row.line, f"{column} {text!r} is not one of {', '.join(str(a) for a in sorted(set(allowed)))}"
+        )
+    return value
+
+
+def read_jsonl(path: str | os.PathLike, required: Sequence[str]) -> Iterator[tuple[int, dict]]:
+    """``(line number, object)`` for each non-blank line; each must be a JSON object with ``required`` keys."""
+    path = Path(path)
+    with open(path, encoding="utf-8-sig") as handle:
+        for number, text in enumerate(handle, start=1):
+            if not text.strip():
+                continue
+            try:
+                item = json.loads(text)
+            except json.JSONDecodeError as error:
+                raise DataFileError(path, number, f"malformed JSON: {error.msg} (column {error.colno})") from None
+            if not isinstance(item, dict):
+                raise DataFileError(path, number, f"expected a JSON object, found {type(item).__name__}")
+            missing = [key for key in required if key not in item]
+            if missing:
+                raise DataFileError(path, number, f"missing key(s) {', '.join(repr(k) for k in missing)}")
+            yield number, item
+
+
+def sample_keys(keys: Sequence[str], k: int, seed: int = SAMPLING_SEED) -> set[str]:
+    """A deterministic sample of ``k`` distinct keys.
+
+    Keys are ranked by a keyed hash, so the sample is the same on every platform and Python
+    version, and a key that is sampled from a file stays sampled when rows are appended
+    elsewhere.
+    """
+    if k >= len(keys):
+        return set(keys)
+    return set(sorted(keys, key=lambda key: _rank(seed, key))[:k])
+
+
+def shuffled(keys: Sequence[str], seed: int = SAMPLING_SEED) -> list[str]:
+    """``keys`` in a deterministic pseudo-random order (the order :func:`sample_keys` draws in)."""
+    return sorted(keys, key=lambda key: _rank(seed, key))
+
+
+def _rank(seed: int, key: str) -> bytes:
+    return hashlib.blake2b(f"{seed}\x00{key}".encode(), digest_size=8).digest()
+
+
+def fingerprint(paths: Iterable[str | os.PathLike], **options) -> str:
+    """Content hash of files plus the options that shape a task: the task's dataset revision.
+
+    mteb keys cached results by dataset revision, so an edited file or a different ``limit``
+    never reuses results computed on other data.
+    """
+    digest = hashlib.sha256()
+    for path in paths:
+        digest.update(Path(path).name.encode() + b"\x00")
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        digest.update(b"\x00")
+    digest.update(json.dumps(options, sort_keys=True, default=str).encode())
+    return digest.hexdigest()[:16]

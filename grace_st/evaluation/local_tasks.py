@@ -1,0 +1,589 @@
+"""mteb tasks read from local files, so that ``mteb.evaluate`` runs with no Hub access.
+
+Each class subclasses mteb's own abstract task (``AbsTaskSTS``, ``AbsTaskRetrieval``,
+``AbsTaskClassification``, ``AbsTaskPairClassification``), carries a ``TaskMetadata`` of its
+own and overrides ``load_data`` to read the file instead of calling ``datasets.load_dataset``.
+Scoring is mteb's, unchanged.
+
+Shared guarantees:
+
+- Malformed input (a missing column, an unparsable score or label, a malformed JSON line,
+  qrels naming an unknown query or document) raises :class:`DataFileError`, a ``ValueError``
+  whose message starts with ``"<path>, line <n>: "`` (1-based; line 1 is a table's header).
+- ``limit`` subsamples deterministically: the same file and options always give the same
+  rows, on any platform.
+- The metadata's dataset ``revision`` is a hash of the file contents and of the options, so
+  mteb's result cache never mixes results computed on different data.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+from datasets import Dataset, DatasetDict
+from mteb.abstasks.classification import AbsTaskClassification
+from mteb.abstasks.pair_classification import AbsTaskPairClassification
+from mteb.abstasks.retrieval import AbsTaskRetrieval
+from mteb.abstasks.sts import AbsTaskSTS
+from mteb.abstasks.task_metadata import TaskMetadata
+
+from ._files import (
+    SAMPLING_SEED,
+    DataFileError,
+    find_column,
+    fingerprint,
+    parse_float,
+    parse_int,
+    read_jsonl,
+    read_table,
+    sample_keys,
+    shuffled,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "DataFileError",
+    "LocalClassificationTask",
+    "LocalPairClassificationTask",
+    "LocalRetrievalTask",
+    "LocalSTSTask",
+    "classification_task",
+    "pair_classification_task",
+    "retrieval_task",
+    "sts_task",
+]
+
+# Accepted header names, first match wins. MRPC ships `Quality #1 ID #2 ID #1 String #2 String`.
+STS_COLUMNS = {"score": ("score",), "sentence1": ("sentence1",), "sentence2": ("sentence2",)}
+PAIR_COLUMNS = {
+    "label": ("label", "labels", "Quality"),
+    "sentence1": ("sentence1", "#1 String"),
+    "sentence2": ("sentence2", "#2 String"),
+}
+CLASSIFICATION_COLUMNS = {"text": ("text",), "label": ("label", "category", "label_name")}
+
+
+def _default_name(path: Path, prefix: str) -> str:
+    """``stsb/dev.tsv`` -> ``"stsb-dev"``; a BEIR folder ``scifact/`` -> ``"scifact"``."""
+    path = path.resolve()
+    parts = [path.name] if path.is_dir() else [path.parent.name, path.stem]
+    name = "-".join(part for part in parts if part) or prefix
+    return re.sub(r"[^\w.-]+", "_", name)
+
+
+def _check_name(name: str) -> str:
+    # mteb writes `<cache>/.../<task name>.json`: a separator would escape that folder.
+    if not name or "/" in name or os.sep in name or name in (".", ".."):
+        raise ValueError(f"task name {name!r} must be a non-empty file name without path separators")
+    return name
+
+
+def _check_limit(limit: int | None, minimum: int = 1) -> int | None:
+    if limit is not None and (not isinstance(limit, int) or limit < minimum):
+        raise ValueError(f"limit must be an int >= {minimum} or None, got {limit!r}")
+    return limit
+
+
+def _metadata(
+    *,
+    name: str,
+    task_type: str,
+    category: str,
+    description: str,
+    paths: list[Path],
+    source: Path,
+    eval_split: str,
+    main_score: str,
+    language: str,
+    options: dict[str, Any],
+) -> TaskMetadata:
+    return TaskMetadata(
+        name=_check_name(name),
+        description=description,
+        dataset={"path": str(source.resolve()), "revision": fingerprint(paths, **options)},
+        type=task_type,
+        category=category,
+        modalities=["text"],
+        eval_splits=[eval_split],
+        eval_langs=[language],
+        main_score=main_score,
+        domains=[],
+        task_subtypes=[],
+        license="not specified",
+        annotations_creators=None,
+        dialect=[],
+        sample_creation="found",
+        bibtex_citation="",
+    )
+
+
+class _LocalTaskMixin:
+    """Instance metadata and a local ``load_data`` for mteb's abstract tasks."""
+
+    metadata: TaskMetadata
+    dataset: Any
+    data_loaded: bool
+
+    def __init__(self, metadata: TaskMetadata, seed: int = SAMPLING_SEED, **kwargs: Any) -> None:
+        # AbsTask.__init__ reads self.metadata, so it must exist first.
+        self.metadata = metadata
+        super().__init__(seed=seed, **kwargs)
+
+    def load_data(self, num_proc: int | None = None, **kwargs: Any) -> None:
+        """Read the local file(s) into ``self.dataset``; idempotent. Never touches the Hub."""
+        if self.data_loaded:
+            return
+        self.dataset = self._read()
+        self.data_loaded = True
+
+    def _read(self) -> Any:
+        raise NotImplementedError
+
+    def unload_data(self) -> None:
+        # mteb's unload_data also drops an instance `metadata`, falling back to the class's
+        # (registry tasks define it on the class). Ours only exists on the instance: keep it.
+        self.dataset = None
+        self.data_loaded = False
+
+
+class LocalSTSTask(_LocalTaskMixin, AbsTaskSTS):
+    """Semantic textual similarity from a CSV/TSV with a header naming ``score``,
+    ``sentence1`` and ``sentence2`` (other columns are ignored).
+
+    Scores may use any numeric range (STS-B 0–5, SICK 1–5, ...). mteb normalises with
+    ``(score - min_score) / (max_score - min_score)``; the bounds default to the smallest and
+    largest score in the whole file (before ``limit``), so normalised scores lie in [0, 1].
+    Correlations (the main score is ``cosine_spearman``) do not depend on this choice.
+
+    Args:
+        path: the file.
+        name: task name in results (default: ``<folder>-<file stem>``).
+        limit: evaluate at most this many pairs, a deterministic sample.
+        score_range: ``(min_score, max_score)`` instead of the file's observed range.
+        language: BCP-47 language-script code for mteb's metadata.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        name: str | None = None,
+        limit: int | None = None,
+        score_range: tuple[float, float] | None = None,
+        language: str = "eng-Latn",
+    ) -> None:
+        self.path = Path(path)
+        self.limit = _check_limit(limit, minimum=2)
+        self.score_range = score_range
+        if score_range is not None and not score_range[0] < score_range[1]:
+            raise ValueError(f"score_range must be (min, max) with min < max, got {score_range!r}")
+        metadata = _metadata(
+            name=name or _default_name(self.path, "sts"),
+            task_type="STS",
+            category="t2t",
+            description=f"Local STS pairs read from {self.path}.",
+            paths=[self.path],
+            source=self.path,
+            eval_split="test",
+            main_score="cosine_spearman",
+            language=language,
+            options={"limit": limit, "score_range": score_range},
+        )
+        super().__init__(metadata)
+
+    def _read(self) -> DatasetDict:
+        header, rows = read_table(self.path)
+        columns = {role: find_column(self.path, header, role, names) for role, names in STS_COLUMNS.items()}
+        if not rows:
+            raise DataFileError(self.path, 1, "no data rows after the header")
+        scores = [parse_float(self.path, row, columns["score"]) for row in rows]
+        low, high = self.score_range or (min(scores), max(scores))
+        if low == high:
+            raise DataFileError(self.path, rows[0].line, f"every score is {low}: correlations are undefined")
+        # Instance attributes shadow AbsTaskSTS's class defaults (0, 5) used by _normalize.
+        self.min_score, self.max_score = low, high
+        keep = self._kept(len(rows))
+        return DatasetDict(
+            {
+                "test": Dataset.from_dict(
+                    {
+                        "sentence1": [rows[i][columns["sentence1"]] for i in keep],
+                        "sentence2": [rows[i][columns["sentence2"]] for i in keep],
+                        "score": [scores[i] for i in keep],
+                    }
+                )
+            }
+        )
+
+    def _kept(self, count: int) -> list[int]:
+        if self.limit is None or self.limit >= count:
+            return list(range(count))
+        chosen = sample_keys([str(i) for i in range(count)], self.limit)
+        return [i for i in range(count) if str(i) in chosen]
+
+
+class LocalPairClassificationTask(_LocalTaskMixin, AbsTaskPairClassification):
+    """Pair classification (paraphrase / duplicate detection) from a CSV/TSV.
+
+    Accepted headers: ``label sentence1 sentence2`` (also ``labels``), or MRPC's
+    ``Quality #1 ID #2 ID #1 String #2 String``. Labels must be 0 or 1. The main score is
+    ``max_ap``.
+
+    Args:
+        path: the file.
+        name: task name in results (default: ``<folder>-<file stem>``).
+        limit: evaluate at most this many pairs (at least 2), a deterministic sample.
+        language: BCP-47 language-script code for mteb's metadata.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, name: str | None = None, limit: int | None = None, language: str = "eng-Latn"
+    ) -> None:
+        self.path = Path(path)
+        # mteb treats a one-row pair dataset as its v1 layout (one row of lists): need >= 2.
+        self.limit = _check_limit(limit, minimum=2)
+        metadata = _metadata(
+            name=name or _default_name(self.path, "pairs"),
+            task_type="PairClassification",
+            category="t2t",
+            description=f"Local sentence pairs with 0/1 labels read from {self.path}.",
+            paths=[self.path],
+            source=self.path,
+            eval_split="test",
+            main_score="max_ap",
+            language=language,
+            options={"limit": limit},
+        )
+        super().__init__(metadata)
+
+    def _read(self) -> DatasetDict:
+        header, rows = read_table(self.path)
+        columns = {role: find_column(self.path, header, role, names) for role, names in PAIR_COLUMNS.items()}
+        labels = [parse_int(self.path, row, columns["label"], allowed=(0, 1)) for row in rows]
+        if len(rows) < 2:
+            raise DataFileError(self.path, rows[0].line if rows else 1, "need at least 2 pairs")
+        keep = list(range(len(rows)))
+        if self.limit is not None and self.limit < len(rows):
+            chosen = sample_keys([str(i) for i in keep], self.limit)
+            keep = [i for i in keep if str(i) in chosen]
+        if len({labels[i] for i in keep}) < 2:
+            logger.warning("%s: the evaluated pairs all have one label; average precision is degenerate", self.path)
+        return DatasetDict(
+            {
+                "test": Dataset.from_dict(
+                    {
+                        "sentence1": [rows[i][columns["sentence1"]] for i in keep],
+                        "sentence2": [rows[i][columns["sentence2"]] for i in keep],
+                        "labels": [labels[i] for i in keep],
+                    }
+                )
+            }
+        )
+
+
+class LocalClassificationTask(_LocalTaskMixin, AbsTaskClassification):
+    """Text classification from a CSV/TSV with a header naming ``text`` and ``label`` (or
+    ``category``, as Banking77 ships it, or ``label_name``).
+
+    mteb trains a logistic regression on few-shot samples of the ``train`` split
+    (``samples_per_label`` per label, ``n_experiments`` times) and scores the ``test`` split;
+    the main score is ``accuracy``. With one file, a deterministic stratified split puts
+    ``test_size`` of each label's rows in ``test`` (a label with one row stays in ``train``);
+    with ``test_path``, that file is the test split. Labels are stored as ints, in the
+    order of :attr:`label_names` (sorted).
+
+    Args:
+        path: the (training) file.
+        name: task name in results (default: ``<folder>-<file stem>``).
+        limit: at most this many test texts (a deterministic sample) and at most this many
+            training texts (drawn round-robin over labels so every label keeps examples).
+        test_path: a separate test file in the same format.
+        test_size: fraction of each label's rows held out when there is no ``test_path``.
+        samples_per_label, n_experiments: mteb's few-shot classifier settings.
+        language: BCP-47 language-script code for mteb's metadata.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        name: str | None = None,
+        limit: int | None = None,
+        test_path: str | os.PathLike | None = None,
+        test_size: float = 0.2,
+        samples_per_label: int = 8,
+        n_experiments: int = 10,
+        language: str = "eng-Latn",
+    ) -> None:
+        self.path = Path(path)
+        self.test_path = Path(test_path) if test_path is not None else None
+        self.limit = _check_limit(limit)
+        if not 0 < test_size < 1:
+            raise ValueError(f"test_size must be in (0, 1), got {test_size!r}")
+        self.test_size = test_size
+        # Instance attributes shadow AbsTaskClassification's class defaults.
+        self.samples_per_label = samples_per_label
+        self.n_experiments = n_experiments
+        self.label_names: list[str] = []
+        paths = [self.path] + ([self.test_path] if self.test_path else [])
+        metadata = _metadata(
+            name=name or _default_name(self.path, "classification"),
+            task_type="Classification",
+            category="t2c",
+            description=f"Local labelled texts read from {', '.join(str(p) for p in paths)}.",
+            paths=paths,
+            source=self.path,
+            eval_split="test",
+            main_score="accuracy",
+            language=language,
+            options={
+                "limit": limit,
+                "test_size": None if test_path else test_size,
+                "samples_per_label": samples_per_label,
+                "n_experiments": n_experiments,
+            },
+        )
+        super().__init__(metadata)
+
+    def _read_labelled(self, path: Path) -> list[tuple[int, str, str]]:
+        header, rows = read_table(path)
+        columns = {role: find_column(path, header, role, names) for role, names in CLASSIFICATION_COLUMNS.items()}
+        items = []
+        for row in rows:
+            label = row[columns["label"]].strip()
+            if not label:
+                raise DataFileError(path, row.line, f"empty {columns['label']}")
+            items.append((row.line, row[columns["text"]], label))
+        if not items:
+            raise DataFileError(path, 1, "no data rows after the header")
+        return items
+
+    def _read(self) -> DatasetDict:
+        train = self._read_labelled(self.path)
+        if self.test_path is not None:
+            test = self._read_labelled(self.test_path)
+        else:
+            train, test = self._split(train)
+            if not test:
+                raise DataFileError(self.path, 1, "too few rows per label to hold out a test split")
+        if self.limit is not None:
+            test = self._sample(test, self.limit)
+            train = self._round_robin(train, self.limit)
+        names = {label for _, _, label in train + test}
+        # Numeric labels sort as numbers ("2" before "10"), others as strings.
+        self.label_names = sorted(names, key=lambda n: (0, int(n), "") if re.fullmatch(r"-?\d+", n) else (1, 0, n))
+        index = {label: i for i, label in enumerate(self.label_names)}
+
+        def to_dataset(items: list[tuple[int, str, str]]) -> Dataset:
+            texts = [text for _, text, _ in items]
+            return Dataset.from_dict({"text": texts, "label": [index[label] for _, _, label in items]})
+
+        return DatasetDict({"train": to_dataset(train), "test": to_dataset(test)})
+
+    def _split(self, items: list[tuple[int, str, str]]) -> tuple[list, list]:
+        by_label: dict[str, list[int]] = defaultdict(list)
+        for position, (_, _, label) in enumerate(items):
+            by_label[label].append(position)
+        held_out: set[int] = set()
+        for label in sorted(by_label):
+            positions = by_label[label]
+            if len(positions) < 2:
+                continue
+            count = min(max(1, round(len(positions) * self.test_size)), len(positions) - 1)
+            order = shuffled([f"{label}\x00{p}" for p in positions])
+            held_out.update(int(key.rsplit("\x00", 1)[1]) for key in order[:count])
+        train = [item for p, item in enumerate(items) if p not in held_out]
+        test = [item for p, item in enumerate(items) if p in held_out]
+        return train, test
+
+    @staticmethod
+    def _sample(items: list, limit: int) -> list:
+        if limit >= len(items):
+            return items
+        chosen = sample_keys([str(i) for i in range(len(items))], limit)
+        return [item for i, item in enumerate(items) if str(i) in chosen]
+
+    @staticmethod
+    def _round_robin(items: list[tuple[int, str, str]], limit: int) -> list:
+        if limit >= len(items):
+            return items
+        by_label: dict[str, list[int]] = defaultdict(list)
+        for position, (_, _, label) in enumerate(items):
+            by_label[label].append(position)
+        queues = {label: shuffled([str(p) for p in positions]) for label, positions in by_label.items()}
+        chosen: set[int] = set()
+        labels = sorted(queues)
+        depth = 0
+        while len(chosen) < limit:
+            for label in labels:
+                if depth < len(queues[label]) and len(chosen) < limit:
+                    chosen.add(int(queues[label][depth]))
+            depth += 1
+        return [item for p, item in enumerate(items) if p in chosen]
+
+
+def _default_split(beir_dir: Path) -> str:
+    available = sorted(p.stem for p in (beir_dir / "qrels").glob("*.tsv"))
+    if "test" in available or not available:
+        return "test"  # a missing file is reported with the folder's contents below
+    if len(available) == 1:
+        return available[0]
+    raise ValueError(f"{beir_dir}: several qrels splits ({', '.join(available)}); choose one with split=")
+
+
+class LocalRetrievalTask(_LocalTaskMixin, AbsTaskRetrieval):
+    """Retrieval from a BEIR folder: ``corpus.jsonl`` (``{"_id", "title", "text"}``, title
+    optional), ``queries.jsonl`` (``{"_id", "text"}``) and ``qrels/<split>.tsv`` with the header
+    ``query-id corpus-id score``. Queries without a qrels line are not evaluated, as in mteb.
+    The main score is ``ndcg_at_10``.
+
+    Args:
+        beir_dir: the folder.
+        split: which ``qrels/<split>.tsv`` to evaluate. ``None``: ``test`` if that file
+            exists, otherwise the folder's only qrels file (SciFact's local copy has ``train``).
+        name: task name in results (default: the folder name).
+        limit: evaluate at most this many queries, a deterministic sample; every document
+            relevant to a kept query stays in the corpus.
+        corpus_limit: keep at most this many documents: all documents relevant to the kept
+            queries plus a deterministic sample of the others. ``None`` keeps the whole corpus.
+        language: BCP-47 language-script code for mteb's metadata.
+    """
+
+    def __init__(
+        self,
+        beir_dir: str | os.PathLike,
+        split: str | None = None,
+        name: str | None = None,
+        limit: int | None = None,
+        corpus_limit: int | None = None,
+        language: str = "eng-Latn",
+    ) -> None:
+        self.beir_dir = Path(beir_dir)
+        split = split or _default_split(self.beir_dir)
+        self.split = split
+        self.limit = _check_limit(limit)
+        self.corpus_limit = _check_limit(corpus_limit)
+        self.corpus_path = self.beir_dir / "corpus.jsonl"
+        self.queries_path = self.beir_dir / "queries.jsonl"
+        self.qrels_path = self.beir_dir / "qrels" / f"{split}.tsv"
+        for path in (self.corpus_path, self.queries_path):
+            if not path.is_file():
+                raise FileNotFoundError(f"{path}: not found (a BEIR folder holds corpus.jsonl, queries.jsonl, qrels/)")
+        if not self.qrels_path.is_file():
+            available = sorted(p.stem for p in (self.beir_dir / "qrels").glob("*.tsv"))
+            found = ", ".join(available) or "none"
+            raise FileNotFoundError(f"{self.qrels_path}: not found; qrels splits in this folder: {found}")
+        metadata = _metadata(
+            name=name or _default_name(self.beir_dir, "retrieval"),
+            task_type="Retrieval",
+            category="t2t",
+            description=f"Local BEIR retrieval data read from {self.beir_dir} (qrels split {split!r}).",
+            paths=[self.corpus_path, self.queries_path, self.qrels_path],
+            source=self.beir_dir,
+            eval_split=split,
+            main_score="ndcg_at_10",
+            language=language,
+            options={"split": split, "limit": limit, "corpus_limit": corpus_limit},
+        )
+        super().__init__(metadata)
+
+    def _read_items(self, path: Path, required: tuple[str, ...]) -> dict[str, dict]:
+        items: dict[str, dict] = {}
+        for line, item in read_jsonl(path, required):
+            key = item["_id"]
+            if not isinstance(key, (str, int)) or isinstance(key, bool):
+                raise DataFileError(path, line, f"_id must be a string or an integer, got {key!r}")
+            key = str(key)
+            if key in items:
+                raise DataFileError(path, line, f"duplicate _id {key!r} (first on line {items[key]['line']})")
+            text, title = item["text"], item.get("title", "") or ""
+            if not isinstance(text, str) or not isinstance(title, str):
+                raise DataFileError(path, line, "text and title must be strings")
+            items[key] = {"line": line, "text": text, "title": title}
+        if not items:
+            raise DataFileError(path, 1, "no records")
+        return items
+
+    def _read_qrels(self, queries: dict, corpus: dict) -> dict[str, dict[str, int]]:
+        path = self.qrels_path
+        header, rows = read_table(path)
+        columns = {role: find_column(path, header, role, (role,)) for role in ("query-id", "corpus-id", "score")}
+        qrels: dict[str, dict[str, int]] = defaultdict(dict)
+        for row in rows:
+            query_id, doc_id = row[columns["query-id"]].strip(), row[columns["corpus-id"]].strip()
+            score = parse_int(path, row, columns["score"])
+            if query_id not in queries:
+                raise DataFileError(path, row.line, f"query-id {query_id!r} is not in {self.queries_path.name}")
+            if doc_id not in corpus:
+                raise DataFileError(path, row.line, f"corpus-id {doc_id!r} is not in {self.corpus_path.name}")
+            qrels[query_id][doc_id] = score
+        if not qrels:
+            raise DataFileError(path, 1, "no qrels after the header")
+        return dict(qrels)
+
+    def _read(self) -> dict:
+        corpus = self._read_items(self.corpus_path, ("_id", "text"))
+        queries = self._read_items(self.queries_path, ("_id", "text"))
+        qrels = self._read_qrels(queries, corpus)
+        # Only queries with at least one relevant document can be scored (mteb drops the rest).
+        query_ids = [q for q in queries if any(score > 0 for score in qrels.get(q, {}).values())]
+        if not query_ids:
+            raise DataFileError(self.qrels_path, 1, "no query has a relevant document (a score > 0)")
+        if self.limit is not None:
+            chosen = sample_keys(query_ids, self.limit)
+            query_ids = [q for q in query_ids if q in chosen]
+        qrels = {q: qrels[q] for q in query_ids}
+        doc_ids = list(corpus)
+        if self.corpus_limit is not None and self.corpus_limit < len(doc_ids):
+            relevant = {d for q in query_ids for d in qrels[q]}
+            others = [d for d in doc_ids if d not in relevant]
+            extra = sample_keys(others, max(0, self.corpus_limit - len(relevant)))
+            doc_ids = [d for d in doc_ids if d in relevant or d in extra]
+        split_data = {
+            "corpus": Dataset.from_dict(
+                {
+                    "id": doc_ids,
+                    "title": [corpus[d]["title"] for d in doc_ids],
+                    "text": [corpus[d]["text"] for d in doc_ids],
+                }
+            ),
+            "queries": Dataset.from_dict({"id": query_ids, "text": [queries[q]["text"] for q in query_ids]}),
+            "relevant_docs": qrels,
+            "top_ranked": None,
+        }
+        return {"default": {self.split: split_data}}
+
+
+def sts_task(path: str | os.PathLike, name: str | None = None, limit: int | None = None, **kwargs: Any) -> LocalSTSTask:
+    """An mteb STS task over a local ``score sentence1 sentence2`` table. See :class:`LocalSTSTask`."""
+    return LocalSTSTask(path, name=name, limit=limit, **kwargs)
+
+
+def retrieval_task(
+    beir_dir: str | os.PathLike,
+    split: str | None = None,
+    name: str | None = None,
+    limit: int | None = None,
+    **kwargs: Any,
+) -> LocalRetrievalTask:
+    """An mteb retrieval task over a local BEIR folder. See :class:`LocalRetrievalTask`."""
+    return LocalRetrievalTask(beir_dir, split=split, name=name, limit=limit, **kwargs)
+
+
+def classification_task(
+    path: str | os.PathLike, name: str | None = None, limit: int | None = None, **kwargs: Any
+) -> LocalClassificationTask:
+    """An mteb classification task over a local ``text,label`` table. See :class:`LocalClassificationTask`."""
+    return LocalClassificationTask(path, name=name, limit=limit, **kwargs)
+
+
+def pair_classification_task(
+    path: str | os.PathLike, name: str | None = None, limit: int | None = None, **kwargs: Any
+) -> LocalPairClassificationTask:
+    """An mteb pair-classification task over a local 0/1-labelled pair table. See
+    :class:`LocalPairClassificationTask`."""
+    return LocalPairClassificationTask(path, name=name, limit=limit, **kwargs)
