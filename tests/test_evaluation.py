@@ -11,9 +11,9 @@ from conftest import make_st_model
 # mteb creates its default result cache folder on import; keep it out of the home directory.
 os.environ.setdefault("MTEB_CACHE", os.path.join(tempfile.gettempdir(), "grace_st_test_mteb"))
 
-import mteb
+mteb = pytest.importorskip("mteb")
 
-from grace_st.cli import main
+from grace_st.cli import main  # noqa: E402
 from grace_st.evaluation import (
     DataFileError,
     classification_task,
@@ -319,10 +319,12 @@ def test_eval_cli_table_and_json(saved_model, tmp_path, capsys, monkeypatch):
 
     loaded = SentenceTransformer(saved_model, trust_remote_code=True)
     loaded[0].max_rationale_tokens = 1  # as --max-rationale-tokens 1 did
-    if hasattr(loaded[0], "describe_for_mteb"):  # a revision that follows the settings
-        loaded[0].describe_for_mteb(loaded)
+    loaded[0].describe_for_mteb(loaded)  # a revision that follows the settings
     meta = SentenceTransformerEncoderWrapper(loaded).mteb_model_meta
     assert (report["model"]["name"], report["model"]["revision"]) == (meta.name, meta.revision)
+    # results are filed under the directory's name and the weights' revision, not "no_model_name"
+    assert meta.name == f"local/{os.path.basename(saved_model)}"
+    assert meta.revision.startswith(loaded[0].weights_revision + "-")
     assert report["model"]["path"] == saved_model and f"model: {meta.name} (revision {meta.revision})" == table[0]
     assert report["encoder"]["max_rationale_tokens"] == 1
     by_name = {entry["name"]: entry for entry in report["tasks"]}
