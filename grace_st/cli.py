@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--batch-size", type=int, default=16)
     encode.add_argument("--device", help="torch device, e.g. cpu or cuda")
     encode.add_argument("--json", action="store_true", help="print JSON: texts, rationales, embeddings, similarities")
+    encode.add_argument("--cache", help="a rationale cache file (SQLite): repeated texts skip generation")
     _encoder_options(encode)
 
     build = commands.add_parser("build", help="wrap a chat causal LM as a GRACE sentence-transformers model")
@@ -115,6 +116,8 @@ def run_encode(args: argparse.Namespace) -> int:
         else:
             setattr(encoder, name, value)
     encoder.check_settings()
+    if args.cache:
+        encoder.set_rationale_cache(args.cache)
     items = explain(
         model,
         texts,

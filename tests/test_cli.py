@@ -30,6 +30,16 @@ def test_encode_json_from_stdin(saved_model, capsys, monkeypatch):
     assert abs(payload["similarity"][0][0] - 1.0) < 1e-5
 
 
+def test_encode_with_a_rationale_cache(saved_model, capsys, tmp_path):
+    cache = tmp_path / "cache.sqlite"
+    argv = ["encode", "a text", "another", "--model", saved_model, "--json", "--cache", str(cache)]
+    assert main(argv) == 0
+    cold = json.loads(capsys.readouterr().out)
+    assert cache.is_file()
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == cold
+
+
 def test_build_from_a_causal_lm(tmp_path, tokenizer, capsys):
     from sentence_transformers import SentenceTransformer
 
