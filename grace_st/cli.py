@@ -41,6 +41,26 @@ def _encoder_settings(args: argparse.Namespace) -> dict:
     return settings
 
 
+def _load_model(path: str, args: argparse.Namespace):
+    """Load a model and apply the encoder options given on the command line (a GRACE model's
+    GenerativeEncoder settings; other sentence-transformers models take none)."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(path, device=args.device, trust_remote_code=True)
+    encoder = model[0]
+    settings = _encoder_settings(args)
+    if settings and not hasattr(encoder, "check_settings"):
+        raise SystemExit(f"grace-st: {path} is not a GRACE model; encoder options do not apply to it")
+    for name, value in settings.items():
+        if name == "instructions":
+            encoder.instructions.update(value)
+        else:
+            setattr(encoder, name, value)
+    if hasattr(encoder, "check_settings"):
+        encoder.check_settings()
+    return model
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grace-st", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -101,21 +121,13 @@ def _read_texts(arguments: list[str]) -> list[str]:
 
 
 def run_encode(args: argparse.Namespace) -> int:
-    from sentence_transformers import SentenceTransformer
-
     from . import default_model_path, explain
 
     texts = _read_texts(args.texts)
     if not texts:
         raise SystemExit("grace-st encode: no texts to encode")
-    model = SentenceTransformer(args.model or default_model_path(), device=args.device, trust_remote_code=True)
+    model = _load_model(args.model or default_model_path(), args)
     encoder = model[0]
-    for name, value in _encoder_settings(args).items():
-        if name == "instructions":
-            encoder.instructions.update(value)
-        else:
-            setattr(encoder, name, value)
-    encoder.check_settings()
     if args.cache:
         encoder.set_rationale_cache(args.cache)
     items = explain(
@@ -176,8 +188,6 @@ def run_eval(args: argparse.Namespace) -> int:
     # mteb creates its default cache folder when imported; point it at ours first.
     cache_dir = args.cache_dir or str(default_cache_dir())
     os.environ.setdefault("MTEB_CACHE", cache_dir)
-    from sentence_transformers import SentenceTransformer
-
     from .evaluation import DataFileError, format_table, run_evaluation
     from .evaluation import local_tasks as local
 
@@ -202,15 +212,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if not tasks and not args.tasks:
         raise SystemExit("grace-st eval: nothing to evaluate; give --sts, --beir, --classification, --pairs or --tasks")
 
-    model = SentenceTransformer(args.model, device=args.device, trust_remote_code=True)
+    model = _load_model(args.model, args)
     encoder = model[0]
-    for name, value in _encoder_settings(args).items():
-        if name == "instructions":
-            encoder.instructions.update(value)
-        else:
-            setattr(encoder, name, value)
-    if hasattr(encoder, "check_settings"):
-        encoder.check_settings()
     if hasattr(encoder, "describe_for_mteb"):  # the revision mteb reports must follow the overrides
         encoder.describe_for_mteb(model)
     report = run_evaluation(

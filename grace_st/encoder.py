@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .cache import CacheEntry, RationaleCache, entry_key, is_deterministic, weights_fingerprint
+from .cache import REQUIRED_SETTINGS, CacheEntry, RationaleCache, entry_key, is_deterministic, weights_fingerprint
 from .generation import Rollouts, generate_rollouts, left_pad, pooled_embeddings
 from .pooling import masked_mean
 from .prompts import DEFAULT_INSTRUCTIONS, PromptTemplate, build_prompt_template, compose_instruction, tokenize_texts
@@ -46,7 +46,7 @@ def _hub_kwargs(token, cache_folder, revision, local_files_only, trust_remote_co
 def _model_id(name_or_path: str) -> str:
     """A Hub id stays as it is; a local directory becomes ``local/<directory name>`` (mteb wants
     an ``organisation/name`` shape)."""
-    if os.path.isdir(name_or_path) or not name_or_path.count("/") == 1:
+    if os.path.isdir(name_or_path) or name_or_path.count("/") != 1:
         return f"local/{os.path.basename(os.path.abspath(name_or_path)) or 'grace-model'}"
     return name_or_path
 
@@ -240,9 +240,8 @@ class GenerativeEncoder(InputModule):
         prompt to "" and asks for "text" for documents), mteb (``model.prompts``).
         """
         for name, kind in self.prompt_names.items():
-            if name in ("query", "document") or name in model.prompts:
-                if not model.prompts.get(name):
-                    model.prompts[name] = self.instructions.get(kind, self.instructions["default"])
+            if (name in ("query", "document") or name in model.prompts) and not model.prompts.get(name):
+                model.prompts[name] = self.instructions.get(kind, self.instructions["default"])
         self._instruction_prompts.update({text: kind for kind, text in self.instructions.items()})
         self.describe_for_mteb(model)
 
@@ -328,17 +327,8 @@ class GenerativeEncoder(InputModule):
         return self._fingerprint[1]
 
     def generation_settings(self) -> dict[str, Any]:
-        return {
-            "max_rationale_tokens": self.max_rationale_tokens,
-            "max_input_tokens": self.max_input_tokens,
-            "do_sample": self.do_sample,
-            "temperature": self.temperature,
-            "top_p": self.top_p,
-            "seed": self.seed,
-            "num_rationales": self.num_rationales,
-            "hidden_layer": self.hidden_layer,
-            "eos_token_ids": self.eos_token_ids,
-        }
+        """Everything besides weights and prompt that decides a rationale and its embedding."""
+        return {name: getattr(self, name) for name in REQUIRED_SETTINGS}
 
     # -- sentence-transformers interface -----------------------------------------------------
 

@@ -60,7 +60,7 @@ CORPUS = [
 ] * 4
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trained_tokenizer_json() -> str:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import sentence_transformers
 import torch
-from conftest import make_st_model
 from sentence_transformers import SentenceTransformer
 
 import grace_st

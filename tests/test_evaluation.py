@@ -13,7 +13,7 @@ os.environ.setdefault("MTEB_CACHE", os.path.join(tempfile.gettempdir(), "grace_s
 
 mteb = pytest.importorskip("mteb")
 
-from grace_st.cli import main  # noqa: E402
+from grace_st.cli import main
 from grace_st.evaluation import (
     DataFileError,
     classification_task,

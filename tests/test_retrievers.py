@@ -13,7 +13,7 @@ if int(sentence_transformers.__version__.split(".")[0]) < 6:
 langchain_huggingface = pytest.importorskip("langchain_huggingface")
 llama_hf = pytest.importorskip("llama_index.embeddings.huggingface")
 
-import grace_st  # noqa: E402
+import grace_st
 
 DOCUMENTS = [
     "The guitarist played a long solo on an acoustic guitar at the concert.",
