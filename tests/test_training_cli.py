@@ -1,0 +1,85 @@
+"""``grace-train``: --dry-run plans, config errors, a short run with --resume, and the InfoNCE baseline."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import CORPUS, make_st_model
+from grace_training.cli import main
+from grace_training.config import GRPOConfig
+from grace_training.data import Triplet
+from sentence_transformers import SentenceTransformer
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    make_st_model().save(str(root / "model"))
+    lines = [
+        json.dumps({"query": CORPUS[i], "positive": CORPUS[i + 1], "negatives": [CORPUS[i + 2]]}) for i in range(6)
+    ]
+    (root / "train.jsonl").write_text("\n".join([*lines, "{broken"]) + "\n")
+    (root / "config.yaml").write_text(
+        f"model_name_or_path: {root / 'model'}\n"
+        f"data_dir: {root}\n"
+        "train_data:\n  - {type: triplets, path: train.jsonl}\n"
+        "num_rollouts: 2\nbatch_size: 2\nmax_prompt_tokens: 160\nmax_response_tokens: 4\n"
+        "learning_rate: 1e-4\nsave_steps: 1\nreport_to: [jsonl]\n"
+    )
+    return root
+
+
+def test_dry_run_prints_the_plan(setup, capsys):
+    assert main(["--config", str(setup / "config.yaml"), "--dry-run", "max_steps=5"]) == 0
+    plan = json.loads(capsys.readouterr().out)["plan"]
+    assert plan["instances"] == 6 and plan["bad_rows"] == 1
+    assert plan["steps_per_epoch"] == 3 and plan["total_steps"] == 5
+    assert plan["rollouts_per_step"] == 2 * (1 + 2 + 1) and plan["positive_rollouts_per_step"] == 4
+    assert plan["max_generated_tokens_per_step"] == 8 * 4 and plan["mean_prompt_tokens"]["document"] > 0
+
+
+def test_bad_config_and_refused_data_exit_with_2(setup, capsys):
+    assert main(["--config", str(setup / "config.yaml"), "--dry-run", "num_rollouts=0"]) == 2
+    assert main(["--config", str(setup / "config.yaml"), "--dry-run", "bad_rows=error"]) == 2
+    assert "train.jsonl:7" in capsys.readouterr().err
+
+
+def test_train_then_resume(setup, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["--config", str(setup / "config.yaml"), f"output_dir={out}", "max_steps=1"]) == 0
+    assert main(["--config", str(setup / "config.yaml"), f"output_dir={out}", "max_steps=2", "--resume"]) == 0
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (out / "config.yaml").is_file() and (out / "checkpoint-00000002" / "modules.json").is_file()
+
+
+def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
+    pytest.importorskip("datasets")
+    from grace_training.contrastive import PromptPoolingEncoder, train_infonce
+
+    model = make_st_model()
+    before = {k: v.clone() for k, v in model[0].model.state_dict().items()}
+    data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
+    cfg = GRPOConfig(
+        batch_size=4,
+        max_steps=2,
+        max_prompt_tokens=160,
+        output_dir=str(tmp_path),
+        report_to=["jsonl"],
+        infonce_learning_rate=1e-3,
+    )
+    tasks = []
+    original = PromptPoolingEncoder.preprocess
+
+    def record(self, texts, prompt=None, task=None, **kwargs):
+        tasks.append(task)
+        return original(self, texts, prompt=prompt, task=task, **kwargs)
+
+    monkeypatch.setattr(PromptPoolingEncoder, "preprocess", record)
+    path = train_infonce(cfg, model=model, train_data=data)
+    assert {"query", "document"} <= set(tasks)  # queries and documents get their own instructions
+    changed = [k for k, v in model[0].model.state_dict().items() if not v.equal(before[k])]
+    assert changed
+    loaded = SentenceTransformer(str(path), trust_remote_code=True, device="cpu")
+    assert type(loaded[0]).__name__ == "GenerativeEncoder" and loaded.encode(["x"]).shape == (1, 32)
+    assert "InfoNCE" in (path / "README.md").read_text()

@@ -1,0 +1,138 @@
+"""Eq. 4 rollouts: counts, seeding, and the rule that the rewarded embedding is the encode embedding."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from conftest import CORPUS, make_st_model
+from grace_training.data import Triplet
+from grace_training.rollout import asymmetric_rollouts, embed_rollouts, hf_generate, tokenize_prompts
+from grace_training.vllm_backend import VLLMRolloutEngine, vllm_available
+
+TRIPLETS = [
+    Triplet(CORPUS[0], CORPUS[1], (CORPUS[2], CORPUS[3])),
+    Triplet(CORPUS[4], CORPUS[5], (CORPUS[6],)),
+]
+
+
+def rollouts(model, step=0, **overrides):
+    settings = {
+        "num_rollouts": 3,
+        "num_negatives": 2,
+        "step": step,
+        "seed": 7,
+        "max_new_tokens": 6,
+        "temperature_query": 0.5,
+        "temperature_negative": 0.5,
+        "temperature_positive": 1.0,
+    }
+    settings.update(overrides)
+    return asymmetric_rollouts(model[0], TRIPLETS, **settings)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return make_st_model(max_rationale_tokens=6)
+
+
+def test_asymmetric_rollout_counts(model):
+    r = rollouts(model)
+    assert len(r.queries) == 2 and len(r.negatives) == 3 and len(r.positives) == 6
+    assert r.negative_owner == [0, 0, 1]
+    query, positives, negatives, mask, truncated = r.grouped(2)
+    assert positives.shape == (2, 3, 32) and negatives.shape == (2, 2, 32) and truncated.shape == (2, 3)
+    assert mask.tolist() == [[True, True], [True, False]]
+    torch.testing.assert_close(query.norm(dim=-1), torch.ones(2))
+    # the K copies of a positive share one prompt, templated as a document
+    assert r.positives.prompt_ids[0] == r.positives.prompt_ids[2]
+    assert r.positives.temperature == 1.0 and r.queries.temperature == 0.5
+
+
+def test_rollouts_are_seeded_by_step(model):
+    first, again, later = rollouts(model, step=3), rollouts(model, step=3), rollouts(model, step=4)
+    assert first.positives.rationale_ids == again.positives.rationale_ids
+    assert torch.equal(first.positives.embeddings, again.positives.embeddings)
+    assert first.positives.rationale_ids != later.positives.rationale_ids
+    # the K rollouts of one positive differ from each other
+    assert len({tuple(r) for r in first.positives.rationale_ids[:3]}) > 1
+
+
+def test_rollout_embedding_is_encode_embedding(model):
+    """The embedding a rollout is rewarded for is the one `encode` returns (greedy, same prompt)."""
+    texts = [t.query for t in TRIPLETS]
+    r = rollouts(model, temperature_query=0.0, query_task=None)
+    encoded = model.encode(texts, convert_to_tensor=True)
+    torch.testing.assert_close(r.queries.embeddings, encoded.cpu(), atol=1e-5, rtol=1e-5)
+
+
+def test_two_pass_embeddings_match_generation_states(model):
+    """embed_rollouts (the vLLM backend's embedding path) pools the states the generating pass had."""
+    encoder = model[0]
+    prompts, spans = tokenize_prompts(encoder, [CORPUS[0], CORPUS[2]], "document")
+    rationales, _, embeddings, _ = hf_generate(
+        encoder, prompts, spans, temperature=1.0, top_p=1.0, max_new_tokens=6, seeds=[1, 2]
+    )
+    again = embed_rollouts(encoder, prompts, spans, rationales)
+    torch.testing.assert_close(again, embeddings, atol=1e-5, rtol=1e-5)
+
+
+def test_prompts_come_from_the_encoder_preprocess(model):
+    encoder = model[0]
+    prompts, spans = tokenize_prompts(encoder, [CORPUS[0]], "query")
+    features = encoder.preprocess([CORPUS[0]], task="query")
+    assert prompts[0] == features["input_ids"][0][features["attention_mask"][0].bool()].tolist()
+    assert spans == features["instruction_lengths"].tolist()
+
+
+# -- vLLM backend ---------------------------------------------------------------------------------
+
+
+def _stand_in_vllm(monkeypatch, outputs):
+    """A stand-in for vLLM's LLM: records the requests and the loaded weights."""
+    import grace_training.vllm_backend as backend
+
+    monkeypatch.setattr(backend, "_sampling_params_class", lambda: types.SimpleNamespace)
+    loaded = {}
+    engine_model = types.SimpleNamespace(load_weights=lambda weights: loaded.update(dict(weights)))
+    runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=engine_model))
+    llm = types.SimpleNamespace(
+        llm_engine=types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=runner)),
+        generate=lambda prompts, sampling_params, use_tqdm: outputs,
+        reset_prefix_cache=lambda: loaded.setdefault("reset", True),
+        requests=[],
+    )
+    return llm, loaded
+
+
+def test_vllm_engine_contract_with_a_stand_in(model, monkeypatch):
+    encoder = model[0]
+    eos = encoder.eos_token_ids[0]
+    completion = lambda ids, reason: types.SimpleNamespace(
+        outputs=[types.SimpleNamespace(token_ids=ids, finish_reason=reason)]
+    )
+    llm, loaded = _stand_in_vllm(monkeypatch, [completion([40, 41, eos], "stop"), completion([42, 43, 44], "length")])
+    engine = VLLMRolloutEngine(encoder, llm=llm)
+    prompts, spans = tokenize_prompts(encoder, [CORPUS[0], CORPUS[1]], "document")
+    rationales, stops, embeddings, truncated = engine.generate(
+        prompts, spans, temperature=1.0, top_p=1.0, max_new_tokens=3, seeds=[1, 2]
+    )
+    assert rationales == [[40, 41], [42, 43, 44]] and stops == [eos, -1] and truncated.tolist() == [False, True]
+    torch.testing.assert_close(embeddings, embed_rollouts(encoder, prompts, spans, rationales))
+    engine.sync_from(encoder.model)
+    assert set(encoder.model.state_dict()) <= set(loaded) and loaded["reset"]
+
+
+@pytest.mark.skipif(not vllm_available(), reason="vLLM is not installed (GPU-only optional extra)")
+def test_vllm_engine_generates_on_gpu(tmp_path, model):  # pragma: no cover - needs vLLM and a GPU
+    if not torch.cuda.is_available():
+        pytest.skip("vLLM needs a GPU")
+    model.save(str(tmp_path))
+    engine = VLLMRolloutEngine(model[0], str(tmp_path), gpu_memory_utilization=0.2)
+    prompts, spans = tokenize_prompts(model[0], [CORPUS[0]], "document")
+    rationales, _, embeddings, _ = engine.generate(
+        prompts, spans, temperature=0.0, top_p=1.0, max_new_tokens=4, seeds=[0]
+    )
+    assert len(rationales) == 1 and embeddings.shape == (1, 32)
+    engine.sync_from(model[0].model)

@@ -1,0 +1,209 @@
+"""The loop end to end on a tiny random Llama (CPU): steps, metrics, checkpoints, resume, crashes."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import grace_training.trainer as trainer_module
+import pytest
+import torch
+from conftest import CORPUS, make_st_model
+from grace_training.checkpoint import latest_checkpoint, list_checkpoints, rotate_checkpoints
+from grace_training.config import GRPOConfig
+from grace_training.data import Triplet
+from grace_training.trainer import GRPOTrainer
+from sentence_transformers import SentenceTransformer
+
+DATA = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "toy") for i in range(8)]
+
+STEP_METRICS = [
+    "reward/contrastive",
+    "reward/consistency",
+    "reward/hard_negative",
+    "reward/length_penalty",
+    "reward/final",
+    "advantage/mean",
+    "advantage/std",
+    "rollout/positive_length_mean",
+    "rollout/truncation_rate",
+    "loss",
+    "grad_norm",
+    "throughput/tokens_per_s",
+    "time/rollout_s",
+    "time/update_s",
+    "time/rollout_share",
+]
+
+
+def config(tmp_path, **overrides) -> GRPOConfig:
+    settings = {
+        "num_rollouts": 3,
+        "batch_size": 2,
+        "num_negatives": 1,
+        "max_prompt_tokens": 160,
+        "max_response_tokens": 5,
+        "learning_rate": 1e-3,
+        "max_steps": 2,
+        "save_steps": 0,
+        "output_dir": str(tmp_path / "run"),
+        "report_to": ["jsonl"],
+        "rollout_batch_size": 16,
+    }
+    settings.update(overrides)
+    return GRPOConfig(**settings)
+
+
+def weights(model) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model[0].model.state_dict().items()}
+
+
+def test_end_to_end_steps_write_metrics_and_a_loadable_checkpoint(tmp_path):
+    model = make_st_model()
+    before = weights(model)
+    cfg = config(tmp_path, max_steps=3, save_steps=2, report_to=["jsonl", "tensorboard"])
+    result = GRPOTrainer(cfg, model=model, train_data=DATA, eval_data=DATA[:4]).train()
+    assert result["step"] == 3
+    assert any(not torch.equal(before[k], v) for k, v in weights(model).items())
+
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "loss" in line]
+    assert [line["step"] for line in steps] == [1, 2, 3]
+    for key in STEP_METRICS:
+        assert all(isinstance(line[key], float) for line in steps), key
+    assert any("eval/toy/accuracy" in line for line in lines)
+    assert list((tmp_path / "run" / "tensorboard").iterdir())
+
+    checkpoints = list_checkpoints(tmp_path / "run")
+    assert [step for step, _ in checkpoints] == [2, 3]
+    final = checkpoints[-1][1]
+    loaded = SentenceTransformer(str(final), trust_remote_code=True, device="cpu")
+    assert loaded.encode(["a text"]).shape == (1, 32)
+    assert loaded[0].max_rationale_tokens == 5 and loaded[0].max_input_tokens == 160
+    from transformers import AutoModelForCausalLM
+
+    lm = AutoModelForCausalLM.from_pretrained(str(final))
+    for key, value in lm.state_dict().items():
+        torch.testing.assert_close(value, model[0].model.state_dict()[key])
+    card = (final / "README.md").read_text()
+    assert "GRPO with contrastive rewards" in card and "num_rollouts" in card and "toy/accuracy" in card
+    state = json.loads((final / "trainer_state" / "state.json").read_text())
+    assert state["step"] == 3 and state["data_position"] == {"epoch": 0, "batch_in_epoch": 3, "num_instances": 8}
+
+
+def test_resume_continues_the_same_trajectory(tmp_path, monkeypatch):
+    """4 steps straight == 2 steps, a crash in step 3, and 2 resumed steps (same weights)."""
+    straight = make_st_model()
+    GRPOTrainer(config(tmp_path / "a", max_steps=4), model=straight, train_data=DATA).train()
+
+    interrupted = make_st_model()
+    cfg = config(tmp_path / "b", max_steps=4, save_steps=2)
+    trainer = GRPOTrainer(cfg, model=interrupted, train_data=DATA)
+    original_step = GRPOTrainer.training_step
+
+    def crash_in_step_three(self, batch, step):
+        if step == 2:
+            raise KeyboardInterrupt("killed")
+        return original_step(self, batch, step)
+
+    monkeypatch.setattr(GRPOTrainer, "training_step", crash_in_step_three)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.train()
+    monkeypatch.setattr(GRPOTrainer, "training_step", original_step)
+    assert latest_checkpoint(cfg.output_dir).name == "checkpoint-00000002"
+
+    resumed = make_st_model()  # a fresh process: weights come from the checkpoint
+    result = GRPOTrainer(cfg, model=resumed, train_data=DATA).train(resume=True)
+    assert result["step"] == 4
+    expected = weights(straight)
+    for key, value in weights(resumed).items():
+        assert torch.equal(value, expected[key]), key
+    logged = [json.loads(line)["step"] for line in (tmp_path / "b" / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [1, 2, 3, 4]
+
+
+def test_a_crash_while_saving_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    cfg = config(tmp_path, max_steps=2, save_steps=1)
+    real_save = trainer_module.save_model_dir
+    calls = []
+
+    def save_then_die(st_model, directory, state_dict=None):
+        calls.append(directory)
+        if len(calls) == 2:
+            (directory / "model.safetensors").write_bytes(b"half a file")
+            raise OSError("disk full")
+        real_save(st_model, directory, state_dict)
+
+    monkeypatch.setattr(trainer_module, "save_model_dir", save_then_die)
+    with pytest.raises(OSError, match="disk full"):
+        GRPOTrainer(cfg, model=make_st_model(), train_data=DATA).train()
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == [
+        ".tmp-checkpoint-00000002",
+        "checkpoint-00000001",
+    ]
+    assert latest_checkpoint(run).name == "checkpoint-00000001"
+
+    monkeypatch.setattr(trainer_module, "save_model_dir", real_save)
+    GRPOTrainer(cfg, model=make_st_model(), train_data=DATA).train(resume=True)
+    assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == [
+        "checkpoint-00000001",
+        "checkpoint-00000002",
+    ]
+    SentenceTransformer(str(run / "checkpoint-00000002"), trust_remote_code=True, device="cpu")
+
+
+def test_keep_last_k(tmp_path):
+    cfg = config(tmp_path, max_steps=3, save_steps=1, save_total_limit=1)
+    GRPOTrainer(cfg, model=make_st_model(), train_data=DATA).train()
+    assert [s for s, _ in list_checkpoints(cfg.output_dir)] == [3]
+
+
+def test_rotation_spares_checkpoints_waiting_for_a_push(tmp_path):
+    for step in (1, 2, 3):
+        state = tmp_path / f"checkpoint-{step:08d}" / "trainer_state"
+        state.mkdir(parents=True)
+        (state / "state.json").write_text("{}")
+    rotate_checkpoints(tmp_path, 1, protected={str(tmp_path / "checkpoint-00000001")})
+    assert [s for s, _ in list_checkpoints(tmp_path)] == [1, 3]
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_gradient_accumulation_matches_one_pass(tmp_path):
+    grads = {}
+    for parts in (1, 3):
+        trainer = GRPOTrainer(
+            config(tmp_path / str(parts), gradient_accumulation_steps=parts), model=make_st_model(), train_data=DATA
+        )
+        rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+        advantages = torch.tensor([0.3, -0.1, -0.2, 0.5, 0.0, -0.5])
+
+        def capture(*args, parts=parts, trainer=trainer, **kwargs):
+            grads[parts] = [p.grad.clone() for p in trainer.policy.parameters()]
+
+        trainer.optimizer.step = capture
+        trainer.update(rollouts.positives, advantages)
+    for one, three in zip(grads[1], grads[3]):
+        torch.testing.assert_close(one, three, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"objective": "unsupervised", "num_negatives": 0},
+        {"reward_mode": "per_rollout", "ppo_epochs": 2, "kl_coef": 0.05, "lambda_consistency": 0.0},
+    ],
+)
+def test_objectives_and_modes_run(tmp_path, overrides):
+    cfg = config(tmp_path, max_steps=1, **overrides)
+    data = [Triplet(t.query, t.query, ()) for t in DATA] if overrides.get("objective") == "unsupervised" else DATA
+    result = GRPOTrainer(cfg, model=make_st_model(), train_data=data).train()
+    metrics = result["metrics"]
+    assert all(math.isfinite(v) for v in metrics.values())
+    if cfg.kl_coef:
+        assert metrics["kl"] >= 0 and "clip_fraction" in metrics
+
+
+def test_too_little_data_and_uneven_batches_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        GRPOTrainer(config(tmp_path, batch_size=16), model=make_st_model(), train_data=DATA)

@@ -1,0 +1,167 @@
+"""``grace-train``: GRPO training (or the InfoNCE baseline) from a YAML config.
+
+grace-train --config training/configs/cpu_smollm2.yaml                 # train
+grace-train --config FILE max_steps=10 output_dir=runs/x              # key=value overrides
+grace-train --config FILE --resume                                    # continue the latest checkpoint
+grace-train --config FILE --dry-run                                   # validate, print the plan
+grace-train --config FILE --method infonce output_dir=runs/infonce    # the "w/ CL" baseline
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import GRPOConfig
+from .data import load_data
+from .trainer import _cap_per_source
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grace-train", description="GRACE GRPO training (contrastive rewards).")
+    parser.add_argument("--config", required=True, help="YAML file with GRPOConfig keys")
+    parser.add_argument("overrides", nargs="*", help="key=value overrides (values parsed as YAML)")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="CHECKPOINT",
+        help="continue from the latest checkpoint in output_dir (or the one given)",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="validate the config and data, print the plan, exit")
+    parser.add_argument(
+        "--method",
+        choices=("grpo", "infonce"),
+        default="grpo",
+        help="grpo (GRACE) or infonce (the sentence-transformers MNRL baseline)",
+    )
+    return parser
+
+
+def _instructions(model_path: str) -> dict[str, str]:
+    from grace_st.prompts import DEFAULT_INSTRUCTIONS
+
+    config_file = Path(model_path) / "grace_config.json"
+    if config_file.is_file():
+        saved = json.loads(config_file.read_text(encoding="utf-8")).get("instructions") or {}
+        return {**DEFAULT_INSTRUCTIONS, **saved}
+    return dict(DEFAULT_INSTRUCTIONS)
+
+
+def plan(config: GRPOConfig, sample: int = 256) -> dict[str, Any]:
+    """Steps, rollouts per step and expected tokens, from the data and the tokenizer alone."""
+    from transformers import AutoTokenizer
+
+    import grace_st
+    from grace_st.prompts import build_prompt_template, tokenize_texts
+
+    rows, issues = load_data(
+        config.train_data,
+        bad_rows=config.bad_rows,
+        data_dir=config.data_dir,
+        num_negatives=config.num_negatives,
+        seed=config.seed,
+        objective=config.objective,
+    )
+    eval_rows, eval_issues = (
+        load_data(
+            config.eval_data,
+            bad_rows=config.bad_rows,
+            data_dir=config.data_dir,
+            num_negatives=config.num_negatives,
+            seed=config.seed,
+        )
+        if config.eval_data
+        else ([], [])
+    )
+    model_path = config.model_name_or_path or grace_st.default_model_path()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    instructions = _instructions(model_path)
+
+    def prompt_tokens(texts: list[str], task: str) -> float:
+        if not texts:
+            return 0.0
+        template = build_prompt_template(tokenizer, instructions.get(task, instructions["default"]))
+        budget = config.max_prompt_tokens - len(template.prefix_ids) - len(template.suffix_ids)
+        if budget < 0:
+            raise ValueError(f"the {task!r} instruction and chat template alone exceed max_prompt_tokens")
+        return statistics.mean(len(template.build(ids[:budget])) for ids in tokenize_texts(tokenizer, texts))
+
+    import random
+
+    head = random.Random(config.seed).sample(rows, min(sample, len(rows)))
+    negatives_per = statistics.mean(min(len(r.negatives), config.num_negatives) for r in head) if head else 0.0
+    query_len = prompt_tokens([r.query for r in head], config.query_task)
+    doc_len = prompt_tokens(
+        [r.positive for r in head] + [n for r in head for n in r.negatives[: config.num_negatives]],
+        config.document_task,
+    )
+    steps_per_epoch = len(rows) // config.batch_size
+    total = config.max_steps if config.max_steps > 0 else config.epochs * steps_per_epoch
+    b, k = config.batch_size, config.num_rollouts
+    rollouts = b * (1 + k + negatives_per)
+    sources: dict[str, int] = {}
+    for row in rows:
+        sources[row.source] = sources.get(row.source, 0) + 1
+    return {
+        "model": model_path,
+        "objective": config.objective,
+        "instances": len(rows),
+        "instances_by_source": sources,
+        "bad_rows": len(issues) + len(eval_issues),
+        "eval_instances": len(_cap_per_source(eval_rows, config.eval_max_examples, config.seed)),
+        "steps_per_epoch": steps_per_epoch,
+        "total_steps": total,
+        "rollouts_per_step": rollouts,
+        "positive_rollouts_per_step": b * k,
+        "mean_prompt_tokens": {"query": round(query_len, 1), "document": round(doc_len, 1)},
+        "prompt_tokens_per_step": round(b * (query_len + negatives_per * doc_len + k * doc_len)),
+        "max_generated_tokens_per_step": round(rollouts * config.max_response_tokens),
+        "max_trained_tokens_per_step": round(b * k * (doc_len + config.max_response_tokens + 1)),
+        "max_generated_tokens_total": round(rollouts * config.max_response_tokens * total),
+        "checkpoints": len({*range(config.save_steps, total, config.save_steps or total + 1), total}),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = GRPOConfig.from_yaml(args.config, args.overrides)
+    except (ValueError, TypeError, FileNotFoundError) as error:
+        print(f"grace-train: bad config: {error}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        try:
+            summary = plan(config)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"grace-train: {error}", file=sys.stderr)
+            return 2
+        print(json.dumps({"config": config.to_dict(), "plan": summary}, indent=2))
+        return 0
+    if args.method == "infonce":
+        from .contrastive import train_infonce
+
+        path = train_infonce(config)
+        print(f"InfoNCE baseline saved to {path}")
+        return 0
+    from .trainer import GRPOTrainer
+
+    if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, one process writes it
+        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
+        config.to_yaml(Path(config.output_dir) / "config.yaml")
+    trainer = GRPOTrainer(config)
+    result = trainer.train(resume=args.resume)
+    print(json.dumps({"step": result["step"], "scores": result["scores"]}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

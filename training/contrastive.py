@@ -1,0 +1,156 @@
+"""The InfoNCE baseline (the paper's "w/ CL" row): the same causal LM, the same data, trained
+with sentence-transformers' own trainer and ``MultipleNegativesRankingLoss``.
+
+InfoNCE needs a gradient through the embedding, and a sampled rationale has none, so the
+baseline trains the embedding of the prompt alone: Eq. 3's pooling over ``P(x)`` (positions
+t > L_sys, the "Base" row of the paper), with the encoder's own template and instructions
+(queries with ``query_task``, documents with ``document_task``). The result is saved as a
+GRACE model with the input model's encoder settings, so it is evaluated like every other
+checkpoint; set ``max_rationale_tokens=0`` on it to score the pooled prompt alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from grace_st import GenerativeEncoder
+from grace_st.generation import prompt_pooling_mask
+from grace_st.pooling import masked_mean
+
+from .config import GRPOConfig
+from .data import Triplet, load_data
+from .grpo import position_ids_from_mask
+
+logger = logging.getLogger(__name__)
+
+
+class PromptPoolingEncoder(GenerativeEncoder):
+    """A GenerativeEncoder whose forward keeps the gradient: one pass over the left-padded
+    prompt, Eq. 3 pooling over t > L_sys, no rationale. Training-only; never saved."""
+
+    def forward(self, features: dict[str, Tensor], task: str | None = None, **kwargs) -> dict[str, Tensor]:
+        mask = features["attention_mask"]
+        inputs = {
+            "input_ids": features["input_ids"],
+            "attention_mask": mask,
+            "position_ids": position_ids_from_mask(mask),
+        }
+        if self.hidden_layer == -1:
+            states = self.model.get_decoder()(**inputs).last_hidden_state
+        else:
+            states = self.model(**inputs, output_hidden_states=True).hidden_states[self.hidden_layer]
+        pooled = masked_mean(states, prompt_pooling_mask(mask, features["instruction_lengths"]))
+        return {**features, "token_embeddings": states, "sentence_embedding": pooled.to(states.dtype)}
+
+
+def infonce_dataset(rows: list[Triplet]):
+    """(anchor, positive[, negative]) columns; the negative column only when every row has one."""
+    from datasets import Dataset
+
+    columns = {"anchor": [r.query for r in rows], "positive": [r.positive for r in rows]}
+    if rows and all(r.negatives for r in rows):
+        columns["negative"] = [r.negatives[0] for r in rows]
+    return Dataset.from_dict(columns)
+
+
+def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] | None = None) -> Path:
+    """Fine-tune with MNRL on ``config.train_data``; returns ``<output_dir>/final`` (a GRACE model directory)."""
+    from grace_st.model_cards import write_model_card
+    from sentence_transformers import (
+        SentenceTransformer,
+        SentenceTransformerTrainer,
+        SentenceTransformerTrainingArguments,
+    )
+
+    try:
+        from sentence_transformers.base.modules import Normalize
+        from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+    except ImportError:  # sentence-transformers 5.x
+        from sentence_transformers.losses import MultipleNegativesRankingLoss
+        from sentence_transformers.models import Normalize
+
+    from .trainer import _hub_id_or_none, load_grace_model
+
+    if model is None:
+        model = load_grace_model(config, "cuda" if torch.cuda.is_available() else "cpu")
+    encoder = model[0]
+    if train_data is None:
+        train_data, _ = load_data(
+            config.train_data,
+            bad_rows=config.bad_rows,
+            data_dir=config.data_dir,
+            num_negatives=config.num_negatives,
+            seed=config.seed,
+        )
+    settings = {key: getattr(encoder, key) for key in ("instructions", "hidden_layer")}
+    # Shares the LM object with `model`: training it trains the model that is saved below.
+    trainable = PromptPoolingEncoder(
+        model=encoder.model,
+        tokenizer=encoder.tokenizer,
+        max_rationale_tokens=0,
+        max_input_tokens=config.max_prompt_tokens,
+        **settings,
+    )
+    st = SentenceTransformer(modules=[trainable, Normalize()], device=str(next(encoder.model.parameters()).device))
+    loss = MultipleNegativesRankingLoss(st, scale=1.0 / config.infonce_temperature)
+    output = Path(config.output_dir)
+    arguments = {
+        "output_dir": str(output / "trainer"),
+        "num_train_epochs": config.epochs,
+        "max_steps": config.max_steps,
+        "per_device_train_batch_size": config.infonce_batch_size or config.batch_size,
+        "learning_rate": config.infonce_learning_rate,
+        "lr_scheduler_type": "constant",
+        "warmup_steps": 0,
+        "weight_decay": config.weight_decay,
+        "max_grad_norm": config.max_grad_norm,
+        "seed": config.seed,
+        "bf16": config.bf16,
+        "dataloader_pin_memory": torch.cuda.is_available(),
+        "save_strategy": "no",
+        "logging_steps": config.logging_steps,
+        "report_to": [r for r in config.report_to if r == "tensorboard"] or "none",
+        "dataloader_drop_last": True,
+        "router_mapping": {
+            "anchor": config.query_task,
+            "positive": config.document_task,
+            "negative": config.document_task,
+        },
+    }
+    if config.gradient_checkpointing:
+        arguments["gradient_checkpointing"] = True
+    known = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
+    args = SentenceTransformerTrainingArguments(**{k: v for k, v in arguments.items() if k in known})
+    trainer = SentenceTransformerTrainer(model=st, args=args, train_dataset=infonce_dataset(train_data), loss=loss)
+    trainer.train()
+
+    encoder.model.eval()
+    encoder.max_input_tokens = config.max_prompt_tokens
+    final, staging = output / "final", output / ".tmp-final"
+    shutil.rmtree(staging, ignore_errors=True)
+    model.save(str(staging), create_model_card=False)
+    write_model_card(
+        model,
+        staging,
+        model_id=config.hub_model_id or f"{output.name}-infonce",
+        base_model=config.base_model or _hub_id_or_none(config.model_name_or_path),
+        training_config={
+            "objective": "InfoNCE (MultipleNegativesRankingLoss), prompt pooling",
+            "learning_rate": config.infonce_learning_rate,
+            "batch_size": args.per_device_train_batch_size,
+            "temperature": config.infonce_temperature,
+            "steps": trainer.state.global_step,
+        },
+    )
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
+    logger.info("InfoNCE baseline: %d steps, saved to %s", trainer.state.global_step, final)
+    return final

@@ -1,0 +1,268 @@
+"""Asymmetric rollouts (method.md §2, Eq. 4) and their embeddings (Eq. 3).
+
+For a batch of triplets: one rationale for each query, one for each negative, K for each
+positive. Prompts are built by the encoder's own ``preprocess`` (chat template, per-type
+instruction, L_sys), and with the HF backend the rationale and its hidden states come from
+``grace_st.generation.generate_rollouts``, pooled by ``grace_st.pooling.masked_mean``: the
+code ``encode`` runs. A rollout's embedding is therefore the embedding ``encode`` would
+return for that rationale (``test_rollout_embedding_is_encode_embedding``).
+
+Backends return, per row, the rationale ids, the EOS id that ended it (−1 when cut) and the
+normalised embedding. The vLLM backend generates token ids only; its embeddings come from one
+no-gradient forward pass of the trainer's policy over ``P(x) ⊕ r`` (:func:`embed_rollouts`),
+which is Eq. 2 exactly since the model is causal.
+
+Sampling is seeded per row from (run seed, step, role, instance, k), so a step's rollouts do
+not depend on batching, on the process that drew them, or on whether the run was resumed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from grace_st.generation import generate_rollouts, left_pad, pooled_embeddings
+from grace_st.pooling import masked_mean
+
+from .data import Triplet
+from .rollout_batch import RolloutBatch
+
+
+@dataclass
+class TripletRollouts:
+    """Eq. 4 for one batch: queries (B), negatives (Σ M_i, owned by ``negative_owner``), positives (B·K, instance-major)."""
+
+    queries: RolloutBatch
+    negatives: RolloutBatch
+    positives: RolloutBatch
+    negative_owner: list[int]
+    num_rollouts: int
+
+    def grouped(self, max_negatives: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+        """(queries (B, H), positives (B, K, H), negatives (B, M, H), negative mask (B, M), truncated (B, K))."""
+        batch, k = len(self.queries), self.num_rollouts
+        hidden = self.queries.embeddings.shape[-1]
+        negatives = self.queries.embeddings.new_zeros((batch, max_negatives, hidden))
+        mask = torch.zeros((batch, max_negatives), dtype=torch.bool)
+        filled = [0] * batch
+        for row, owner in enumerate(self.negative_owner):
+            if filled[owner] < max_negatives:
+                negatives[owner, filled[owner]] = self.negatives.embeddings[row]
+                mask[owner, filled[owner]] = True
+                filled[owner] += 1
+        positives = self.positives.embeddings.view(batch, k, hidden)
+        return self.queries.embeddings, positives, negatives, mask, self.positives.truncated.view(batch, k)
+
+
+# -- seeds and prompts -----------------------------------------------------------------------------
+
+
+def rollout_seed(seed: int, step: int, role: str, instance: int, k: int = 0) -> int:
+    key = f"{seed}\x00{step}\x00{role}\x00{instance}\x00{k}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+@contextlib.contextmanager
+def _single_greedy_preprocess(encoder):
+    """``preprocess`` without its own replication and seeds: the trainer replicates rows for K."""
+    saved = encoder.num_rationales, encoder.do_sample
+    encoder.num_rationales, encoder.do_sample = 1, False
+    try:
+        yield
+    finally:
+        encoder.num_rationales, encoder.do_sample = saved
+
+
+def tokenize_prompts(encoder, texts: Sequence[str], task: str | None) -> tuple[list[list[int]], list[int]]:
+    """P(x) for each text through the encoder's ``preprocess`` (template, instruction, truncation)."""
+    if not texts:
+        return [], []
+    with _single_greedy_preprocess(encoder):
+        features = encoder.preprocess(list(texts), task=task)
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(features["input_ids"], features["attention_mask"])]
+    return rows, features["instruction_lengths"].tolist()
+
+
+# -- backends --------------------------------------------------------------------------------------
+
+
+def hf_generate(
+    encoder,
+    prompt_ids: list[list[int]],
+    instruction_lengths: list[int],
+    *,
+    temperature: float,
+    top_p: float,
+    max_new_tokens: int,
+    seeds: list[int],
+    batch_size: int = 64,
+) -> tuple[list[list[int]], list[int], Tensor, Tensor]:
+    """Rationales and embeddings with ``generate_rollouts`` + ``masked_mean``, as ``encode`` makes them.
+
+    Rows are generated in chunks of similar prompt length (less padding); each row has its own
+    generator, so chunking does not change what is sampled.
+    """
+    model = encoder.model
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    rationales: list[list[int]] = [[] for _ in prompt_ids]
+    stops = [-1] * len(prompt_ids)
+    embeddings: list[Tensor | None] = [None] * len(prompt_ids)
+    truncated = torch.zeros(len(prompt_ids), dtype=torch.bool)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        input_ids, attention_mask = left_pad([prompt_ids[i] for i in chunk], encoder.pad_token_id)
+        rollouts = generate_rollouts(
+            model,
+            input_ids.to(device),
+            attention_mask.to(device),
+            torch.tensor([instruction_lengths[i] for i in chunk], device=device),
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=encoder.eos_token_ids,
+            pad_token_id=encoder.pad_token_id,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else 1.0,
+            top_p=top_p,
+            seeds=[seeds[i] for i in chunk],
+            hidden_layer=encoder.hidden_layer,
+        )
+        pooled = F.normalize(masked_mean(rollouts.token_embeddings, rollouts.pooling_mask), dim=-1).cpu()
+        for row, i in enumerate(chunk):
+            rationales[i] = [t for t in rollouts.rationale_ids[row].tolist() if t >= 0]
+            stops[i] = int(rollouts.stop_ids[row])
+            embeddings[i] = pooled[row]
+            truncated[i] = bool(rollouts.truncated[row])
+    hidden = encoder.get_embedding_dimension()
+    stacked = torch.stack(embeddings) if embeddings else torch.zeros((0, hidden))
+    return rationales, stops, stacked, truncated
+
+
+@torch.no_grad()
+def embed_rollouts(
+    encoder,
+    prompt_ids: list[list[int]],
+    instruction_lengths: list[int],
+    rationale_ids: list[list[int]],
+    batch_size: int = 64,
+) -> Tensor:
+    """h (Eq. 3) of given rationales by one forward pass over ``P(x) ⊕ r``, normalised (R, H).
+
+    For backends that return tokens only (vLLM): ``grace_st.generation.pooled_embeddings``, the
+    pass the encoder's own vLLM path pools with. Causal attention makes these the states the
+    generating pass had.
+    """
+    if not prompt_ids:
+        return torch.zeros((0, encoder.get_embedding_dimension()))
+    pooled = pooled_embeddings(
+        encoder.model,
+        prompt_ids,
+        instruction_lengths,
+        rationale_ids,
+        encoder.pad_token_id,
+        encoder.hidden_layer,
+        batch_size=batch_size,
+    )
+    return F.normalize(pooled.float(), dim=-1).cpu()
+
+
+GenerateFn = Callable[..., tuple[list[list[int]], list[int], Tensor, Tensor]]
+
+
+# -- Eq. 4 -----------------------------------------------------------------------------------------
+
+
+def asymmetric_rollouts(
+    encoder,
+    triplets: Sequence[Triplet],
+    *,
+    num_rollouts: int,
+    num_negatives: int,
+    step: int,
+    seed: int,
+    max_new_tokens: int,
+    temperature_query: float,
+    temperature_negative: float,
+    temperature_positive: float,
+    top_p: float = 1.0,
+    query_task: str | None = "query",
+    document_task: str | None = "document",
+    generate: GenerateFn | None = None,
+    instance_offset: int = 0,
+) -> TripletRollouts:
+    """One rationale per query and per negative, K per positive (Eq. 4).
+
+    Rows sharing a temperature are generated together (queries and negatives usually do).
+    ``instance_offset`` is the global index of this process's first instance (seeds).
+    """
+    generate = generate or (lambda *a, **kw: hf_generate(encoder, *a, **kw))
+    roles: dict[str, dict] = {}
+
+    def add(role: str, texts: list[str], task, temperature: float, seeds: list[int]) -> None:
+        prompts, spans = tokenize_prompts(encoder, texts, task)
+        roles[role] = {"prompts": prompts, "spans": spans, "temperature": temperature, "seeds": seeds}
+
+    queries = [t.query for t in triplets]
+    add(
+        "query",
+        queries,
+        query_task,
+        temperature_query,
+        [rollout_seed(seed, step, "query", instance_offset + i) for i in range(len(triplets))],
+    )
+    owner, negatives, negative_seeds = [], [], []
+    for i, t in enumerate(triplets):
+        for m, text in enumerate(t.negatives[:num_negatives]):
+            owner.append(i)
+            negatives.append(text)
+            negative_seeds.append(rollout_seed(seed, step, "negative", instance_offset + i, m))
+    add("negative", negatives, document_task, temperature_negative, negative_seeds)
+    # The K copies of a positive share a prompt; tokenize once, then replicate.
+    prompts, spans = tokenize_prompts(encoder, [t.positive for t in triplets], document_task)
+    roles["positive"] = {
+        "prompts": [p for p in prompts for _ in range(num_rollouts)],
+        "spans": [s for s in spans for _ in range(num_rollouts)],
+        "temperature": temperature_positive,
+        "seeds": [
+            rollout_seed(seed, step, "positive", instance_offset + i, k)
+            for i in range(len(triplets))
+            for k in range(num_rollouts)
+        ],
+    }
+
+    results: dict[str, RolloutBatch] = {}
+    for temperature in dict.fromkeys(r["temperature"] for r in roles.values()):
+        members = [name for name, r in roles.items() if r["temperature"] == temperature]
+        prompts = [p for name in members for p in roles[name]["prompts"]]
+        spans = [s for name in members for s in roles[name]["spans"]]
+        seeds = [s for name in members for s in roles[name]["seeds"]]
+        if prompts:
+            rationales, stops, embeddings, truncated = generate(
+                prompts, spans, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds
+            )
+        else:
+            rationales, stops, embeddings, truncated = (
+                [],
+                [],
+                torch.zeros((0, encoder.get_embedding_dimension())),
+                torch.zeros(0, dtype=torch.bool),
+            )
+        start = 0
+        for name in members:
+            n = len(roles[name]["prompts"])
+            results[name] = RolloutBatch(
+                prompt_ids=roles[name]["prompts"],
+                instruction_lengths=roles[name]["spans"],
+                rationale_ids=rationales[start : start + n],
+                stop_ids=stops[start : start + n],
+                embeddings=embeddings[start : start + n],
+                truncated=truncated[start : start + n],
+                temperature=temperature,
+            )
+            start += n
+    return TripletRollouts(results["query"], results["negative"], results["positive"], owner, num_rollouts)

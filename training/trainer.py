@@ -1,0 +1,590 @@
+"""The GRACE GRPO loop (method.md §2): rollout → embed → reward → advantage → update.
+
+Read :meth:`GRPOTrainer.train` top to bottom; each stage is a method a test can call alone:
+
+- :meth:`~GRPOTrainer.batch_for_step`: the step's B triplets (a seeded order per epoch, so the
+  data position is the step number and a resumed run sees the batches a straight run would);
+- :meth:`~GRPOTrainer.rollout`: Eq. 4 with embeddings by Eq. 3 (no gradient);
+- :meth:`~GRPOTrainer.compute_rewards`: Eqs. 5–9, 13, 28;
+- :func:`grace_training.grpo.group_advantages`: Eq. 10;
+- :meth:`~GRPOTrainer.update`: Eq. 11, one optimiser step (or ``ppo_epochs`` clipped ones);
+- :meth:`~GRPOTrainer.save_checkpoint` / :meth:`~GRPOTrainer.resume`.
+
+Processes: ``accelerate`` runs it as one CPU process (tests), or on several GPUs (DDP or
+FSDP2, see docs/training.md). The global batch is split evenly across processes; the in-batch
+hard negatives (Eq. 7) see every process's rollouts through a gather.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .checkpoint import (
+    latest_checkpoint,
+    load_checkpoint,
+    read_trainer_state,
+    remove_incomplete,
+    rotate_checkpoints,
+    save_model_dir,
+    write_checkpoint,
+)
+from .config import GRPOConfig
+from .data import Triplet, load_data
+from .evaluation import evaluate
+from .grpo import build_policy_batch, completion_log_probs, group_advantages, grpo_loss
+from .metrics import MetricsLogger
+from .rewards import compute_rewards
+from .rollout import TripletRollouts, asymmetric_rollouts, hf_generate
+from .rollout_batch import RolloutBatch
+
+logger = logging.getLogger(__name__)
+
+
+def load_grace_model(config: GRPOConfig, device: str | None = None):
+    """The policy as a GRACE SentenceTransformer: a GRACE directory as saved, or any chat causal LM wrapped."""
+    from sentence_transformers import SentenceTransformer
+
+    import grace_st
+    from grace_st import GenerativeEncoder
+
+    path = config.model_name_or_path or grace_st.default_model_path()
+    if (Path(path) / "modules.json").is_file():
+        model = SentenceTransformer(path, trust_remote_code=True, device=device)
+        if isinstance(model[0], GenerativeEncoder):
+            return model
+    return grace_st.from_causal_lm(path, device=device)
+
+
+class GRPOTrainer:
+    """GRPO with contrastive rewards over a GRACE SentenceTransformer's causal LM.
+
+    Args:
+        config: the run's settings (paper defaults).
+        model: a GRACE SentenceTransformer (``grace_st.from_causal_lm`` or loaded); default:
+            ``config.model_name_or_path``, or the embedded default model.
+        train_data, eval_data: lists of :class:`~grace_training.data.Triplet`; default: loaded
+            from ``config.train_data`` / ``config.eval_data``.
+        hub_api: a stand-in for ``huggingface_hub.HfApi`` (tests); default: the real one.
+    """
+
+    def __init__(
+        self,
+        config: GRPOConfig,
+        *,
+        model=None,
+        train_data: list[Triplet] | None = None,
+        eval_data: list[Triplet] | None = None,
+        hub_api=None,
+        accelerator=None,
+    ) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import set_seed
+
+        config.validate()
+        self.config = config
+        self.accelerator = accelerator or Accelerator(mixed_precision="bf16" if config.bf16 else "no")
+        set_seed(config.seed)
+        self.st_model = model if model is not None else load_grace_model(config, str(self.accelerator.device))
+        self.encoder = self.st_model[0]
+        # The saved model encodes with the prompt and rationale budget it was trained with.
+        self.encoder.max_input_tokens = config.max_prompt_tokens
+        self.encoder.max_rationale_tokens = config.max_response_tokens
+        self.policy = self.encoder.model
+        if config.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+
+        # -- data ---------------------------------------------------------------------------
+        data_options = {
+            "bad_rows": config.bad_rows,
+            "data_dir": config.data_dir,
+            "num_negatives": config.num_negatives,
+            "seed": config.seed,
+        }
+        if train_data is None:
+            train_data, _ = load_data(config.train_data, objective=config.objective, **data_options)
+        if eval_data is None and config.eval_data:
+            eval_data, _ = load_data(config.eval_data, **data_options)
+        self.train_data = list(train_data)
+        self.eval_data = _cap_per_source(eval_data or [], config.eval_max_examples, config.seed)
+        world = self.accelerator.num_processes
+        if config.batch_size % world:
+            raise ValueError(f"batch_size {config.batch_size} must divide evenly over {world} processes")
+        self.local_batch_size = config.batch_size // world
+        self.steps_per_epoch = len(self.train_data) // config.batch_size
+        if self.steps_per_epoch == 0:
+            raise ValueError(f"{len(self.train_data)} training instances, fewer than one batch of {config.batch_size}")
+        self.total_steps = config.max_steps if config.max_steps > 0 else config.epochs * self.steps_per_epoch
+        self._orders: dict[int, list[int]] = {}
+
+        # -- optimisation -------------------------------------------------------------------
+        self.reference = None
+        if config.kl_coef > 0:
+            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        optimizer = torch.optim.AdamW(
+            self.policy.parameters(),
+            lr=config.learning_rate,
+            betas=(config.adam_beta1, config.adam_beta2),
+            eps=config.adam_epsilon,
+            weight_decay=config.weight_decay,
+        )
+        # The scheduler is stepped once per training step here, not through accelerate (which
+        # would step it once per process).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config, self.total_steps))
+        self.policy_wrapped, self.optimizer = self.accelerator.prepare(self.policy, optimizer)
+
+        # -- rollout backend ----------------------------------------------------------------
+        self.engine = None
+        self.generate = lambda *a, **kw: hf_generate(self.encoder, *a, batch_size=config.rollout_batch_size, **kw)
+        if config.rollout_backend == "vllm":
+            self.engine = self._build_vllm_engine()
+            self.generate = self.engine.generate
+
+        self.hub_api = hub_api
+        self.pusher = None
+        self.metrics: MetricsLogger | None = None
+        self.step = 0
+        self.last_metrics: dict[str, Any] = {}
+        self.last_scores: dict[str, float] = {}
+        self.last_example: dict[str, str] | None = None
+        self.base_model = config.base_model or _hub_id_or_none(config.model_name_or_path)
+
+    # ------------------------------------------------------------------------------------------
+    # the loop
+    # ------------------------------------------------------------------------------------------
+
+    def train(self, resume: bool | str = False) -> dict[str, Any]:
+        """Run to ``total_steps``; with ``resume``, continue the latest (or given) checkpoint's trajectory."""
+        cfg, main = self.config, self.accelerator.is_main_process
+        if main:
+            for path in remove_incomplete(cfg.output_dir):
+                logger.warning("removed an incomplete checkpoint left by a crash: %s", path)
+        if resume:
+            self.resume(None if resume is True else resume)
+            if self.step >= self.total_steps:
+                logger.info("the checkpoint at step %d already completes the run", self.step)
+                return {"step": self.step, "metrics": self.last_metrics, "scores": self.last_scores}
+        self.metrics = MetricsLogger(
+            cfg.output_dir, cfg.report_to, enabled=main, resume_step=self.step if resume else None
+        )
+        if cfg.push_to_hub and main:
+            from .hub import HubPusher
+
+            self.pusher = HubPusher(
+                cfg.hub_model_id,
+                cfg.output_dir,
+                api=self.hub_api,
+                private=cfg.hub_private,
+                initial_backoff=cfg.hub_retry_backoff_s,
+            )
+        if self.step == 0 and self.eval_data:
+            self.last_scores = self.evaluate()
+            self.metrics.log(0, self.last_scores)
+        progress = _progress_bar(self.total_steps, self.step, disable=not main)
+        saved_at = None
+        while self.step < self.total_steps:
+            batch = self.batch_for_step(self.step)
+            metrics = self.training_step(batch, self.step)
+            self.step += 1
+            self.last_metrics = metrics
+            progress.update(1)
+            progress.set_postfix(
+                reward=f"{metrics['reward/final']:.3f}",
+                loss=f"{metrics['loss']:.4f}",
+                s_per_step=f"{metrics['time/step_s']:.1f}",
+            )
+            if cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps and self.eval_data:
+                self.last_scores = self.evaluate()
+                metrics = {**metrics, **self.last_scores}
+            if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
+                self.metrics.log(self.step, metrics)
+            if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
+                self.save_checkpoint()
+                saved_at = self.step
+        progress.close()
+        if self.eval_data and self.step > 0:
+            self.last_scores = self.evaluate()
+            self.metrics.log(self.step, self.last_scores)
+        if saved_at != self.step:
+            self.save_checkpoint(final=True)
+        if self.pusher is not None and not self.pusher.close(timeout=cfg.hub_final_wait_s):
+            logger.warning("Hub pushes still pending; %s keeps them for the next run", self.pusher.journal)
+        self.metrics.close()
+        return {"step": self.step, "metrics": self.last_metrics, "scores": self.last_scores}
+
+    def training_step(self, batch: list[Triplet], step: int) -> dict[str, float]:
+        """One GRPO step: Eq. 4 rollouts, Eqs. 5–9/13/28 rewards, Eq. 10 advantages, Eq. 11 update."""
+        start = time.perf_counter()
+        rollouts = self.rollout(batch, step)
+        rolled = time.perf_counter()
+        rewards = self.compute_rewards(rollouts)
+        advantages = group_advantages(rewards["final"])
+        rewarded = time.perf_counter()
+        update = self.update(rollouts.positives, advantages.reshape(-1))
+        updated = time.perf_counter()
+        self.last_example = {
+            "text": batch[0].positive[:1000],
+            "rationale": self.encoder.tokenizer.decode(rollouts.positives.rationale_ids[0], skip_special_tokens=False),
+        }
+        timings = {
+            "rollout": rolled - start,
+            "reward": rewarded - rolled,
+            "update": updated - rewarded,
+            "step": updated - start,
+        }
+        return self._reduce(self.step_metrics(rollouts, rewards, advantages, update, timings, step))
+
+    # ------------------------------------------------------------------------------------------
+    # stages
+    # ------------------------------------------------------------------------------------------
+
+    def batch_for_step(self, step: int) -> list[Triplet]:
+        """This process's share of the step's global batch (seeded order per epoch)."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if epoch not in self._orders:
+            order = list(range(len(self.train_data)))
+            random.Random(self.config.seed + epoch).shuffle(order)
+            self._orders = {epoch: order}
+        ids = self._orders[epoch][index * self.config.batch_size : (index + 1) * self.config.batch_size]
+        rank, local = self.accelerator.process_index, self.local_batch_size
+        return [self.train_data[i] for i in ids[rank * local : (rank + 1) * local]]
+
+    def rollout(self, batch: list[Triplet], step: int) -> TripletRollouts:
+        """Eq. 4 (one rationale per query and negative, K per positive), embeddings by Eq. 3."""
+        cfg = self.config
+        self.policy.eval()
+        with self.accelerator.autocast():
+            return asymmetric_rollouts(
+                self.encoder,
+                batch,
+                num_rollouts=cfg.num_rollouts,
+                num_negatives=cfg.num_negatives,
+                step=step,
+                seed=cfg.seed,
+                max_new_tokens=cfg.max_response_tokens,
+                temperature_query=cfg.temperature_query,
+                temperature_negative=cfg.temperature_negative,
+                temperature_positive=cfg.temperature_positive,
+                top_p=cfg.top_p,
+                query_task=cfg.query_task,
+                document_task=cfg.document_task,
+                generate=self.generate,
+                instance_offset=self.accelerator.process_index * self.local_batch_size,
+            )
+
+    def compute_rewards(self, rollouts: TripletRollouts) -> dict[str, torch.Tensor]:
+        """Eqs. 5–9 (or 13 unsupervised) and 28 for every positive rollout, each (B, K)."""
+        cfg = self.config
+        query, positives, negatives, mask, truncated = rollouts.grouped(cfg.num_negatives)
+        all_queries, all_positives, own = query, positives, None
+        if self.accelerator.num_processes > 1:
+            device = self.accelerator.device
+            all_queries = self.accelerator.gather(query.to(device)).cpu()
+            all_positives = self.accelerator.gather(positives.to(device)).cpu()
+            own = torch.arange(len(query)) + self.accelerator.process_index * self.local_batch_size
+        return compute_rewards(
+            query,
+            positives,
+            negatives,
+            mask,
+            truncated,
+            all_queries=all_queries,
+            all_positives=all_positives,
+            own_index=own,
+            mode=cfg.reward_mode,
+            objective=cfg.objective,
+            lambda_consistency=cfg.lambda_consistency,
+            lambda_hard_negative=cfg.lambda_hard_negative,
+            tau=cfg.tau,
+            gamma=cfg.gamma,
+            length_penalty_mode=cfg.length_penalty_mode,
+        )
+
+    def update(self, positives: RolloutBatch, advantages: torch.Tensor) -> dict[str, float]:
+        """Eq. 11 on the positive rollouts: ``ppo_epochs`` optimiser steps, each accumulating
+        ``gradient_accumulation_steps`` chunks; token-level aggregation over the whole batch."""
+        cfg, accelerator = self.config, self.accelerator
+        device = accelerator.device
+        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        self.policy_wrapped.train()
+        rows = list(range(len(positives)))
+        parts = min(cfg.gradient_accumulation_steps, len(rows))
+        chunks = [rows[i::parts] for i in range(parts)]
+        batches = []
+        for chunk in chunks:
+            batch = build_policy_batch(
+                [positives.prompt_ids[i] for i in chunk],
+                [positives.rationale_ids[i] for i in chunk],
+                [positives.stop_ids[i] for i in chunk],
+                self.encoder.pad_token_id,
+            )
+            batches.append({k: v.to(device) for k, v in batch.items()})
+        num_tokens = float(sum(b["completion_mask"].sum() for b in batches))
+        advantages = advantages.to(device)
+        temperature = positives.temperature
+
+        old_log_probs, ref_log_probs = [None] * parts, [None] * parts
+        if cfg.ppo_epochs > 1 or self.reference is not None:
+            with torch.no_grad(), accelerator.autocast():
+                for i, batch in enumerate(batches):
+                    if cfg.ppo_epochs > 1:
+                        old_log_probs[i] = completion_log_probs(self.policy_wrapped, batch, temperature)
+                    if self.reference is not None:
+                        ref_log_probs[i] = completion_log_probs(self.reference, batch, temperature)
+
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        grad_norm = torch.tensor(0.0)
+        for _ in range(cfg.ppo_epochs):
+            self.optimizer.zero_grad(set_to_none=True)
+            for i, (batch, chunk) in enumerate(zip(batches, chunks)):
+                last = i == len(batches) - 1
+                sync = contextlib.nullcontext() if last else accelerator.no_sync(self.policy_wrapped)
+                with sync, accelerator.autocast():
+                    log_probs = completion_log_probs(self.policy_wrapped, batch, temperature)
+                    old = old_log_probs[i] if old_log_probs[i] is not None else log_probs.detach()
+                    loss, stats = grpo_loss(
+                        log_probs,
+                        old,
+                        advantages[chunk],
+                        batch["completion_mask"],
+                        clip_epsilon=cfg.clip_epsilon,
+                        ref_log_probs=ref_log_probs[i],
+                        kl_coef=cfg.kl_coef,
+                        num_tokens=num_tokens,
+                    )
+                    accelerator.backward(loss)
+                share = batch["completion_mask"].sum().item() / max(num_tokens, 1.0)
+                totals["loss"] += loss.item() / cfg.ppo_epochs
+                totals["clip_fraction"] += stats["clip_fraction"].item() * share / cfg.ppo_epochs
+                totals["kl"] += stats.get("kl", torch.tensor(0.0)).item() * share / cfg.ppo_epochs
+            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+            grad_norm = accelerator.clip_grad_norm_(self.policy_wrapped.parameters(), max_norm)
+            self.optimizer.step()
+        self.scheduler.step()
+        self.policy_wrapped.eval()
+        if self.engine is not None:
+            self.engine.sync_from(self.policy)
+        return {
+            **totals,
+            "lr": lr,
+            "grad_norm": float(grad_norm),
+            "trained_tokens": num_tokens,
+            "update_tokens": float(sum(b["attention_mask"].sum() for b in batches)),
+        }
+
+    # ------------------------------------------------------------------------------------------
+    # metrics, evaluation
+    # ------------------------------------------------------------------------------------------
+
+    def step_metrics(self, rollouts: TripletRollouts, rewards, advantages, update, timings, step) -> dict[str, float]:
+        positives = rollouts.positives
+        everything = [rollouts.queries, rollouts.negatives, positives]
+        generated = float(sum(r.lengths.sum() for r in everything)) + sum(
+            int((torch.tensor(r.stop_ids) >= 0).sum()) for r in everything if len(r)
+        )
+        rows = sum(len(r) for r in everything)
+        truncated_all = sum(int(r.truncated.sum()) for r in everything)
+        metrics: dict[str, float] = {f"reward/{name}": value.float().mean().item() for name, value in rewards.items()}
+        metrics["reward/final_std_in_group"] = rewards["final"].std(dim=1, unbiased=False).mean().item()
+        metrics.update(
+            {
+                "advantage/mean": advantages.mean().item(),
+                "advantage/std": advantages.std(unbiased=False).item(),
+                "advantage/abs_mean": advantages.abs().mean().item(),
+                "advantage/min": advantages.min().item(),
+                "advantage/max": advantages.max().item(),
+                "rollout/positive_length_mean": positives.lengths.mean().item(),
+                "rollout/positive_length_max": positives.lengths.max().item(),
+                "rollout/query_length_mean": rollouts.queries.lengths.mean().item(),
+                "rollout/negative_length_mean": rollouts.negatives.lengths.mean().item()
+                if len(rollouts.negatives)
+                else 0.0,
+                "rollout/prompt_length_mean": positives.prompt_lengths.mean().item(),
+                "rollout/truncation_rate": positives.truncated.float().mean().item(),
+                "rollout/truncation_rate_all": truncated_all / max(rows, 1),
+                "rollout/count": float(rows),
+                "loss": update["loss"],
+                "grad_norm": update["grad_norm"],
+                "clip_fraction": update["clip_fraction"],
+                "kl": update["kl"],
+                "lr": update["lr"],
+                "epoch": (step + 1) / self.steps_per_epoch,
+                "time/rollout_s": timings["rollout"],
+                "time/reward_s": timings["reward"],
+                "time/update_s": timings["update"],
+                "time/step_s": timings["step"],
+                "time/rollout_share": timings["rollout"] / max(timings["step"], 1e-9),
+                "throughput/generated_tokens": generated,
+                "throughput/generated_tokens_per_s": generated / max(timings["rollout"], 1e-9),
+                "throughput/tokens_per_s": (generated + update["update_tokens"]) / max(timings["step"], 1e-9),
+            }
+        )
+        return metrics
+
+    def _reduce(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Mean over processes (a no-op on one)."""
+        if self.accelerator.num_processes == 1:
+            return metrics
+        keys = list(metrics)
+        values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
+        values = self.accelerator.reduce(values, reduction="mean").cpu().tolist()
+        return dict(zip(keys, values))
+
+    def evaluate(self) -> dict[str, float]:
+        """Greedy ``encode`` scores on the eval sources (see evaluation.py)."""
+        cfg = self.config
+        start = time.perf_counter()
+        with self.accelerator.autocast():
+            scores = evaluate(
+                self.st_model,
+                self.eval_data,
+                query_task=cfg.query_task,
+                document_task=cfg.document_task,
+                batch_size=cfg.eval_batch_size,
+            )
+        scores["time/eval_s"] = time.perf_counter() - start
+        logger.info("eval at step %d: %s", self.step, scores)
+        return scores
+
+    # ------------------------------------------------------------------------------------------
+    # checkpoints
+    # ------------------------------------------------------------------------------------------
+
+    def save_checkpoint(self, final: bool = False) -> Path:
+        """A GRACE model directory + trainer state at ``output_dir/checkpoint-<step>``, atomically."""
+        from grace_st.model_cards import write_model_card
+
+        cfg = self.config
+        distributed = self.accelerator.num_processes > 1
+        full_state = self.accelerator.get_state_dict(self.policy_wrapped) if distributed else None
+        epoch, index = divmod(self.step, self.steps_per_epoch)
+        state = {
+            "step": self.step,
+            "total_steps": self.total_steps,
+            "steps_per_epoch": self.steps_per_epoch,
+            "data_position": {"epoch": epoch, "batch_in_epoch": index, "num_instances": len(self.train_data)},
+            "config": cfg.to_dict(),
+            "metrics": self.last_metrics,
+            "scores": self.last_scores,
+        }
+
+        def card(path: Path) -> None:
+            scores = {k.removeprefix("eval/"): v for k, v in self.last_scores.items() if k.startswith("eval/")}
+            write_model_card(
+                self.st_model,
+                path,
+                model_id=cfg.hub_model_id or Path(cfg.output_dir).name,
+                base_model=self.base_model,
+                example=self.last_example,
+                training_config={**cfg.summary(), "step": self.step},
+                scores=scores or None,
+            )
+
+        path = write_checkpoint(
+            cfg.output_dir,
+            self.step,
+            write_model=lambda target: save_model_dir(self.st_model, target, full_state),
+            write_extra=card,
+            trainer_state=state,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            accelerator=self.accelerator,
+        )
+        if self.accelerator.is_main_process:
+            if self.pusher is not None and (final or not cfg.push_steps or self.step % cfg.push_steps == 0):
+                self.pusher.submit(path, self.step)
+            protected = self.pusher.pending_paths() if self.pusher is not None else set()
+            rotate_checkpoints(cfg.output_dir, cfg.save_total_limit, protected)
+        return path
+
+    def resume(self, checkpoint: str | Path | None = None) -> int:
+        """Restore weights, optimizer, scheduler, RNG and data position; returns the step."""
+        path = Path(checkpoint) if checkpoint else latest_checkpoint(self.config.output_dir)
+        if path is None:
+            logger.warning("--resume: no checkpoint in %s, starting from step 0", self.config.output_dir)
+            return 0
+        saved = read_trainer_state(path)
+        if saved.get("steps_per_epoch") not in (None, self.steps_per_epoch):
+            logger.warning(
+                "the data changed since the checkpoint (%s batches an epoch, now %s): the order differs",
+                saved["steps_per_epoch"],
+                self.steps_per_epoch,
+            )
+        state = load_checkpoint(
+            path, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler, accelerator=self.accelerator
+        )
+        self.step = int(state["step"])
+        self.last_metrics = state.get("metrics") or {}
+        self.last_scores = state.get("scores") or {}
+        if self.engine is not None:
+            self.engine.sync_from(self.policy)
+        logger.info("resumed from %s at step %d", path, self.step)
+        return self.step
+
+    # ------------------------------------------------------------------------------------------
+
+    def _build_vllm_engine(self):
+        from .vllm_backend import VLLMRolloutEngine
+
+        cfg = self.config
+        path = cfg.model_name_or_path
+        if path is None or not Path(path).exists():
+            path = str(Path(cfg.output_dir) / "initial-model")
+            if self.accelerator.is_main_process:
+                save_model_dir(self.st_model, Path(path))
+            self.accelerator.wait_for_everyone()
+        return VLLMRolloutEngine(
+            self.encoder,
+            path,
+            gpu_memory_utilization=cfg.vllm_gpu_memory_utilization,
+            tensor_parallel_size=cfg.vllm_tensor_parallel_size,
+            max_model_len=cfg.max_prompt_tokens + cfg.max_response_tokens + 1,
+            dtype="bfloat16" if cfg.bf16 else "auto",
+            seed=cfg.seed,
+            enable_sleep_mode=cfg.vllm_enable_sleep_mode,
+        )
+
+
+def lr_schedule(config: GRPOConfig, total_steps: int):
+    """Multiplier of the learning rate at a step: constant (paper), or linear decay; optional warm-up."""
+
+    def factor(step: int) -> float:
+        if config.warmup_steps and step < config.warmup_steps:
+            return (step + 1) / config.warmup_steps
+        if config.lr_scheduler == "linear":
+            return max(0.0, 1.0 - step / max(total_steps, 1))
+        return 1.0
+
+    return factor
+
+
+def _cap_per_source(rows: list[Triplet], cap: int, seed: int) -> list[Triplet]:
+    if not cap:
+        return rows
+    by_source: dict[str, list[Triplet]] = {}
+    for row in rows:
+        by_source.setdefault(row.source, []).append(row)
+    out = []
+    for items in by_source.values():
+        out.extend(items if len(items) <= cap else random.Random(seed).sample(items, cap))
+    return out
+
+
+def _hub_id_or_none(path: str | None) -> str | None:
+    """A Hub id (``owner/name``) names a base model on a card; a local path does not."""
+    if not path or Path(path).exists() or path.count("/") != 1 or path.startswith((".", "/", "~")):
+        return None
+    return path
+
+
+def _progress_bar(total: int, initial: int, disable: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, initial=initial, disable=disable, desc="GRPO", unit="step", dynamic_ncols=True)
