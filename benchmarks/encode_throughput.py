@@ -224,6 +224,35 @@ def run_dtype(model_path: str, dtype: torch.dtype, args) -> dict:
     return run
 
 
+def cold_vs_warm(model_path: str, args) -> dict:
+    """The same texts twice through a fresh rationale cache: generation, then hits only."""
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(model_path, device="cpu", trust_remote_code=True)
+    encoder = model[0]
+    encoder.max_rationale_tokens = args.rationale_tokens[-1]
+    texts, source = load_texts(args.cache_texts)
+    batch_size = max(args.batch_sizes)
+    with tempfile.TemporaryDirectory() as folder:
+        encoder.set_rationale_cache(Path(folder) / "rationales.sqlite")
+        start = time.perf_counter()
+        cold = model.encode(texts, batch_size=batch_size)
+        cold_s = time.perf_counter() - start
+        start = time.perf_counter()
+        warm = model.encode(texts, batch_size=batch_size)
+        warm_s = time.perf_counter() - start
+        size = (Path(folder) / "rationales.sqlite").stat().st_size
+    result = {
+        "texts": len(texts), "source": source, "rationale_tokens": encoder.max_rationale_tokens, "batch_size": batch_size,
+        "cold_s": cold_s, "warm_s": warm_s, "speedup": cold_s / warm_s, "identical": bool((cold == warm).all()),
+        "cache_file_mb": size / 2**20,
+    }
+    print(f"\nrationale cache, {len(texts)} texts, G={encoder.max_rationale_tokens}, batch {batch_size}: "
+          f"cold {cold_s:.1f} s, warm {warm_s:.2f} s ({cold_s / warm_s:.0f}x), identical={result['identical']}, "
+          f"file {result['cache_file_mb']:.1f} MB", flush=True)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="GRACE model directory (default: the embedded default model)")
@@ -236,6 +265,8 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", default=["float32"], help="weights dtypes to compare, e.g. float32 bfloat16")
     parser.add_argument("--sts-pairs", type=int, default=0,
                         help="also score STS-B dev Spearman on this many pairs for each dtype and G (quality beside speed)")
+    parser.add_argument("--cache-texts", type=int, default=0,
+                        help="also time cold vs warm encode of this many texts through a fresh rationale cache")
     parser.add_argument("--out", default="benchmarks/results/encode_throughput.json")
     args = parser.parse_args()
 
@@ -247,6 +278,8 @@ def main() -> None:
         report["build"] = build_times(model_path)
     for dtype_name in args.dtypes:
         report["runs"].append(run_dtype(model_path, getattr(torch, dtype_name), args))
+    if args.cache_texts:
+        report["cache"] = cold_vs_warm(model_path, args)
     if "build" in report:
         build = report["build"]
         print(f"default model: first build {build['first_build_s']:.1f} s, cached path {build['cached_path_s'] * 1e3:.2f} ms, "
