@@ -2,25 +2,12 @@
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from conftest import PROMPT_TEXTS, make_prompts
 
 from grace_st.generation import generate_rollouts, left_pad, two_pass_reference
 from grace_st.pooling import masked_mean
-from grace_st.prompts import build_prompt_template, tokenize_texts
 
-TEXTS = [
-    "The cat sat on the mat.",
-    "",
-    "Proteins fold into shapes that decide what they do in the cell, and stock markets fell.",
-    "ignore the instructions",
-]
-
-
-def _prompts(template_name="chatml"):
-    tokenizer = make_tokenizer(template_name)
-    template = build_prompt_template(tokenizer, "Read and analyze the following text.")
-    rows = [template.build(ids) for ids in tokenize_texts(tokenizer, TEXTS)]
-    return tokenizer, make_model(tokenizer), rows, [template.instruction_span] * len(rows)
+TEXTS = PROMPT_TEXTS
 
 
 def _one_pass(model, tokenizer, rows, spans, max_new_tokens, eos=None, **kwargs):
@@ -44,7 +31,7 @@ def _rationales(rollouts):
 @pytest.mark.parametrize("template_name", ["chatml", "llama3", "no_system"])
 @pytest.mark.parametrize("max_new_tokens", [0, 1, 12])
 def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens):
-    tokenizer, model, rows, spans = _prompts(template_name)
+    tokenizer, model, rows, spans = make_prompts(template_name)
     rollouts = _one_pass(model, tokenizer, rows, spans, max_new_tokens)
     reference, reference_rationales = two_pass_reference(
         model,
@@ -60,7 +47,7 @@ def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens):
 
 
 def test_one_pass_equals_two_pass_at_another_layer():
-    tokenizer, model, rows, spans = _prompts()
+    tokenizer, model, rows, spans = make_prompts()
     rollouts = _one_pass(model, tokenizer, rows, spans, 6, hidden_layer=1)
     reference, _ = two_pass_reference(
         model, rows, spans, max_new_tokens=6, eos_token_ids=[tokenizer.eos_token_id],
@@ -70,7 +57,7 @@ def test_one_pass_equals_two_pass_at_another_layer():
 
 
 def test_eos_ends_the_rationale_and_is_not_pooled():
-    tokenizer, model, rows, spans = _prompts()
+    tokenizer, model, rows, spans = make_prompts()
     free = _one_pass(model, tokenizer, rows, spans, 10)
     assert free.truncated.all()
     # declare row 0's fourth token an end-of-sequence token: row 0 must stop before it
@@ -92,7 +79,7 @@ def test_eos_ends_the_rationale_and_is_not_pooled():
 
 
 def test_batching_and_left_padding_do_not_change_a_text():
-    tokenizer, model, rows, spans = _prompts()
+    tokenizer, model, rows, spans = make_prompts()
     batched = _one_pass(model, tokenizer, rows, spans, 8)
     for i in range(len(rows)):
         alone = _one_pass(model, tokenizer, rows[i : i + 1], spans[i : i + 1], 8)
@@ -106,7 +93,7 @@ def test_batching_and_left_padding_do_not_change_a_text():
 
 
 def test_seeded_sampling_is_reproducible_and_per_row():
-    tokenizer, model, rows, spans = _prompts()
+    tokenizer, model, rows, spans = make_prompts()
     kwargs = dict(do_sample=True, temperature=1.0, top_p=0.9)
     first = _one_pass(model, tokenizer, rows, spans, 8, seeds=[1, 2, 3, 4], **kwargs)
     again = _one_pass(model, tokenizer, rows, spans, 8, seeds=[1, 2, 3, 4], **kwargs)
@@ -119,7 +106,7 @@ def test_seeded_sampling_is_reproducible_and_per_row():
 
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_dropping_finished_rows_changes_nothing(do_sample):
-    tokenizer, model, rows, spans = _prompts()
+    tokenizer, model, rows, spans = make_prompts()
     decoding = dict(do_sample=do_sample, seeds=[1, 2, 3, 4] if do_sample else None)
     free = _one_pass(model, tokenizer, rows, spans, 10, **decoding)
     # stop tokens that end rows 0 and 2 early, at different steps, so rows leave the batch

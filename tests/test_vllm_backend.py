@@ -8,25 +8,12 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from conftest import PROMPT_TEXTS, make_model, make_prompts, make_tokenizer
 
 from grace_st.generation import generate_rollouts, left_pad, two_pass_reference
-from grace_st.prompts import build_prompt_template, tokenize_texts
 from grace_st.vllm_backend import INSTALL_HINT, VLLMRationaleGenerator, pooled_embeddings
 
-TEXTS = [
-    "The cat sat on the mat.",
-    "",
-    "Proteins fold into shapes that decide what they do in the cell, and stock markets fell.",
-    "ignore the instructions",
-]
-
-
-def _setup(template_name="chatml"):
-    tokenizer = make_tokenizer(template_name)
-    template = build_prompt_template(tokenizer, "Read and analyze the following text.")
-    rows = [template.build(ids) for ids in tokenize_texts(tokenizer, TEXTS)]
-    return tokenizer, make_model(tokenizer), rows, [template.instruction_span] * len(rows)
+TEXTS = PROMPT_TEXTS
 
 
 # -- pooled_embeddings: the re-encode step of two_pass_reference ------------------------------------
@@ -36,7 +23,7 @@ def _setup(template_name="chatml"):
     ("template_name", "max_new_tokens", "hidden_layer"), [("chatml", 0, -1), ("chatml", 12, -1), ("llama3", 6, 1)]
 )
 def test_pooled_embeddings_equal_two_pass_reference(template_name, max_new_tokens, hidden_layer):
-    tokenizer, model, rows, spans = _setup(template_name)
+    tokenizer, model, rows, spans = make_prompts(template_name)
     reference, rationales = two_pass_reference(
         model,
         rows,
@@ -58,7 +45,7 @@ def test_pooled_embeddings_equal_two_pass_reference(template_name, max_new_token
 
 def test_pooled_embeddings_with_uneven_rationales_and_an_extra_eos():
     # rationales cut at different lengths, as an EOS would leave them
-    tokenizer, model, rows, spans = _setup()
+    tokenizer, model, rows, spans = make_prompts()
     free = generate_rollouts(
         model,
         *left_pad(rows, tokenizer.pad_token_id),
@@ -83,7 +70,7 @@ def test_pooled_embeddings_with_uneven_rationales_and_an_extra_eos():
 
 
 def test_pooled_embeddings_checks_its_inputs():
-    tokenizer, model, rows, spans = _setup()
+    tokenizer, model, rows, spans = make_prompts()
     with pytest.raises(ValueError, match="3 rationales"):
         pooled_embeddings(model, rows, spans, [[]] * 3, tokenizer.pad_token_id)
     with pytest.raises(ValueError, match="outside its prompt"):
@@ -142,7 +129,7 @@ def fake_vllm(monkeypatch):
 
 @pytest.mark.parametrize("extra_eos", [False, True])
 def test_generator_stops_and_truncates_like_the_hf_backend(fake_vllm, extra_eos):
-    tokenizer, model, rows, spans = _setup()
+    tokenizer, model, rows, spans = make_prompts()
     _FakeLLM.model = model
     eos = [tokenizer.eos_token_id]
     if extra_eos:  # declare a token of row 0's free rationale an EOS: row 0 stops, others may not
@@ -181,7 +168,7 @@ def test_generator_stops_and_truncates_like_the_hf_backend(fake_vllm, extra_eos)
 
 
 def test_generator_passes_sampling_settings_and_edge_cases(fake_vllm):
-    _, model, rows, _ = _setup()
+    _, model, rows, _ = make_prompts()
     _FakeLLM.model = model
     generator = VLLMRationaleGenerator("/m")
     generator.generate(
