@@ -46,6 +46,7 @@ model: $(VENV)/.installed
 
 bench: $(VENV)/.installed model
 	$(PY) benchmarks/encode_throughput.py
+	$(PY) benchmarks/decode_ablation.py
 
 clean:
 	rm -rf $(VENV) $(VENV_ST5) *.egg-info

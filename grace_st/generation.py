@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from .packed_linear import packed_linears
 from .pooling import masked_mean
 
 
@@ -102,6 +103,58 @@ def _sample(logits: Tensor, temperature: float, top_p: float, generators: list[t
     ).to(logits.device)
 
 
+def preallocated_cache(model, capacity: int):
+    """A KV cache whose full-attention layers are written in place into buffers of ``capacity``
+    positions, allocated once at prefill.
+
+    transformers' ``DynamicCache`` concatenates a layer's whole cache with each new token: at
+    batch 64 that is a fresh multi-megabyte allocation per layer per step, mostly page faults and
+    copying. ``StaticCache`` avoids the copy but attends over its whole capacity every step. Here
+    a step writes one column and attends over a view of the filled columns only. Layers of other
+    kinds (sliding windows) keep transformers' own class.
+    """
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+            self.dtype, self.device = key_states.dtype, key_states.device
+            batch, heads = key_states.shape[:2]
+            self._keys = key_states.new_empty((batch, heads, capacity, key_states.shape[-1]))
+            self._values = value_states.new_empty((batch, heads, capacity, value_states.shape[-1]))
+            self.length = 0
+            self.keys, self.values = self._keys[:, :, :0], self._values[:, :, :0]
+            self.is_initialized = True
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if end > capacity:
+                raise RuntimeError(f"KV cache of {capacity} positions cannot hold {end}")
+            self._keys[:, :, self.length : end] = key_states
+            self._values[:, :, self.length : end] = value_states
+            self.length = end
+            self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+            return self.keys, self.values
+
+        def get_seq_length(self) -> int:
+            return self.length if self.is_initialized else 0
+
+        def batch_select_indices(self, indices: Tensor) -> None:
+            if self.is_initialized:
+                self._keys, self._values = self._keys[indices], self._values[indices]
+                self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+
+    cache = DynamicCache(config=model.config)
+    if not cache.layers:  # a config transformers cannot read layer types from: one layer per decoder layer
+        cache = DynamicCache()
+        cache.layers = [DynamicLayer() for _ in range(model.config.get_text_config().num_hidden_layers)]
+        cache.layer_class_to_replicate = None
+    cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
 @torch.no_grad()
 def generate_rollouts(
     model,
@@ -125,8 +178,6 @@ def generate_rollouts(
     ``drop_finished`` stops feeding rows whose rationale has ended (the result is the same;
     it only saves work).
     """
-    from transformers import DynamicCache
-
     device = input_ids.device
     batch = input_ids.shape[0]
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
@@ -134,7 +185,7 @@ def generate_rollouts(
     if do_sample and seeds is not None:
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
 
-    cache = DynamicCache(config=model.config)
+    cache = preallocated_cache(model, input_ids.shape[1] + max_new_tokens) if max_new_tokens else None
     pooled = [prompt_pooling_mask(attention_mask, instruction_lengths.to(device))]
     tokens: list[Tensor] = []
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
@@ -145,16 +196,23 @@ def generate_rollouts(
     active = torch.arange(batch, device=device)
     active_mask = attention_mask
 
-    with _final_hidden_states(model) as captured:
-        states, logits = _forward(
-            model,
-            captured,
-            hidden_layer,
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0),
-            past_key_values=cache,
-        )
+    prompt_positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    with packed_linears(model), _final_hidden_states(model) as captured:
+        if max_new_tokens == 0:  # nothing to generate: no KV cache, no LM head, only the states
+            states = _decoder_states(
+                model.get_decoder(), hidden_layer, input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=prompt_positions,
+            )
+        else:
+            states, logits = _forward(
+                model,
+                captured,
+                hidden_layer,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=prompt_positions,
+                past_key_values=cache,
+            )
         all_states = [states]
         for _ in range(max_new_tokens):
             if do_sample:
@@ -228,14 +286,15 @@ def two_pass_reference(
     input_ids, attention_mask = left_pad(prompts, pad_token_id)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
     if max_new_tokens > 0:
-        generated = model.generate(
+        with packed_linears(model):  # the same kernels as the one-pass path: the comparison is of passes, not of BLAS
+            generated = model.generate(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens,
-            do_sample=False,
-            eos_token_id=list(eos_token_ids),
-            pad_token_id=pad_token_id,
-        )[:, input_ids.shape[1] :].tolist()
+                max_new_tokens=max_new_tokens,
+                do_sample=False,
+                eos_token_id=list(eos_token_ids),
+                pad_token_id=pad_token_id,
+            )[:, input_ids.shape[1] :].tolist()
     else:
         generated = [[] for _ in prompts]
     stop = set(eos_token_ids)
@@ -306,11 +365,15 @@ def _pool_rows(model, rows: list[list[int]], spans: list[int], pad_token_id: int
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long, device=device)
         mask[i, : len(row)] = 1
         pooled[i, span : len(row)] = True
-    # The decoder alone: the LM head's logits over the whole vocabulary are never needed here.
     decoder = model.get_decoder()
-    if hidden_layer == -1:
-        states = decoder(input_ids=ids, attention_mask=mask, use_cache=False).last_hidden_state
-    else:
-        output = decoder(input_ids=ids, attention_mask=mask, use_cache=False, output_hidden_states=True)
-        states = output.hidden_states[hidden_layer]
+    with packed_linears(decoder):
+        states = _decoder_states(decoder, hidden_layer, input_ids=ids, attention_mask=mask)
     return masked_mean(states, pooled)
+
+
+def _decoder_states(decoder, hidden_layer: int, **inputs) -> Tensor:
+    """Hidden states of one uncached pass of the decoder alone: the LM head's logits over the
+    whole vocabulary are not needed when nothing is generated."""
+    if hidden_layer == -1:
+        return decoder(**inputs, use_cache=False).last_hidden_state
+    return decoder(**inputs, use_cache=False, output_hidden_states=True).hidden_states[hidden_layer]
