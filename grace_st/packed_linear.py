@@ -9,7 +9,8 @@ for the duration of a no-grad block.
 
 Costs and limits, all deliberate:
 - a second copy of every packed weight stays in memory (about 4 bytes a parameter), kept
-  until the weight changes; it is repacked after an in-place update (a training step);
+  until the weight changes; it is repacked after any change (a training step, a
+  ``load_state_dict``, a write through ``.data``), which is checked on every block entry;
 - only CPU float32 ``nn.Linear`` layers, and only while autograd is off: training's loss pass
   and any other dtype or device take PyTorch's own path;
 - results differ from the MKL path by float32 rounding (relative 1e-6), as two BLAS libraries
@@ -68,7 +69,9 @@ def _check_kernel() -> bool:
 
 
 def _weight_key(weight: Tensor) -> tuple:
-    return (weight.data_ptr(), weight._version, tuple(weight.shape))
+    # The version counter sees in-place updates (optimizer steps, load_state_dict) but not writes
+    # through ``weight.data``; the sum sees those. Reading the weights once costs ~1% of a batch.
+    return (weight.data_ptr(), weight._version, tuple(weight.shape), float(weight.detach().sum()))
 
 
 def _packed_weight(module: nn.Linear) -> Tensor:

@@ -147,3 +147,19 @@ def test_preallocated_cache_refuses_to_overflow():
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
     with torch.no_grad(), pytest.raises(RuntimeError, match="cannot hold"):
         model(input_ids=ids, attention_mask=mask, past_key_values=preallocated_cache(model, ids.shape[1] - 1))
+
+
+@needs_packing
+def test_a_write_through_data_is_repacked():
+    """``weight.data`` writes bypass the version counter; the packed copy must still follow them."""
+    tokenizer, model, rows, _ = make_prompts()
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        with packed_linears(model):
+            model(input_ids=ids, attention_mask=mask)
+        for linear in _linears(model):
+            linear.weight.data.mul_(-0.5)
+        expected = model(input_ids=ids, attention_mask=mask).logits
+        with packed_linears(model):
+            got = model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
