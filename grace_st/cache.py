@@ -120,6 +120,13 @@ class CacheEntry:
 # -- keys ----------------------------------------------------------------------------------------
 
 
+def tensor_change_key(tensor) -> tuple:
+    """A cheap key that changes whenever a tensor's values may have: its storage, its version
+    counter (in-place updates: optimizer steps, ``load_state_dict``) and its sum (writes through
+    ``.data``, which the version counter does not see). One read of the tensor, no hashing."""
+    return (tensor.data_ptr(), tensor._version, tuple(tensor.shape), str(tensor.dtype), float(tensor.detach().sum()))
+
+
 def weights_fingerprint(model) -> str:
     """A sha256 hex digest of a torch module's weights and the config that shapes its forward pass.
 

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .cache import REQUIRED_SETTINGS, CacheEntry, RationaleCache, entry_key, is_deterministic, weights_fingerprint
+from .cache import REQUIRED_SETTINGS, CacheEntry, RationaleCache, entry_key, is_deterministic, tensor_change_key, weights_fingerprint
 from .generation import Rollouts, generate_rollouts, left_pad, pooled_embeddings
 from .pooling import masked_mean
 from .prompts import DEFAULT_INSTRUCTIONS, PromptTemplate, build_prompt_template, compose_instruction, tokenize_texts
@@ -320,8 +320,9 @@ class GenerativeEncoder(InputModule):
 
     def weights_key(self) -> str:
         """:func:`grace_st.cache.weights_fingerprint` of the policy, recomputed only when a
-        parameter has changed (in-place updates bump a tensor's version counter)."""
-        versions = tuple((p.data_ptr(), p._version) for p in self.model.parameters())
+        parameter may have changed (:func:`grace_st.cache.tensor_change_key`)."""
+        with torch.no_grad():
+            versions = tuple(tensor_change_key(p) for p in self.model.parameters())
         if self._fingerprint is None or self._fingerprint[0] != versions:
             self._fingerprint = (versions, weights_fingerprint(self.model))
         return self._fingerprint[1]

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .cache import tensor_change_key
+
 # module -> ((data pointer, version, shape) of the weight it was packed from, packed weight).
 # Kept beside the modules, not on them: packed tensors are not picklable and must not reach a state dict.
 _packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
@@ -68,14 +70,8 @@ def _check_kernel() -> bool:
     return True
 
 
-def _weight_key(weight: Tensor) -> tuple:
-    # The version counter sees in-place updates (optimizer steps, load_state_dict) but not writes
-    # through ``weight.data``; the sum sees those. Reading the weights once costs ~1% of a batch.
-    return (weight.data_ptr(), weight._version, tuple(weight.shape), float(weight.detach().sum()))
-
-
 def _packed_weight(module: nn.Linear) -> Tensor:
-    key = _weight_key(module.weight)
+    key = tensor_change_key(module.weight)
     cached = _packed.get(module)
     if cached is None or cached[0] != key:
         cached = (key, torch.ops.mkldnn._reorder_linear_weight(module.weight.detach()))

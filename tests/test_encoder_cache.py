@@ -55,7 +55,11 @@ def test_settings_weights_and_instructions_change_the_key(tiny_model, tmp_path):
     assert not np.allclose(tiny_model.encode_query(TEXTS[:1]), first)
     with torch.no_grad():
         next(encoder.model.parameters()).mul_(1.5)
-    assert not np.allclose(tiny_model.encode(TEXTS[:1]), first)
+    second = tiny_model.encode(TEXTS[:1])
+    assert not np.allclose(second, first)
+    # a write through .data bypasses the version counter; the key must still change
+    next(encoder.model.parameters()).data.mul_(1.5)
+    assert not np.allclose(tiny_model.encode(TEXTS[:1]), second)
 
 
 def test_unseeded_sampling_bypasses_the_cache(tiny_model, tmp_path):
