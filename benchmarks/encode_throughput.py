@@ -28,10 +28,13 @@ import grace_st
 from grace_st.generation import two_pass_reference
 
 try:
-    from grace_st.packed_linear import packing_enabled
+    from grace_st.packed_linear import _packed_dtypes, packing_enabled
 except ImportError:  # a grace-st from before packed linear layers, benchmarked for comparison
     def packing_enabled() -> bool:
         return False
+
+    def _packed_dtypes() -> tuple:
+        return ()
 
 STSB_DEV = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "stsb" / "dev.tsv"
 FALLBACK_TEXTS = [
@@ -64,7 +67,10 @@ def matmul_peak_flops(dtype: torch.dtype, size: int = 2048, trials: int = 4, sec
     a = torch.randn(size, size, dtype=dtype)
     b = torch.randn(size, size, dtype=dtype)
     kernels = {"mkl": lambda: torch.mm(a, b)}
-    if dtype == torch.float32 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+    bf16_kernels = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
+    if hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_kernels)
+    ):
         packed = torch.ops.mkldnn._reorder_linear_weight(b)
         kernels["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
     best = (0.0, "")
@@ -192,7 +198,7 @@ def run_dtype(model_path: str, dtype: torch.dtype, args) -> dict:
         "dtype": str(dtype),
         "parameters": params,
         "embedding_dimension": encoder.get_embedding_dimension(),
-        "packed_linears": packing_enabled() and dtype == torch.float32,
+        "packed_linears": packing_enabled() and dtype in _packed_dtypes(),
         "rows": [],
     }
     print(f"\nmodel {model_path}: {params / 1e6:.1f}M params, {dtype}, {torch.get_num_threads()} threads, "

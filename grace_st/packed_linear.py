@@ -1,18 +1,19 @@
-"""oneDNN-packed weights for the float32 linear layers of CPU inference.
+"""oneDNN-packed weights for the float32 (and bfloat16) linear layers of CPU inference.
 
 Generation decodes a batch one token at a time: every linear layer multiplies a few dozen rows
 by its whole weight matrix. PyTorch's default CPU path (MKL ``sgemm``) runs those skinny
 products at about half the machine's matmul peak; oneDNN with the weight reordered once into
 its blocked layout runs them about twice as fast, in float32 and to float32 rounding
-(``benchmarks/encode_throughput.py`` measures both). :func:`packed_linears` swaps that kernel in
+(``benchmarks/encode_throughput.py`` measures both). A bfloat16 model (``model_kwargs={"dtype":
+torch.bfloat16}``) is packed too where oneDNN has bfloat16 kernels for this CPU. :func:`packed_linears` swaps that kernel in
 for the duration of a no-grad block.
 
 Costs and limits, all deliberate:
 - a second copy of every packed weight stays in memory (about 4 bytes a parameter), kept
   until the weight changes; it is repacked after any change (a training step, a
   ``load_state_dict``, a write through ``.data``), which is checked on every block entry;
-- only CPU float32 ``nn.Linear`` layers, and only while autograd is off: training's loss pass
-  and any other dtype or device take PyTorch's own path;
+- only CPU ``nn.Linear`` layers in float32 (or bfloat16, see above), and only while autograd is
+  off: training's loss pass and any other dtype or device take PyTorch's own path;
 - results differ from the MKL path by float32 rounding (relative 1e-6), as two BLAS libraries
   do; the same input still gives the same output;
 - the first packing in a process is checked against ``F.linear``; a kernel that disagrees, or
@@ -67,7 +68,22 @@ def _check_kernel() -> bool:
     if not torch.allclose(got, F.linear(inputs, weight, bias), rtol=1e-5, atol=1e-5):
         warnings.warn("oneDNN packed linear layers disagree with F.linear; using PyTorch's default path")
         return False
+    if torch.bfloat16 in _packed_dtypes():
+        weight, bias, inputs = weight.bfloat16(), bias.bfloat16(), inputs.bfloat16()
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        got = torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "").float()
+        if not torch.allclose(got, F.linear(inputs, weight, bias).float(), rtol=2e-2, atol=5e-2):
+            warnings.warn("oneDNN packed bfloat16 linear layers disagree with F.linear; using PyTorch's default path")
+            return False
     return True
+
+
+def _packed_dtypes() -> tuple[torch.dtype, ...]:
+    """float32 always; bfloat16 where oneDNN has bfloat16 kernels for this CPU (AVX-512 BF16, AMX)."""
+    bf16_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    if bf16_supported is not None and bf16_supported():
+        return (torch.float32, torch.bfloat16)
+    return (torch.float32,)
 
 
 def _packed_weight(module: nn.Linear) -> Tensor:
@@ -80,7 +96,7 @@ def _packed_weight(module: nn.Linear) -> Tensor:
 
 
 def _packed_forward(module: nn.Linear, packed: Tensor, input: Tensor) -> Tensor:
-    if input.dtype != torch.float32 or input.device.type != "cpu" or torch.is_grad_enabled():
+    if input.dtype != module.weight.dtype or input.device.type != "cpu" or torch.is_grad_enabled():
         return F.linear(input, module.weight, module.bias)
     return torch.ops.mkldnn._linear_pointwise(input.contiguous(), packed, module.bias, "none", [], "")
 
@@ -88,16 +104,16 @@ def _packed_forward(module: nn.Linear, packed: Tensor, input: Tensor) -> Tensor:
 def _packable(module: nn.Module) -> bool:
     return (
         type(module) is nn.Linear
-        and module.weight.dtype == torch.float32
+        and module.weight.dtype in _packed_dtypes()
         and module.weight.device.type == "cpu"
-        and (module.bias is None or module.bias.dtype == torch.float32)
+        and (module.bias is None or module.bias.dtype == module.weight.dtype)
         and "forward" not in module.__dict__  # already swapped by an enclosing block, or patched by someone else
     )
 
 
 @contextlib.contextmanager
 def packed_linears(model: nn.Module) -> Iterator[None]:
-    """Run ``model``'s CPU float32 linear layers on oneDNN-packed weights inside the block.
+    """Run ``model``'s CPU float32 (and bfloat16) linear layers on oneDNN-packed weights inside the block.
 
     Does nothing while autograd is on, on other devices and dtypes, or when
     :func:`packing_enabled` says no. Weights are packed on first use and reused until they change.

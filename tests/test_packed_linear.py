@@ -75,9 +75,24 @@ def test_no_packing_with_autograd_on_or_for_other_dtypes():
     _, model, _, _ = make_prompts()
     with packed_linears(model):
         assert _swapped(model) == []
-    half = copy.deepcopy(model).to(torch.bfloat16)
-    with torch.no_grad(), packed_linears(half):
-        assert _swapped(half) == []
+    double = copy.deepcopy(model).to(torch.float64)
+    with torch.no_grad(), packed_linears(double):
+        assert _swapped(double) == []
+
+
+@needs_packing
+@pytest.mark.skipif(torch.bfloat16 not in packed_linear._packed_dtypes(), reason="no oneDNN bfloat16 kernels on this CPU")
+def test_bfloat16_layers_are_packed_and_match_pytorch():
+    tokenizer, model, rows, _ = make_prompts()
+    model = model.to(torch.bfloat16)
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        expected = model(input_ids=ids, attention_mask=mask).logits.float()
+        with packed_linears(model):
+            assert len(_swapped(model)) == len(_linears(model))
+            got = model(input_ids=ids, attention_mask=mask).logits.float()
+    # both round to bfloat16 (8 significant bits) after every layer; they agree to that precision
+    assert torch.nn.functional.cosine_similarity(got.flatten(1), expected.flatten(1)).min() > 0.99
 
 
 @needs_packing
