@@ -28,12 +28,12 @@ import grace_st
 from grace_st.generation import two_pass_reference
 
 try:
-    from grace_st.packed_linear import _packed_dtypes, packing_enabled
+    from grace_st.packed_linear import packed_dtypes, packing_enabled
 except ImportError:  # a grace-st from before packed linear layers, benchmarked for comparison
     def packing_enabled() -> bool:
         return False
 
-    def _packed_dtypes() -> tuple:
+    def packed_dtypes() -> tuple:
         return ()
 
 STSB_DEV = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "stsb" / "dev.tsv"
@@ -198,7 +198,7 @@ def run_dtype(model_path: str, dtype: torch.dtype, args) -> dict:
         "dtype": str(dtype),
         "parameters": params,
         "embedding_dimension": encoder.get_embedding_dimension(),
-        "packed_linears": packing_enabled() and dtype in _packed_dtypes(),
+        "packed_linears": packing_enabled() and dtype in packed_dtypes(),
         "rows": [],
     }
     print(f"\nmodel {model_path}: {params / 1e6:.1f}M params, {dtype}, {torch.get_num_threads()} threads, "

@@ -5,11 +5,11 @@ by its whole weight matrix. PyTorch's default CPU path (MKL ``sgemm``) runs thos
 products at about half the machine's matmul peak; oneDNN with the weight reordered once into
 its blocked layout runs them about twice as fast, in float32 and to float32 rounding
 (``benchmarks/encode_throughput.py`` measures both). A bfloat16 model (``model_kwargs={"dtype":
-torch.bfloat16}``) is packed too where oneDNN has bfloat16 kernels for this CPU. :func:`packed_linears` swaps that kernel in
-for the duration of a no-grad block.
+torch.bfloat16}``) is packed too where oneDNN has bfloat16 kernels for this CPU.
+:func:`packed_linears` swaps that kernel in for the duration of a no-grad block.
 
 Costs and limits, all deliberate:
-- a second copy of every packed weight stays in memory (about 4 bytes a parameter), kept
+- a second copy of every packed weight stays in memory (the weights' size again), kept
   until the weight changes; it is repacked after any change (a training step, a
   ``load_state_dict``, a write through ``.data``), which is checked on every block entry;
 - only CPU ``nn.Linear`` layers in float32 (or bfloat16, see above), and only while autograd is
@@ -36,7 +36,7 @@ from torch import Tensor, nn
 
 from .cache import tensor_change_key
 
-# module -> ((data pointer, version, shape) of the weight it was packed from, packed weight).
+# module -> (tensor_change_key of the weight it was packed from, packed weight).
 # Kept beside the modules, not on them: packed tensors are not picklable and must not reach a state dict.
 _packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
 _kernel_ok: bool | None = None  # None until the first packing in this process has been checked
@@ -68,7 +68,7 @@ def _check_kernel() -> bool:
     if not torch.allclose(got, F.linear(inputs, weight, bias), rtol=1e-5, atol=1e-5):
         warnings.warn("oneDNN packed linear layers disagree with F.linear; using PyTorch's default path")
         return False
-    if torch.bfloat16 in _packed_dtypes():
+    if torch.bfloat16 in packed_dtypes():
         weight, bias, inputs = weight.bfloat16(), bias.bfloat16(), inputs.bfloat16()
         packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         got = torch.ops.mkldnn._linear_pointwise(inputs, packed, bias, "none", [], "").float()
@@ -78,7 +78,7 @@ def _check_kernel() -> bool:
     return True
 
 
-def _packed_dtypes() -> tuple[torch.dtype, ...]:
+def packed_dtypes() -> tuple[torch.dtype, ...]:
     """float32 always; bfloat16 where oneDNN has bfloat16 kernels for this CPU (AVX-512 BF16, AMX)."""
     bf16_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     if bf16_supported is not None and bf16_supported():
@@ -101,10 +101,10 @@ def _packed_forward(module: nn.Linear, packed: Tensor, input: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(input.contiguous(), packed, module.bias, "none", [], "")
 
 
-def _packable(module: nn.Module) -> bool:
+def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
     return (
         type(module) is nn.Linear
-        and module.weight.dtype in _packed_dtypes()
+        and module.weight.dtype in dtypes
         and module.weight.device.type == "cpu"
         and (module.bias is None or module.bias.dtype == module.weight.dtype)
         and "forward" not in module.__dict__  # already swapped by an enclosing block, or patched by someone else
@@ -127,10 +127,10 @@ def packed_linears(model: nn.Module) -> Iterator[None]:
         if not _kernel_ok:
             yield
             return
-    swapped = []
+    swapped, dtypes = [], packed_dtypes()
     try:
         for module in model.modules():
-            if _packable(module):
+            if _packable(module, dtypes):
                 packed = _packed_weight(module)
                 module.forward = lambda input, module=module, packed=packed: _packed_forward(module, packed, input)
                 swapped.append(module)

@@ -81,7 +81,7 @@ def test_no_packing_with_autograd_on_or_for_other_dtypes():
 
 
 @needs_packing
-@pytest.mark.skipif(torch.bfloat16 not in packed_linear._packed_dtypes(), reason="no oneDNN bfloat16 kernels on this CPU")
+@pytest.mark.skipif(torch.bfloat16 not in packed_linear.packed_dtypes(), reason="no oneDNN bfloat16 kernels on this CPU")
 def test_bfloat16_layers_are_packed_and_match_pytorch():
     tokenizer, model, rows, _ = make_prompts()
     model = model.to(torch.bfloat16)
