@@ -283,8 +283,9 @@ def two_pass_reference(
     device = model.device
     input_ids, attention_mask = left_pad(prompts, pad_token_id)
     input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    if max_new_tokens > 0:
-        with packed_linears(model):  # the same kernels as the one-pass path: the comparison is of passes, not of BLAS
+    # The same kernels as the one-pass path, so a comparison is of passes, not of BLAS libraries.
+    with packed_linears(model):
+        if max_new_tokens > 0:
             generated = model.generate(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
@@ -293,15 +294,15 @@ def two_pass_reference(
                 eos_token_id=list(eos_token_ids),
                 pad_token_id=pad_token_id,
             )[:, input_ids.shape[1] :].tolist()
-    else:
-        generated = [[] for _ in prompts]
-    stop = set(eos_token_ids)
-    rationales = []
-    for row in generated:
-        cut = next((i for i, token in enumerate(row) if token in stop), len(row))
-        rationales.append(row[:cut])
-
-    return pooled_embeddings(model, prompts, instruction_lengths, rationales, pad_token_id, hidden_layer), rationales
+        else:
+            generated = [[] for _ in prompts]
+        stop = set(eos_token_ids)
+        rationales = []
+        for row in generated:
+            cut = next((i for i, token in enumerate(row) if token in stop), len(row))
+            rationales.append(row[:cut])
+        pooled = pooled_embeddings(model, prompts, instruction_lengths, rationales, pad_token_id, hidden_layer)
+    return pooled, rationales
 
 
 @torch.no_grad()
@@ -337,17 +338,19 @@ def pooled_embeddings(
     if not rows:
         hidden = model.config.get_text_config().hidden_size
         return torch.empty((0, hidden), dtype=torch.float32, device=model.device)
-    if batch_size is None:
-        return _pool_rows(model, rows, spans, pad_token_id, hidden_layer)
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size!r}")
-    order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)
-    pooled = [None] * len(rows)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        vectors = _pool_rows(model, [rows[i] for i in chunk], [spans[i] for i in chunk], pad_token_id, hidden_layer)
-        for i, vector in zip(chunk, vectors):
-            pooled[i] = vector
+    # One packing check for all chunks: it reads every weight once (see grace_st.packed_linear).
+    with packed_linears(model):
+        if batch_size is None:
+            return _pool_rows(model, rows, spans, pad_token_id, hidden_layer)
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)
+        pooled = [None] * len(rows)
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            vectors = _pool_rows(model, [rows[i] for i in chunk], [spans[i] for i in chunk], pad_token_id, hidden_layer)
+            for i, vector in zip(chunk, vectors):
+                pooled[i] = vector
     return torch.stack(pooled)
 
 
@@ -363,9 +366,7 @@ def _pool_rows(model, rows: list[list[int]], spans: list[int], pad_token_id: int
         ids[i, : len(row)] = torch.tensor(row, dtype=torch.long, device=device)
         mask[i, : len(row)] = 1
         pooled[i, span : len(row)] = True
-    decoder = model.get_decoder()
-    with packed_linears(decoder):
-        states = _decoder_states(decoder, hidden_layer, input_ids=ids, attention_mask=mask)
+    states = _decoder_states(model.get_decoder(), hidden_layer, input_ids=ids, attention_mask=mask)
     return masked_mean(states, pooled)
 
 

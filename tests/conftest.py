@@ -131,6 +131,23 @@ def make_prompts(template: str = "chatml"):
     return tokenizer, make_model(tokenizer), rows, [built.instruction_span] * len(rows)
 
 
+def one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, eos=None, **kwargs):
+    """``generate_rollouts`` over left-padded prompt rows, EOS the tokenizer's unless given."""
+    from grace_st.generation import generate_rollouts, left_pad
+
+    input_ids, attention_mask = left_pad(rows, tokenizer.pad_token_id)
+    return generate_rollouts(
+        model,
+        input_ids,
+        attention_mask,
+        torch.tensor(spans),
+        max_new_tokens=max_new_tokens,
+        eos_token_ids=eos or [tokenizer.eos_token_id],
+        pad_token_id=tokenizer.pad_token_id,
+        **kwargs,
+    )
+
+
 def make_st_model(template: str = "chatml", **config):
     from grace_st import from_causal_lm
 

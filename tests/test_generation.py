@@ -2,26 +2,12 @@
 
 import pytest
 import torch
-from conftest import PROMPT_TEXTS, make_prompts
+from conftest import PROMPT_TEXTS, make_prompts, one_pass_rollouts
 
-from grace_st.generation import generate_rollouts, left_pad, two_pass_reference
+from grace_st.generation import two_pass_reference
 from grace_st.pooling import masked_mean
 
 TEXTS = PROMPT_TEXTS
-
-
-def _one_pass(model, tokenizer, rows, spans, max_new_tokens, eos=None, **kwargs):
-    input_ids, attention_mask = left_pad(rows, tokenizer.pad_token_id)
-    return generate_rollouts(
-        model,
-        input_ids,
-        attention_mask,
-        torch.tensor(spans),
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=eos or [tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        **kwargs,
-    )
 
 
 def _rationales(rollouts):
@@ -30,9 +16,11 @@ def _rationales(rollouts):
 
 @pytest.mark.parametrize("template_name", ["chatml", "llama3", "no_system"])
 @pytest.mark.parametrize("max_new_tokens", [0, 1, 12])
-def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens):
+@pytest.mark.parametrize("packed", ["1", "0"], ids=["onednn", "mkl"])  # grace_st.packed_linear on and off
+def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens, packed, monkeypatch):
+    monkeypatch.setenv("GRACE_ST_PACKED_LINEARS", packed)
     tokenizer, model, rows, spans = make_prompts(template_name)
-    rollouts = _one_pass(model, tokenizer, rows, spans, max_new_tokens)
+    rollouts = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens)
     reference, reference_rationales = two_pass_reference(
         model,
         rows,
@@ -48,7 +36,7 @@ def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens):
 
 def test_one_pass_equals_two_pass_at_another_layer():
     tokenizer, model, rows, spans = make_prompts()
-    rollouts = _one_pass(model, tokenizer, rows, spans, 6, hidden_layer=1)
+    rollouts = one_pass_rollouts(model, tokenizer, rows, spans, 6, hidden_layer=1)
     reference, _ = two_pass_reference(
         model, rows, spans, max_new_tokens=6, eos_token_ids=[tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id, hidden_layer=1,
@@ -58,11 +46,11 @@ def test_one_pass_equals_two_pass_at_another_layer():
 
 def test_eos_ends_the_rationale_and_is_not_pooled():
     tokenizer, model, rows, spans = make_prompts()
-    free = _one_pass(model, tokenizer, rows, spans, 10)
+    free = one_pass_rollouts(model, tokenizer, rows, spans, 10)
     assert free.truncated.all()
     # declare row 0's fourth token an end-of-sequence token: row 0 must stop before it
     stop = _rationales(free)[0][3]
-    stopped = _one_pass(model, tokenizer, rows, spans, 10, eos=[tokenizer.eos_token_id, stop])
+    stopped = one_pass_rollouts(model, tokenizer, rows, spans, 10, eos=[tokenizer.eos_token_id, stop])
     first = _rationales(stopped)[0]
     assert stop not in first and first == _rationales(free)[0][: len(first)]
     assert not stopped.truncated[0] and int(stopped.stop_ids[0]) == stop
@@ -80,9 +68,9 @@ def test_eos_ends_the_rationale_and_is_not_pooled():
 
 def test_batching_and_left_padding_do_not_change_a_text():
     tokenizer, model, rows, spans = make_prompts()
-    batched = _one_pass(model, tokenizer, rows, spans, 8)
+    batched = one_pass_rollouts(model, tokenizer, rows, spans, 8)
     for i in range(len(rows)):
-        alone = _one_pass(model, tokenizer, rows[i : i + 1], spans[i : i + 1], 8)
+        alone = one_pass_rollouts(model, tokenizer, rows[i : i + 1], spans[i : i + 1], 8)
         assert _rationales(alone) == _rationales(batched)[i : i + 1]
         torch.testing.assert_close(
             masked_mean(alone.token_embeddings, alone.pooling_mask)[0],
@@ -95,12 +83,12 @@ def test_batching_and_left_padding_do_not_change_a_text():
 def test_seeded_sampling_is_reproducible_and_per_row():
     tokenizer, model, rows, spans = make_prompts()
     kwargs = dict(do_sample=True, temperature=1.0, top_p=0.9)
-    first = _one_pass(model, tokenizer, rows, spans, 8, seeds=[1, 2, 3, 4], **kwargs)
-    again = _one_pass(model, tokenizer, rows, spans, 8, seeds=[1, 2, 3, 4], **kwargs)
+    first = one_pass_rollouts(model, tokenizer, rows, spans, 8, seeds=[1, 2, 3, 4], **kwargs)
+    again = one_pass_rollouts(model, tokenizer, rows, spans, 8, seeds=[1, 2, 3, 4], **kwargs)
     assert _rationales(first) == _rationales(again)
-    alone = _one_pass(model, tokenizer, rows[2:3], spans[2:3], 8, seeds=[3], **kwargs)
+    alone = one_pass_rollouts(model, tokenizer, rows[2:3], spans[2:3], 8, seeds=[3], **kwargs)
     assert _rationales(alone)[0] == _rationales(first)[2]
-    other_seed = _one_pass(model, tokenizer, rows, spans, 8, seeds=[9, 9, 9, 9], **kwargs)
+    other_seed = one_pass_rollouts(model, tokenizer, rows, spans, 8, seeds=[9, 9, 9, 9], **kwargs)
     assert _rationales(other_seed) != _rationales(first)
 
 
@@ -108,12 +96,12 @@ def test_seeded_sampling_is_reproducible_and_per_row():
 def test_dropping_finished_rows_changes_nothing(do_sample):
     tokenizer, model, rows, spans = make_prompts()
     decoding = dict(do_sample=do_sample, seeds=[1, 2, 3, 4] if do_sample else None)
-    free = _one_pass(model, tokenizer, rows, spans, 10, **decoding)
+    free = one_pass_rollouts(model, tokenizer, rows, spans, 10, **decoding)
     # stop tokens that end rows 0 and 2 early, at different steps, so rows leave the batch
     stops = [tokenizer.eos_token_id, _rationales(free)[0][2], _rationales(free)[2][5]]
     kwargs = dict(eos=stops, **decoding)
-    dropped = _one_pass(model, tokenizer, rows, spans, 10, drop_finished=True, **kwargs)
-    kept = _one_pass(model, tokenizer, rows, spans, 10, drop_finished=False, **kwargs)
+    dropped = one_pass_rollouts(model, tokenizer, rows, spans, 10, drop_finished=True, **kwargs)
+    kept = one_pass_rollouts(model, tokenizer, rows, spans, 10, drop_finished=False, **kwargs)
     assert _rationales(dropped) == _rationales(kept)
     assert not dropped.truncated.all()
     assert torch.equal(dropped.pooling_mask, kept.pooling_mask) and torch.equal(dropped.stop_ids, kept.stop_ids)

@@ -8,9 +8,9 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT_TEXTS, make_model, make_prompts, make_tokenizer
+from conftest import PROMPT_TEXTS, make_model, make_prompts, make_tokenizer, one_pass_rollouts
 
-from grace_st.generation import generate_rollouts, left_pad, two_pass_reference
+from grace_st.generation import generate_rollouts, two_pass_reference
 from grace_st.vllm_backend import INSTALL_HINT, VLLMRationaleGenerator, pooled_embeddings
 
 TEXTS = PROMPT_TEXTS
@@ -46,14 +46,7 @@ def test_pooled_embeddings_equal_two_pass_reference(template_name, max_new_token
 def test_pooled_embeddings_with_uneven_rationales_and_an_extra_eos():
     # rationales cut at different lengths, as an EOS would leave them
     tokenizer, model, rows, spans = make_prompts()
-    free = generate_rollouts(
-        model,
-        *left_pad(rows, tokenizer.pad_token_id),
-        torch.tensor(spans),
-        max_new_tokens=10,
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    free = one_pass_rollouts(model, tokenizer, rows, spans, 10)
     stop = [t for t in free.rationale_ids[0].tolist()][3]
     reference, rationales = two_pass_reference(
         model,
@@ -133,23 +126,9 @@ def test_generator_stops_and_truncates_like_the_hf_backend(fake_vllm, extra_eos)
     _FakeLLM.model = model
     eos = [tokenizer.eos_token_id]
     if extra_eos:  # declare a token of row 0's free rationale an EOS: row 0 stops, others may not
-        free = generate_rollouts(
-            model,
-            *left_pad(rows, tokenizer.pad_token_id),
-            torch.tensor(spans),
-            max_new_tokens=10,
-            eos_token_ids=eos,
-            pad_token_id=tokenizer.pad_token_id,
-        )
+        free = one_pass_rollouts(model, tokenizer, rows, spans, 10, eos=eos)
         eos = [*eos, free.rationale_ids[0, 3].item()]
-    hf = generate_rollouts(
-        model,
-        *left_pad(rows, tokenizer.pad_token_id),
-        torch.tensor(spans),
-        max_new_tokens=10,
-        eos_token_ids=eos,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    hf = one_pass_rollouts(model, tokenizer, rows, spans, 10, eos=eos)
     generator = VLLMRationaleGenerator("/some/grace-model", dtype="float32", gpu_memory_utilization=0.3, seed=7)
     assert generator.llm.kwargs == {
         "model": "/some/grace-model",

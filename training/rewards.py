@@ -24,6 +24,13 @@ def cosine(a: Tensor, b: Tensor) -> Tensor:
     return (F.normalize(a.float(), dim=-1) * F.normalize(b.float(), dim=-1)).sum(-1)
 
 
+def _real_negatives(negatives: Tensor, negative_mask: Tensor | None) -> Tensor:
+    """(B, M) True where a negative is real: ``negative_mask``, or all of them when it is None."""
+    if negative_mask is None:
+        return torch.ones(negatives.shape[:2], dtype=torch.bool, device=negatives.device)
+    return negative_mask
+
+
 def _other_instances(own_index: Tensor | None, batch: int, total: int, device) -> Tensor:
     """(B, B') True where global instance j is not instance i itself."""
     own = torch.arange(batch, device=device) if own_index is None else own_index.to(device)
@@ -41,11 +48,7 @@ def contrastive_reward(
     aligned = cosine(query[:, None, :], positives)  # (B, K)
     if negatives.shape[1] == 0:
         return aligned
-    mask = (
-        torch.ones(negatives.shape[:2], dtype=torch.bool, device=negatives.device)
-        if negative_mask is None
-        else negative_mask
-    )
+    mask = _real_negatives(negatives, negative_mask)
     repelled = torch.where(mask, cosine(query[:, None, :], negatives), 0.0).sum(1)  # (B,)
     return aligned - repelled[:, None]
 
@@ -92,11 +95,7 @@ def per_rollout_contrastive_reward(
     aligned = cosine(query[:, None, :], positives)
     if negatives.shape[1] == 0:
         return aligned
-    mask = (
-        torch.ones(negatives.shape[:2], dtype=torch.bool, device=negatives.device)
-        if negative_mask is None
-        else negative_mask
-    )
+    mask = _real_negatives(negatives, negative_mask)
     sims = cosine(positives[:, :, None, :], negatives[:, None, :, :])  # (B, K, M)
     return aligned - torch.where(mask[:, None, :], sims, 0.0).sum(-1)
 

@@ -168,6 +168,14 @@ def sample_keys(keys: Sequence[str], k: int, seed: int = SAMPLING_SEED) -> set[s
     return set(sorted(keys, key=lambda key: _rank(seed, key))[:k])
 
 
+def sample_indices(count: int, limit: int | None) -> list[int]:
+    """Row indices ``0 .. count-1``, or a deterministic sample of ``limit`` of them, in order."""
+    if limit is None or limit >= count:
+        return list(range(count))
+    chosen = sample_keys([str(i) for i in range(count)], limit)
+    return [i for i in range(count) if str(i) in chosen]
+
+
 def shuffled(keys: Sequence[str], seed: int = SAMPLING_SEED) -> list[str]:
     """``keys`` in a deterministic pseudo-random order (the order :func:`sample_keys` draws in)."""
     return sorted(keys, key=lambda key: _rank(seed, key))

@@ -41,6 +41,7 @@ from ._files import (
     parse_int,
     read_jsonl,
     read_table,
+    sample_indices,
     sample_keys,
     shuffled,
 )
@@ -207,7 +208,7 @@ class LocalSTSTask(_LocalTaskMixin, AbsTaskSTS):
             raise DataFileError(self.path, rows[0].line, f"every score is {low}: correlations are undefined")
         # Instance attributes shadow AbsTaskSTS's class defaults (0, 5) used by _normalize.
         self.min_score, self.max_score = low, high
-        keep = self._kept(len(rows))
+        keep = sample_indices(len(rows), self.limit)
         return DatasetDict(
             {
                 "test": Dataset.from_dict(
@@ -219,12 +220,6 @@ class LocalSTSTask(_LocalTaskMixin, AbsTaskSTS):
                 )
             }
         )
-
-    def _kept(self, count: int) -> list[int]:
-        if self.limit is None or self.limit >= count:
-            return list(range(count))
-        chosen = sample_keys([str(i) for i in range(count)], self.limit)
-        return [i for i in range(count) if str(i) in chosen]
 
 
 class LocalPairClassificationTask(_LocalTaskMixin, AbsTaskPairClassification):
@@ -267,10 +262,7 @@ class LocalPairClassificationTask(_LocalTaskMixin, AbsTaskPairClassification):
         labels = [parse_int(self.path, row, columns["label"], allowed=(0, 1)) for row in rows]
         if len(rows) < 2:
             raise DataFileError(self.path, rows[0].line if rows else 1, "need at least 2 pairs")
-        keep = list(range(len(rows)))
-        if self.limit is not None and self.limit < len(rows):
-            chosen = sample_keys([str(i) for i in keep], self.limit)
-            keep = [i for i in keep if str(i) in chosen]
+        keep = sample_indices(len(rows), self.limit)
         if len({labels[i] for i in keep}) < 2:
             logger.warning("%s: the evaluated pairs all have one label; average precision is degenerate", self.path)
         return DatasetDict(
@@ -371,7 +363,7 @@ class LocalClassificationTask(_LocalTaskMixin, AbsTaskClassification):
             if not test:
                 raise DataFileError(self.path, 1, "too few rows per label to hold out a test split")
         if self.limit is not None:
-            test = self._sample(test, self.limit)
+            test = [test[i] for i in sample_indices(len(test), self.limit)]
             train = self._round_robin(train, self.limit)
         names = {label for _, _, label in train + test}
         # Numeric labels sort as numbers ("2" before "10"), others as strings.
@@ -399,13 +391,6 @@ class LocalClassificationTask(_LocalTaskMixin, AbsTaskClassification):
         train = [item for p, item in enumerate(items) if p not in held_out]
         test = [item for p, item in enumerate(items) if p in held_out]
         return train, test
-
-    @staticmethod
-    def _sample(items: list, limit: int) -> list:
-        if limit >= len(items):
-            return items
-        chosen = sample_keys([str(i) for i in range(len(items))], limit)
-        return [item for i, item in enumerate(items) if str(i) in chosen]
 
     @staticmethod
     def _round_robin(items: list[tuple[int, str, str]], limit: int) -> list:
