@@ -1,8 +1,10 @@
 """What each CPU decoding change buys, side by side in one run: the one-pass rollout of one batch
-with transformers' ``DynamicCache`` or the preallocated KV cache, and with PyTorch's default
-(MKL) linear layers or oneDNN-packed ones (grace_st.packed_linear). Variants run interleaved,
-``--repeats`` rounds, and the best time of each is reported (this machine is shared and noisy).
-Every variant must produce the same rationales; hidden states may differ by float32 rounding.
+with transformers' ``DynamicCache`` or the preallocated KV cache, with PyTorch's default (MKL)
+linear layers or oneDNN-packed ones (grace_st.packed_linear), and with the prompts' common
+instruction prefix fed once a batch or once a row (grace_st.generation.shared_prefix_length).
+Variants run interleaved, ``--repeats`` rounds, and the best time of each is reported (this
+machine is shared and noisy). Every variant must produce the same rationales; pooled embeddings
+may differ by float32 rounding (the largest difference is printed).
 
     python benchmarks/decode_ablation.py                  # batch 64, G = 64
 """
@@ -20,6 +22,7 @@ from encode_throughput import load_texts, matmul_peak_flops
 
 import grace_st
 from grace_st import generation
+from grace_st.pooling import masked_mean
 
 
 def main() -> None:
@@ -39,49 +42,60 @@ def main() -> None:
     texts, source = load_texts(args.batch_size)
     features = encoder.preprocess(texts)
     params = sum(p.numel() for p in encoder.model.parameters())
-    preallocated = generation.preallocated_cache
+    preallocated, shared_prefix_length = generation.preallocated_cache, generation.shared_prefix_length
     caches = {"dynamic": lambda model, capacity: DynamicCache(config=model.config), "preallocated": preallocated}
-    variants = [(cache, kernel) for cache in caches for kernel in ("mkl", "onednn")]
+    # (KV cache, linear layers, instruction prefix): the first is where the first session left it
+    variants = [(cache, kernel, "per row") for cache in caches for kernel in ("mkl", "onednn")]
+    variants.append(("preallocated", "onednn", "shared"))
 
-    def rollout(cache: str, kernel: str):
+    def rollout(cache: str, kernel: str, prefix: str):
         generation.preallocated_cache = caches[cache]
+        if prefix == "per row":
+            generation.shared_prefix_length = lambda *_: 0
         os.environ["GRACE_ST_PACKED_LINEARS"] = "1" if kernel == "onednn" else "0"
         try:
             start = time.perf_counter()
             result = encoder.rollout(features)
             return time.perf_counter() - start, result
         finally:
-            generation.preallocated_cache = preallocated
+            generation.preallocated_cache, generation.shared_prefix_length = preallocated, shared_prefix_length
             os.environ.pop("GRACE_ST_PACKED_LINEARS")
 
     encoder.max_rationale_tokens = args.rationale_tokens
-    rollout("preallocated", "onednn")  # warm-up, and the one-time weight packing
+    rollout("preallocated", "onednn", "shared")  # warm-up, and the one-time weight packing
     best: dict = {}
+    difference: dict = {}
     reference = None
     for _ in range(args.repeats):
         for variant in variants:
             elapsed, result = rollout(*variant)
             best[variant] = min(best.get(variant, float("inf")), elapsed)
+            pooled = masked_mean(result.token_embeddings, result.pooling_mask)
             if reference is None:
                 reference = result
+                reference_pooled = pooled
             elif not torch.equal(result.rationale_ids, reference.rationale_ids):
                 raise SystemExit(f"{variant} generated different rationales")
+            difference[variant] = float((pooled - reference_pooled).abs().max())
     peak, kernel = matmul_peak_flops(torch.float32)
     prompt_tokens = int(features["attention_mask"].sum())
     rationale_tokens = int((reference.rationale_ids >= 0).sum())
     flops = 2 * params * (prompt_tokens + rationale_tokens)
-    baseline = best[("dynamic", "mkl")]
+    baseline = best[variants[0]]
     print(f"batch {args.batch_size}, G = {args.rationale_tokens}, {source}: {prompt_tokens} prompt + {rationale_tokens} "
           f"rationale tokens; matmul peak {peak / 1e9:.0f} GFLOP/s ({kernel}); best of {args.repeats}")
-    print(f"{'KV cache':>13} {'linears':>8} {'seconds':>8} {'texts/s':>8} {'floor%':>7} {'speed-up':>8}")
+    print(f"{'KV cache':>13} {'linears':>8} {'prefix':>8} {'seconds':>8} {'texts/s':>8} {'floor%':>7} {'speed-up':>8} "
+          f"{'max |Δ| pooled':>14}")
     rows = []
-    for cache, kernel_name in variants:
-        seconds = best[(cache, kernel_name)]
-        row = {"kv_cache": cache, "linears": kernel_name, "seconds": seconds, "texts_per_s": args.batch_size / seconds,
-               "floor_fraction": flops / seconds / peak, "speedup": baseline / seconds}
+    for variant in variants:
+        cache, kernel_name, prefix = variant
+        seconds = best[variant]
+        row = {"kv_cache": cache, "linears": kernel_name, "instruction_prefix": prefix, "seconds": seconds,
+               "texts_per_s": args.batch_size / seconds, "floor_fraction": flops / seconds / peak,
+               "speedup": baseline / seconds, "max_abs_pooled_difference": difference[variant]}
         rows.append(row)
-        print(f"{cache:>13} {kernel_name:>8} {seconds:>8.2f} {row['texts_per_s']:>8.2f} "
-              f"{100 * row['floor_fraction']:>6.1f}% {row['speedup']:>7.2f}x")
+        print(f"{cache:>13} {kernel_name:>8} {prefix:>8} {seconds:>8.2f} {row['texts_per_s']:>8.2f} "
+              f"{100 * row['floor_fraction']:>6.1f}% {row['speedup']:>7.2f}x {row['max_abs_pooled_difference']:>14.1e}")
     report = {"model": model_path, "batch_size": args.batch_size, "rationale_tokens": args.rationale_tokens,
               "texts_source": source, "prompt_tokens": prompt_tokens, "generated_tokens": rationale_tokens,
               "matmul_peak_gflops": peak / 1e9, "matmul_peak_kernel": kernel, "repeats": args.repeats,

@@ -111,3 +111,45 @@ def test_dropping_finished_rows_changes_nothing(do_sample):
         atol=1e-5,
         rtol=1e-4,
     )
+
+
+def test_shared_prefix_length_stops_at_the_first_difference_and_at_its_caps():
+    from grace_st.generation import left_pad, shared_prefix_length
+
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [5, 6, 7, 1], [5, 6, 2, 3, 4, 4]], 0)
+    assert shared_prefix_length(ids, mask, torch.tensor([4, 4, 4])) == 2  # rows part after 5, 6
+    ids, mask = left_pad([[5, 6, 7, 8, 9], [5, 6, 7, 8, 1, 2]], 0)
+    assert shared_prefix_length(ids, mask, torch.tensor([4, 4])) == 4
+    assert shared_prefix_length(ids, mask, torch.tensor([4, 3])) == 3  # never into a pooled position
+    ids, mask = left_pad([[5, 6, 7], [5, 6, 7, 8, 1, 2]], 0)
+    assert shared_prefix_length(ids, mask, torch.tensor([3, 3])) == 2  # each row keeps a token to feed
+    ids, mask = left_pad([[5, 6, 7, 8]], 0)
+    assert shared_prefix_length(ids, mask, torch.tensor([3])) == 0  # one row: nothing to share
+    ids, mask = left_pad([[1, 6, 7, 8], [5, 6, 7, 8]], 0)
+    assert shared_prefix_length(ids, mask, torch.tensor([3, 3])) == 0
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 7])
+@pytest.mark.parametrize("hidden_layer", [-1, 1])
+@pytest.mark.parametrize("mixed", [False, True], ids=["one_instruction", "two_instructions"])
+def test_a_shared_instruction_prefix_computed_once_changes_nothing(max_new_tokens, hidden_layer, mixed):
+    from grace_st.generation import left_pad, shared_prefix_length
+    from grace_st.prompts import build_prompt_template, tokenize_texts
+
+    tokenizer, model, rows, spans = make_prompts()
+    if mixed:  # a batch of two instructions shares only the template's opening tokens
+        other = build_prompt_template(tokenizer, "Summarise the passage below.")
+        rows[1] = other.build(tokenize_texts(tokenizer, [TEXTS[1]])[0])
+        spans[1] = other.instruction_span
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    shared = shared_prefix_length(ids, mask, torch.tensor(spans))
+    assert 0 < shared < min(spans) if mixed else shared == min(spans)
+    kwargs = dict(hidden_layer=hidden_layer, do_sample=True, seeds=[3, 1, 4, 1])
+    once = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, share_prefix=True, **kwargs)
+    per_row = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, share_prefix=False, **kwargs)
+    assert torch.equal(once.rationale_ids, per_row.rationale_ids)
+    assert torch.equal(once.pooling_mask, per_row.pooling_mask) and torch.equal(once.sequences, per_row.sequences)
+    real = once.attention_mask.bool()  # padding columns carry no state worth comparing
+    torch.testing.assert_close(once.token_embeddings[real], per_row.token_embeddings[real], atol=1e-5, rtol=1e-4)
+    prompt = slice(0, once.prompt_length)
+    assert (once.token_embeddings[:, prompt][~real[:, prompt]] == 0).all()
