@@ -112,7 +112,7 @@ def _forward(model, captured: dict, hidden_layer: int, logits: bool = True, **in
 def _prefill(model, captured: dict, hidden_layer: int, input_ids: Tensor, attention_mask: Tensor, cache, shared: int,
              logits: bool) -> tuple[Tensor, Tensor | None, Tensor]:
     """The prompt pass: (hidden states in the prompts' left-padded layout, last-position logits,
-    the attention mask over the KV cache's columns).
+    the attention mask over the KV cache's columns). Padding columns hold zeros.
 
     With ``shared`` > 0 (:func:`shared_prefix_length`) the common prefix is run once, on one row;
     its keys and values are copied into every row of ``cache`` and only the rest of each prompt
@@ -127,7 +127,7 @@ def _prefill(model, captured: dict, hidden_layer: int, input_ids: Tensor, attent
             model, captured, hidden_layer, logits,
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
         )
-        return states, last_logits, attention_mask
+        return states.masked_fill(attention_mask[..., None] == 0, 0.0), last_logits, attention_mask
     from transformers import DynamicCache
 
     batch, width = input_ids.shape
@@ -270,7 +270,7 @@ def generate_rollouts(
     active = torch.arange(batch, device=device)
 
     with packed_linears(model), _final_hidden_states(model) as captured:
-        # nothing to generate: no LM head, only the states
+        # with nothing to generate (G = 0) the LM head is skipped: only the states are needed
         states, logits, active_mask = _prefill(
             model, captured, hidden_layer, input_ids, attention_mask, cache, shared, logits=max_new_tokens > 0
         )

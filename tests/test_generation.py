@@ -152,4 +152,5 @@ def test_a_shared_instruction_prefix_computed_once_changes_nothing(max_new_token
     real = once.attention_mask.bool()  # padding columns carry no state worth comparing
     torch.testing.assert_close(once.token_embeddings[real], per_row.token_embeddings[real], atol=1e-5, rtol=1e-4)
     prompt = slice(0, once.prompt_length)
-    assert (once.token_embeddings[:, prompt][~real[:, prompt]] == 0).all()
+    for rollouts in (once, per_row):
+        assert (rollouts.token_embeddings[:, prompt][~real[:, prompt]] == 0).all()
