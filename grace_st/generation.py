@@ -70,9 +70,11 @@ def shared_prefix_length(input_ids: Tensor, attention_mask: Tensor, instruction_
     (L_sys: never pooled) and one short of the shortest prompt (each row's last prompt token is
     still fed, for its next-token logits). 0 for a single row: there is nothing to share.
     """
+    if input_ids.shape[0] < 2:
+        return 0
     lengths = attention_mask.sum(1)
-    limit = min(int(instruction_lengths.min()), int(lengths.min()) - 1) if len(lengths) else 0
-    if input_ids.shape[0] < 2 or limit < 1:
+    limit = min(int(instruction_lengths.min()), int(lengths.min()) - 1)
+    if limit < 1:
         return 0
     starts = input_ids.shape[1] - lengths
     aligned = input_ids.gather(1, starts[:, None] + torch.arange(limit, device=input_ids.device)[None, :])
@@ -121,11 +123,10 @@ def _prefill(model, captured: dict, hidden_layer: int, input_ids: Tensor, attent
     same position, keys and values as in one left-padded pass. At batch 64 with the default
     instruction this skips 27 of ~41 prompt tokens a row (benchmarks/decode_ablation.py).
     """
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     if not shared:
         states, last_logits = _forward(
-            model, captured, hidden_layer, logits,
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions, past_key_values=cache,
+            model, captured, hidden_layer, logits, input_ids=input_ids, attention_mask=attention_mask,
+            position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache,
         )
         return states.masked_fill(attention_mask[..., None] == 0, 0.0), last_logits, attention_mask
     from transformers import DynamicCache
@@ -186,8 +187,6 @@ def preallocated_cache(model, capacity: int):
     from transformers.cache_utils import DynamicLayer
 
     class PreallocatedLayer(DynamicLayer):
-        in_place = True  # what generate_rollouts checks before copying a shared prefix in
-
         def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
             self.dtype, self.device = key_states.dtype, key_states.device
             batch, heads = key_states.shape[:2]
@@ -220,6 +219,10 @@ def preallocated_cache(model, capacity: int):
     cache = DynamicCache(config=model.config)
     # A config transformers reads no layer types from leaves the layers to be made lazily: plain DynamicCache then.
     cache.layers = [PreallocatedLayer() if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    # Only these layers are known to take a shared prefix's keys and values copied in (generate_rollouts)
+    cache.every_layer_preallocated = bool(cache.layers) and all(
+        type(layer) is PreallocatedLayer for layer in cache.layers
+    )
     return cache
 
 
@@ -258,8 +261,8 @@ def generate_rollouts(
     shared = shared_prefix_length(input_ids, attention_mask, instruction_lengths) if share_prefix else 0
     # G = 0 needs a KV cache only to hold a shared prefix for the rest of the prompt to attend to
     cache = preallocated_cache(model, input_ids.shape[1] + max_new_tokens) if max_new_tokens or shared else None
-    if cache is not None and not (cache.layers and all(getattr(layer, "in_place", False) for layer in cache.layers)):
-        shared = 0  # a layer kind (sliding window, lazily made) whose prefix copy is not checked here
+    if shared and not cache.every_layer_preallocated:  # sliding windows, lazily made layers: per-row prompts
+        shared, cache = 0, cache if max_new_tokens else None
     pooled = [prompt_pooling_mask(attention_mask, instruction_lengths.to(device))]
     tokens: list[Tensor] = []
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
