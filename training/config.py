@@ -16,7 +16,11 @@ from typing import Any
 REWARD_MODES = ("paper", "per_rollout")
 OBJECTIVES = ("supervised", "unsupervised")
 BACKENDS = ("hf", "vllm")
-LENGTH_PENALTY_MODES = ("add", "replace")
+LENGTH_PENALTY_MODES = ("add", "replace", "off")
+LENGTH_PENALTY_UNITS = ("scaled", "reward")
+REWARD_SCALING = ("none", "group")
+FINETUNE_MODES = ("full", "lora")
+CONTRASTIVE_ANCHORS = ("detached", "recompute")
 BAD_ROWS = ("skip", "error")
 
 
@@ -30,7 +34,7 @@ class GRPOConfig:
     """
 
     # -- model ------------------------------------------------------------------------------
-    model_name_or_path: str | None = None  # None: grace_st.default_model_path(), the embedded SmolLM2
+    model_name_or_path: str | None = None  # None: the untrained embedded SmolLM2, default_model_path(trained=False)
     base_model: str | None = None  # Hub id named on model cards (default: model_name_or_path if a Hub id)
     query_task: str = "query"  # which of the encoder's instructions P(·) wraps queries in
     document_task: str = "document"  # ... positives and negatives; "default" for symmetric data
@@ -63,7 +67,24 @@ class GRPOConfig:
     lambda_hard_negative: float = 0.2  # λ2 (Eq. 8)
     tau: float = 10.0  # Eq. 9; the paper's text says 10, its reference code divides by 0.1
     gamma: float = 1.0  # Eq. 28 length penalty
-    length_penalty_mode: str = "add"  # "add": R̂ − γ; "replace": a truncated rollout's reward is −γ
+    length_penalty_mode: str = "add"  # "add": R̂ − γ; "replace": a truncated rollout's reward is −γ; "off"
+    # "scaled": γ is in the units of R̂ (paper); "reward": in the units of R_total (cosines), i.e. −γ/τ,
+    # so the penalty keeps its size relative to the contrastive terms whatever τ is.
+    length_penalty_units: str = "scaled"
+    mask_truncated: bool = False  # drop rollouts cut at the limit from Eq. 11 (TRL's mask_truncated_completions)
+    scale_rewards: str = "none"  # "group": divide Eq. 10's advantages by the group's std (GRPO); "none": Dr. GRPO / paper
+
+    # -- hybrid objective (beyond the paper): β · InfoNCE on the pooled states of the update pass --
+    contrastive_beta: float = 0.0  # β; 0 is the paper's GRACE exactly
+    contrastive_temperature: float = 0.05
+    contrastive_anchors: str = "detached"  # queries and negatives: rollout embeddings, or recomputed with gradient
+
+    # -- what is trained ----------------------------------------------------------------------
+    finetune: str = "full"  # "lora": a PEFT LoRA adapter on a frozen base (KL reference = adapter disabled)
+    lora_r: int = 8
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] | str = "all-linear"
 
     # -- policy optimisation (Eqs. 10–11) ---------------------------------------------------
     learning_rate: float = 1e-6  # AdamW, constant, no warm-up
@@ -118,6 +139,14 @@ class GRPOConfig:
             (self.reward_mode in REWARD_MODES, f"reward_mode must be one of {REWARD_MODES}"),
             (self.rollout_backend in BACKENDS, f"rollout_backend must be one of {BACKENDS}"),
             (self.length_penalty_mode in LENGTH_PENALTY_MODES, f"length_penalty_mode: one of {LENGTH_PENALTY_MODES}"),
+            (self.length_penalty_units in LENGTH_PENALTY_UNITS, f"length_penalty_units: one of {LENGTH_PENALTY_UNITS}"),
+            (self.scale_rewards in REWARD_SCALING, f"scale_rewards must be one of {REWARD_SCALING}"),
+            (self.finetune in FINETUNE_MODES, f"finetune must be one of {FINETUNE_MODES}"),
+            (self.contrastive_anchors in CONTRASTIVE_ANCHORS, f"contrastive_anchors: one of {CONTRASTIVE_ANCHORS}"),
+            (self.contrastive_beta >= 0, "contrastive_beta (β) must be >= 0"),
+            (self.contrastive_temperature > 0, "contrastive_temperature must be > 0"),
+            (self.lora_r >= 1 and self.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0"),
+            (0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)"),
             (self.bad_rows in BAD_ROWS, f"bad_rows must be one of {BAD_ROWS}"),
             (self.lr_scheduler in ("constant", "linear"), "lr_scheduler must be 'constant' or 'linear'"),
             (self.num_rollouts >= 1, "num_rollouts (K) must be >= 1"),
@@ -193,6 +222,16 @@ class GRPOConfig:
             "lambda_hard_negative",
             "tau",
             "gamma",
+            "length_penalty_mode",
+            "length_penalty_units",
+            "mask_truncated",
+            "scale_rewards",
+            "contrastive_beta",
+            "contrastive_temperature",
+            "contrastive_anchors",
+            "finetune",
+            "lora_r",
+            "lora_alpha",
             "learning_rate",
             "max_prompt_tokens",
             "max_response_tokens",

@@ -12,10 +12,15 @@ unpadded one would.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
+
+from grace_st.generation import prompt_pooling_mask
+from grace_st.pooling import masked_mean
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -28,11 +33,14 @@ def build_policy_batch(
     rationale_ids: Sequence[Sequence[int]],
     stop_ids: Sequence[int],
     pad_token_id: int,
+    instruction_lengths: Sequence[int] | None = None,
 ) -> dict[str, Tensor]:
     """Left-padded prompts ⊕ right-padded completions (rationale, then its EOS when it has one).
 
     Returns ``input_ids`` and ``attention_mask`` (R, N + G), ``completion_mask`` (R, G) over the
-    tokens the policy chose, and ``prompt_width`` N.
+    tokens the policy chose, and ``prompt_width`` N. With ``instruction_lengths`` (L_sys of each
+    prompt) also ``pooling_mask`` (R, N + G): the positions Eq. 3 pools in ``encode``, t > L_sys
+    and the rationale, never the EOS token nor padding.
     """
     rows = len(prompt_ids)
     width = max((len(p) for p in prompt_ids), default=0)
@@ -49,12 +57,20 @@ def build_policy_batch(
             input_ids[i, width : width + len(completion)] = torch.tensor(completion, dtype=torch.long)
             attention_mask[i, width : width + len(completion)] = 1
             completion_mask[i, : len(completion)] = True
-    return {
+    batch = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
         "completion_mask": completion_mask,
         "prompt_width": torch.tensor(width),
     }
+    if instruction_lengths is not None:
+        spans = torch.as_tensor([int(n) for n in instruction_lengths], dtype=torch.long)
+        rationale = torch.zeros((rows, generated), dtype=torch.bool)
+        for i, ids in enumerate(rationale_ids):
+            rationale[i, : len(ids)] = True
+        prompt = prompt_pooling_mask(attention_mask[:, :width], spans) & attention_mask[:, :width].bool()
+        batch["pooling_mask"] = torch.cat([prompt, rationale], dim=1)
+    return batch
 
 
 def completion_log_probs(model, batch: dict[str, Tensor], temperature: float = 1.0) -> Tensor:
@@ -64,30 +80,124 @@ def completion_log_probs(model, batch: dict[str, Tensor], temperature: float = 1
     rollouts were drawn from (and the PPO ratio compares like with like). Only the G + 1 last
     positions' logits are computed: the vocabulary projection dominates memory.
     """
+    return policy_pass(model, batch, temperature)[0]
+
+
+def policy_pass(
+    model, batch: dict[str, Tensor], temperature: float = 1.0, *, pool_from=None, hidden_layer: int = -1
+) -> tuple[Tensor, Tensor | None]:
+    """One forward pass over ``P(x) ⊕ r ⊕ EOS``: (log π_θ of each completion token (R, G),
+    Eq. 3's pooled embedding (R, H) or None).
+
+    ``pool_from`` is the unwrapped causal LM whose decoder's states are pooled (the call itself
+    goes through ``model``, which may be wrapped for DDP/FSDP); pooling needs the batch's
+    ``pooling_mask`` and uses ``grace_st.pooling.masked_mean``, the function ``encode`` pools
+    with, so the embedding trained here is the one a user gets (tested against the rollout's).
+    """
     width = int(batch["prompt_width"])
     generated = batch["input_ids"].shape[1] - width
+    captured: dict[str, Tensor] = {}
+    hook = contextlib.nullcontext()
+    if pool_from is not None and hidden_layer == -1:
+        hook = _capture_decoder_output(pool_from, captured)
+    with hook:
+        output = model(
+            input_ids=batch["input_ids"],
+            attention_mask=batch["attention_mask"],
+            position_ids=position_ids_from_mask(batch["attention_mask"]),
+            logits_to_keep=generated + 1,
+            use_cache=False,
+            output_hidden_states=pool_from is not None and hidden_layer != -1,
+        )
+    pooled = None
+    if pool_from is not None:
+        states = captured["states"] if hidden_layer == -1 else output.hidden_states[hidden_layer]
+        pooled = masked_mean(states, batch["pooling_mask"].to(states.device))
     if generated == 0:
-        return torch.zeros((batch["input_ids"].shape[0], 0), device=batch["input_ids"].device)
-    output = model(
-        input_ids=batch["input_ids"],
-        attention_mask=batch["attention_mask"],
-        position_ids=position_ids_from_mask(batch["attention_mask"]),
-        logits_to_keep=generated + 1,
-        use_cache=False,
-    )
+        return torch.zeros((batch["input_ids"].shape[0], 0), device=batch["input_ids"].device), pooled
     logits = output.logits[:, :-1, :].float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     targets = batch["input_ids"][:, width:]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1), pooled
 
 
-def group_advantages(rewards: Tensor) -> Tensor:
-    """A(k) = R_final(k) − mean_j R_final(j) over the K rollouts of a group; no std division (Eq. 10).
+@contextlib.contextmanager
+def _capture_decoder_output(model, captured: dict):
+    """The decoder's final (normed) hidden states, the states ``encode`` pools at hidden_layer -1."""
 
-    rewards (B, K) → advantages (B, K).
+    def hook(_module, _args, output):
+        captured["states"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    handle = model.get_decoder().register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def pooled_contrastive_loss(
+    query: Tensor,
+    positives: Tensor,
+    negatives: Tensor,
+    negative_mask: Tensor | None = None,
+    *,
+    temperature: float = 0.05,
+    rows: Tensor | None = None,
+) -> Tensor:
+    """InfoNCE on pooled embeddings (the hybrid objective, beyond the paper), summed over ``rows``.
+
+    For positive rollout k of instance i the candidates are: d⁺_i(k) (the target), instance i's
+    negatives, and every rollout of the other instances' positives (in-batch negatives):
+
+        ℓ(i, k) = − log softmax_c( sim(h_qi, c) / t )[d⁺_i(k)]
+
+    query (B, H), positives (B, K, H), negatives (B, M, H), negative_mask (B, M). ``rows`` (a
+    bool (B, K) mask) picks the terms to sum (the chunk whose positives carry gradient);
+    default all. Returns the sum, so chunks add up; divide by B·K for the batch mean.
     """
-    return rewards - rewards.mean(dim=1, keepdim=True)
+    batch, k, _ = positives.shape
+    q = F.normalize(query.float(), dim=-1)
+    p = F.normalize(positives.float(), dim=-1)
+    own = (q[:, None, :] * p).sum(-1)  # (B, K)
+    others = q @ p.reshape(batch * k, -1).T  # (B, B·K)
+    owner = torch.arange(batch, device=q.device).repeat_interleave(k)
+    others = others.masked_fill(owner[None, :] == torch.arange(batch, device=q.device)[:, None], float("-inf"))
+    columns = [others]
+    if negatives.shape[1]:
+        n = F.normalize(negatives.float(), dim=-1)
+        sims = (q[:, None, :] * n).sum(-1)  # (B, M)
+        if negative_mask is not None:
+            sims = sims.masked_fill(~negative_mask.bool().to(sims.device), float("-inf"))
+        columns.append(sims)
+    distractors = torch.cat(columns, dim=1) / temperature  # (B, C)
+    logits = torch.cat([own[..., None] / temperature, distractors[:, None, :].expand(batch, k, -1)], dim=-1)
+    losses = -torch.log_softmax(logits, dim=-1)[..., 0]  # (B, K)
+    if rows is not None:
+        losses = losses[rows.to(losses.device)]
+    return losses.sum()
+
+
+def group_advantages(rewards: Tensor, scale: str = "none", eps: float = 1e-4) -> Tensor:
+    """A(k) = R_final(k) − mean_j R_final(j) over the K rollouts of a group (Eq. 10).
+
+    ``scale="none"``: no std division (the paper, its reference code, Dr. GRPO). ``"group"``:
+    divided by the group's std (DeepSeek's GRPO), which makes every group's spread 1 however
+    small its reward differences are. rewards (B, K) → advantages (B, K).
+    """
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "group":
+        return centred / (rewards.std(dim=1, keepdim=True, unbiased=False) + eps)
+    return centred
+
+
+def advantage_shares(parts: dict[str, Tensor]) -> dict[str, float]:
+    """Each reward part's share of the advantage: mean |part − its group mean| over the sum of
+    those for all parts. Says which term the policy is actually pushed by (a length penalty
+    that drowns the contrastive terms shows up here first). parts: name → (B, K)."""
+    spread = {name: (part - part.mean(dim=1, keepdim=True)).abs().mean().item() for name, part in parts.items()}
+    total = sum(spread.values())
+    return {name: value / total if total > 0 else 0.0 for name, value in spread.items()}
 
 
 def grpo_loss(

@@ -134,10 +134,44 @@ def length_penalty(truncated: Tensor, gamma: float) -> Tensor:
 
 def final_reward(scaled: Tensor, truncated: Tensor, gamma: float, mode: str = "add") -> Tensor:
     """R_final from R̂ and Eq. 28: ``add`` gives R̂ − γ·1[truncated]; ``replace`` sets a
-    truncated rollout's reward to −γ (the paper's wording allows both readings)."""
+    truncated rollout's reward to −γ (the paper's wording allows both readings; the reference
+    code replaces); ``off`` leaves R̂ alone."""
+    if mode == "off":
+        return scaled
     if mode == "replace":
         return torch.where(truncated.bool(), torch.full_like(scaled, -gamma), scaled)
     return scaled + length_penalty(truncated, gamma)
+
+
+def penalty_in_scaled_units(gamma: float, tau: float, units: str = "scaled") -> float:
+    """γ as Eq. 28 applies it to R̂. ``scaled`` (paper): γ as given. ``reward``: γ is in the
+    units of R_total (cosines), so it is divided by τ like the contrastive terms and keeps its
+    size relative to them whatever τ is (our CPU run: −1 against R̂ ≈ 0.01 taught the policy
+    to stop writing, docs/training_cpu_run.md)."""
+    return gamma / tau if units == "reward" else gamma
+
+
+def reward_parts(
+    rewards: dict[str, Tensor],
+    truncated: Tensor,
+    *,
+    lambda_consistency: float,
+    lambda_hard_negative: float,
+    tau: float,
+    length_penalty_mode: str = "add",
+) -> dict[str, Tensor]:
+    """R_final split into additive parts, each (B, K): the three τ-scaled terms of Eq. 8 (zero
+    where ``replace`` discarded them) and the length penalty as whatever remains."""
+    parts = {
+        "contrastive": rewards["contrastive"] / tau,
+        "consistency": lambda_consistency * rewards["consistency"] / tau,
+        "hard_negative": lambda_hard_negative * rewards["hard_negative"] / tau,
+    }
+    if length_penalty_mode == "replace":
+        kept = ~truncated.bool()
+        parts = {name: torch.where(kept, part, 0.0) for name, part in parts.items()}
+    parts["length_penalty"] = rewards["final"] - sum(parts.values())
+    return parts
 
 
 def compute_rewards(
@@ -157,6 +191,7 @@ def compute_rewards(
     tau: float = 10.0,
     gamma: float = 1.0,
     length_penalty_mode: str = "add",
+    length_penalty_units: str = "scaled",
 ) -> dict[str, Tensor]:
     """Every reward term for the positive rollouts of a batch, each (B, K).
 
@@ -179,12 +214,13 @@ def compute_rewards(
     consistency = consistency_reward(positives)
     total = total_reward(alignment, consistency, hard, lambda_consistency, lambda_hard_negative)
     scaled = scaled_reward(total, tau)
+    gamma = penalty_in_scaled_units(gamma, tau, length_penalty_units)
     return {
         "contrastive": alignment,
         "consistency": consistency,
         "hard_negative": hard,
         "total": total,
         "scaled": scaled,
-        "length_penalty": length_penalty(truncated, gamma),
+        "length_penalty": length_penalty(truncated, gamma if length_penalty_mode != "off" else 0.0),
         "final": final_reward(scaled, truncated, gamma, length_penalty_mode),
     }

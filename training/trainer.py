@@ -7,7 +7,9 @@ Read :meth:`GRPOTrainer.train` top to bottom; each stage is a method a test can 
 - :meth:`~GRPOTrainer.rollout`: Eq. 4 with embeddings by Eq. 3 (no gradient);
 - :meth:`~GRPOTrainer.compute_rewards`: Eqs. 5–9, 13, 28;
 - :func:`grace_training.grpo.group_advantages`: Eq. 10;
-- :meth:`~GRPOTrainer.update`: Eq. 11, one optimiser step (or ``ppo_epochs`` clipped ones);
+- :meth:`~GRPOTrainer.update`: Eq. 11, one optimiser step (or ``ppo_epochs`` clipped ones), plus
+  β · :func:`grace_training.grpo.pooled_contrastive_loss` on the same pass's pooled states when
+  ``contrastive_beta`` > 0 (the hybrid objective; β = 0 is the paper's GRACE);
 - :meth:`~GRPOTrainer.save_checkpoint` / :meth:`~GRPOTrainer.resume`.
 
 Processes: ``accelerate`` runs it as one CPU process (tests), or on several GPUs (DDP or
@@ -39,9 +41,17 @@ from .checkpoint import (
 from .config import GRPOConfig
 from .data import Triplet, load_data
 from .evaluation import evaluate
-from .grpo import build_policy_batch, completion_log_probs, group_advantages, grpo_loss
+from .grpo import (
+    advantage_shares,
+    build_policy_batch,
+    completion_log_probs,
+    group_advantages,
+    grpo_loss,
+    policy_pass,
+    pooled_contrastive_loss,
+)
 from .metrics import MetricsLogger
-from .rewards import compute_rewards
+from .rewards import compute_rewards, reward_parts
 from .rollout import TripletRollouts, asymmetric_rollouts, hf_generate
 from .rollout_batch import RolloutBatch
 
@@ -55,7 +65,7 @@ def load_grace_model(config: GRPOConfig, device: str | None = None):
     import grace_st
     from grace_st import GenerativeEncoder
 
-    path = config.model_name_or_path or grace_st.default_model_path()
+    path = config.model_name_or_path or grace_st.default_model_path(trained=False)
     if (Path(path) / "modules.json").is_file():
         model = SentenceTransformer(path, trust_remote_code=True, device=device)
         if isinstance(model[0], GenerativeEncoder):
@@ -97,6 +107,8 @@ class GRPOTrainer:
         # The saved model encodes with the prompt and rationale budget it was trained with.
         self.encoder.max_input_tokens = config.max_prompt_tokens
         self.encoder.max_rationale_tokens = config.max_response_tokens
+        if config.finetune == "lora":
+            self.encoder.model = add_lora_adapter(self.encoder.model, config)
         self.policy = self.encoder.model
         if config.gradient_checkpointing:
             self.policy.gradient_checkpointing_enable()
@@ -125,11 +137,12 @@ class GRPOTrainer:
         self._orders: dict[int, list[int]] = {}
 
         # -- optimisation -------------------------------------------------------------------
+        # KL reference: with LoRA the base is the adapter disabled (no second copy in memory).
         self.reference = None
-        if config.kl_coef > 0:
+        if config.kl_coef > 0 and config.finetune == "full":
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
         optimizer = torch.optim.AdamW(
-            self.policy.parameters(),
+            [p for p in self.policy.parameters() if p.requires_grad],
             lr=config.learning_rate,
             betas=(config.adam_beta1, config.adam_beta2),
             eps=config.adam_epsilon,
@@ -225,9 +238,9 @@ class GRPOTrainer:
         rollouts = self.rollout(batch, step)
         rolled = time.perf_counter()
         rewards = self.compute_rewards(rollouts)
-        advantages = group_advantages(rewards["final"])
+        advantages = group_advantages(rewards["final"], self.config.scale_rewards)
         rewarded = time.perf_counter()
-        update = self.update(rollouts.positives, advantages.reshape(-1))
+        update = self.update(rollouts, advantages.reshape(-1))
         updated = time.perf_counter()
         self.last_example = {
             "text": batch[0].positive[:1000],
@@ -305,14 +318,24 @@ class GRPOTrainer:
             tau=cfg.tau,
             gamma=cfg.gamma,
             length_penalty_mode=cfg.length_penalty_mode,
+            length_penalty_units=cfg.length_penalty_units,
         )
 
-    def update(self, positives: RolloutBatch, advantages: torch.Tensor) -> dict[str, float]:
+    def update(self, rollouts: TripletRollouts, advantages: torch.Tensor) -> dict[str, float]:
         """Eq. 11 on the positive rollouts: ``ppo_epochs`` optimiser steps, each accumulating
-        ``gradient_accumulation_steps`` chunks; token-level aggregation over the whole batch."""
+        ``gradient_accumulation_steps`` chunks; token-level aggregation over the whole batch.
+
+        With ``contrastive_beta`` β > 0 the same pass pools the positives' hidden states (Eq. 3)
+        and adds β · InfoNCE (:func:`~grace_training.grpo.pooled_contrastive_loss`). Queries and
+        negatives are the rollouts' embeddings (``contrastive_anchors: detached``) or recomputed
+        with gradient (``recompute``). Within a chunk, the positives of other chunks act as
+        in-batch negatives through their rollout embeddings (no gradient); one chunk is exact.
+        """
         cfg, accelerator = self.config, self.accelerator
+        positives = rollouts.positives
         device = accelerator.device
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
+        hybrid = cfg.contrastive_beta > 0
         self.policy_wrapped.train()
         rows = list(range(len(positives)))
         parts = min(cfg.gradient_accumulation_steps, len(rows))
@@ -324,22 +347,26 @@ class GRPOTrainer:
                 [positives.rationale_ids[i] for i in chunk],
                 [positives.stop_ids[i] for i in chunk],
                 self.encoder.pad_token_id,
+                [positives.instruction_lengths[i] for i in chunk] if hybrid else None,
             )
+            if cfg.mask_truncated:  # DAPO / TRL: a rationale cut at the limit is no evidence either way
+                cut = positives.truncated[chunk].to(batch["completion_mask"].device)
+                batch["completion_mask"] &= ~cut[:, None]
             batches.append({k: v.to(device) for k, v in batch.items()})
         num_tokens = float(sum(b["completion_mask"].sum() for b in batches))
         advantages = advantages.to(device)
         temperature = positives.temperature
 
         old_log_probs, ref_log_probs = [None] * parts, [None] * parts
-        if cfg.ppo_epochs > 1 or self.reference is not None:
+        if cfg.ppo_epochs > 1 or cfg.kl_coef > 0:
             with torch.no_grad(), accelerator.autocast():
                 for i, batch in enumerate(batches):
                     if cfg.ppo_epochs > 1:
                         old_log_probs[i] = completion_log_probs(self.policy_wrapped, batch, temperature)
-                    if self.reference is not None:
-                        ref_log_probs[i] = completion_log_probs(self.reference, batch, temperature)
+                    if cfg.kl_coef > 0:
+                        ref_log_probs[i] = self.reference_log_probs(batch, temperature)
 
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0, "policy_loss": 0.0, "contrastive_loss": 0.0}
         grad_norm = torch.tensor(0.0)
         for _ in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
@@ -347,7 +374,13 @@ class GRPOTrainer:
                 last = i == len(batches) - 1
                 sync = contextlib.nullcontext() if last else accelerator.no_sync(self.policy_wrapped)
                 with sync, accelerator.autocast():
-                    log_probs = completion_log_probs(self.policy_wrapped, batch, temperature)
+                    log_probs, pooled = policy_pass(
+                        self.policy_wrapped,
+                        batch,
+                        temperature,
+                        pool_from=self.policy if hybrid else None,
+                        hidden_layer=self.encoder.hidden_layer,
+                    )
                     old = old_log_probs[i] if old_log_probs[i] is not None else log_probs.detach()
                     loss, stats = grpo_loss(
                         log_probs,
@@ -359,13 +392,20 @@ class GRPOTrainer:
                         kl_coef=cfg.kl_coef,
                         num_tokens=num_tokens,
                     )
+                    policy_loss = loss.detach()
+                    contrastive = torch.zeros((), device=device)
+                    if hybrid:
+                        contrastive = self.hybrid_contrastive_loss(rollouts, chunk, pooled) / len(rows)
+                        loss = loss + cfg.contrastive_beta * contrastive
                     accelerator.backward(loss)
                 share = batch["completion_mask"].sum().item() / max(num_tokens, 1.0)
                 totals["loss"] += loss.item() / cfg.ppo_epochs
+                totals["policy_loss"] += policy_loss.item() / cfg.ppo_epochs
+                totals["contrastive_loss"] += contrastive.item() / cfg.ppo_epochs
                 totals["clip_fraction"] += stats["clip_fraction"].item() * share / cfg.ppo_epochs
                 totals["kl"] += stats.get("kl", torch.tensor(0.0)).item() * share / cfg.ppo_epochs
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            grad_norm = accelerator.clip_grad_norm_(self.policy_wrapped.parameters(), max_norm)
+            grad_norm = accelerator.clip_grad_norm_(self.trainable_parameters(), max_norm)
             self.optimizer.step()
         self.scheduler.step()
         self.policy_wrapped.eval()
@@ -378,6 +418,69 @@ class GRPOTrainer:
             "trained_tokens": num_tokens,
             "update_tokens": float(sum(b["attention_mask"].sum() for b in batches)),
         }
+
+    def hybrid_contrastive_loss(self, rollouts: TripletRollouts, chunk: list[int], pooled: torch.Tensor) -> torch.Tensor:
+        """The hybrid term for one chunk of positive rows (summed; the caller divides by B·K).
+
+        ``pooled`` are the chunk's positives pooled with gradient; every other embedding is the
+        rollout's (Eq. 3 under no_grad, the same value before the optimiser step), except the
+        queries and negatives under ``contrastive_anchors: recompute``, pooled here with gradient.
+        """
+        cfg = self.config
+        query, positives, negatives, mask, _ = rollouts.grouped(cfg.num_negatives)
+        device = pooled.device
+        batch, k = positives.shape[:2]
+        index = torch.tensor(chunk, device=device)
+        flat = positives.reshape(batch * k, -1).to(device=device, dtype=pooled.dtype).index_copy(0, index, pooled)
+        selected = torch.zeros(batch * k, dtype=torch.bool, device=device)
+        selected[index] = True
+        query, negatives = query.to(device), negatives.to(device)
+        if cfg.contrastive_anchors == "recompute":
+            query = self.pooled_with_grad(rollouts.queries)
+            if len(rollouts.negatives):
+                fresh = self.pooled_with_grad(rollouts.negatives)
+                filled = [0] * batch
+                slots = []
+                for row, owner in enumerate(rollouts.negative_owner):
+                    if filled[owner] < cfg.num_negatives:
+                        slots.append((row, owner * cfg.num_negatives + filled[owner]))
+                        filled[owner] += 1
+                rows_, targets = zip(*slots)
+                negatives = negatives.reshape(batch * cfg.num_negatives, -1).index_copy(
+                    0, torch.tensor(targets, device=device), fresh[list(rows_)]
+                ).reshape(batch, cfg.num_negatives, -1)
+        return pooled_contrastive_loss(
+            query,
+            flat.reshape(batch, k, -1),
+            negatives,
+            mask.to(device),
+            temperature=cfg.contrastive_temperature,
+            rows=selected.reshape(batch, k),
+        )
+
+    def pooled_with_grad(self, rollouts: RolloutBatch) -> torch.Tensor:
+        """Eq. 3 embeddings of rollouts (queries or negatives) recomputed with gradient."""
+        batch = build_policy_batch(
+            rollouts.prompt_ids,
+            rollouts.rationale_ids,
+            rollouts.stop_ids,
+            self.encoder.pad_token_id,
+            rollouts.instruction_lengths,
+        )
+        batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        return policy_pass(
+            self.policy_wrapped, batch, rollouts.temperature, pool_from=self.policy, hidden_layer=self.encoder.hidden_layer
+        )[1]
+
+    def reference_log_probs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
+        """log π_ref for the KL term: the frozen copy (full fine-tuning) or the adapter disabled (LoRA)."""
+        if self.reference is not None:
+            return completion_log_probs(self.reference, batch, temperature)
+        with self.policy.disable_adapter():
+            return completion_log_probs(self.policy_wrapped, batch, temperature)
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.policy_wrapped.parameters() if p.requires_grad]
 
     # ------------------------------------------------------------------------------------------
     # metrics, evaluation
@@ -393,6 +496,16 @@ class GRPOTrainer:
         truncated_all = sum(int(r.truncated.sum()) for r in everything)
         metrics: dict[str, float] = {f"reward/{name}": value.float().mean().item() for name, value in rewards.items()}
         metrics["reward/final_std_in_group"] = rewards["final"].std(dim=1, unbiased=False).mean().item()
+        cfg = self.config
+        parts = reward_parts(
+            rewards,
+            positives.truncated.view(rewards["final"].shape),
+            lambda_consistency=cfg.lambda_consistency,
+            lambda_hard_negative=cfg.lambda_hard_negative,
+            tau=cfg.tau,
+            length_penalty_mode=cfg.length_penalty_mode,
+        )
+        metrics.update({f"advantage_share/{name}": value for name, value in advantage_shares(parts).items()})
         metrics.update(
             {
                 "advantage/mean": advantages.mean().item(),
@@ -411,6 +524,8 @@ class GRPOTrainer:
                 "rollout/truncation_rate_all": truncated_all / max(rows, 1),
                 "rollout/count": float(rows),
                 "loss": update["loss"],
+                "loss/policy": update["policy_loss"],
+                "loss/contrastive": update["contrastive_loss"],
                 "grad_norm": update["grad_norm"],
                 "clip_fraction": update["clip_fraction"],
                 "kl": update["kl"],
@@ -473,6 +588,7 @@ class GRPOTrainer:
             "config": cfg.to_dict(),
             "metrics": self.last_metrics,
             "scores": self.last_scores,
+            "example": self.last_example,
         }
 
         def card(path: Path) -> None:
@@ -550,6 +666,20 @@ class GRPOTrainer:
             seed=cfg.seed,
             enable_sleep_mode=cfg.vllm_enable_sleep_mode,
         )
+
+
+def add_lora_adapter(model, config: GRPOConfig):
+    """The policy as a PEFT LoRA adapter on a frozen base (rank, alpha, targets from the config)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)
 
 
 def lr_schedule(config: GRPOConfig, total_steps: int):

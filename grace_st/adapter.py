@@ -1,0 +1,110 @@
+"""GRACE models saved as a base model plus a LoRA adapter (PEFT's format, safetensors only).
+
+A directory holding ``adapter_config.json`` and ``adapter_model.safetensors`` (what
+``PeftModel.save_pretrained`` writes) is a GRACE model whose weights are its base's plus the
+adapter. The base is named by PEFT's own field, ``base_model_name_or_path``: a directory
+(absolute, or relative to the adapter's directory) or a Hub id. Such a directory also loads
+with ``AutoModelForCausalLM.from_pretrained`` (transformers' PEFT integration), so it stays a
+generative model.
+
+The adapter is checked against the base before any weight is loaded: every LoRA matrix must
+sit on a linear layer the base has, with matching sizes. A mismatch is refused with an error
+that names the module and both shapes, never loaded half-way or silently ignored.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+
+
+def is_adapter_dir(path: str | os.PathLike | None) -> bool:
+    return path is not None and os.path.isfile(os.path.join(path, ADAPTER_CONFIG))
+
+
+def is_peft_model(model) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def adapter_base(adapter_dir: str | os.PathLike) -> str:
+    """The base model an adapter was trained on: ``base_model_name_or_path`` of its config, a
+    relative directory resolved against the adapter's own directory."""
+    config_path = Path(adapter_dir) / ADAPTER_CONFIG
+    try:
+        config = json.loads(config_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"{config_path}: not a readable adapter config ({error})") from error
+    base = config.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"{config_path}: names no base model (base_model_name_or_path is empty)")
+    relative = Path(adapter_dir) / base
+    if not Path(base).is_absolute() and relative.is_dir():
+        return str(relative.resolve())
+    return base
+
+
+def read_adapter_weights(adapter_dir: str | os.PathLike) -> dict[str, Any]:
+    """The adapter's tensors, from safetensors only (a pickled ``adapter_model.bin`` is refused)."""
+    from safetensors.torch import load_file
+
+    path = Path(adapter_dir) / ADAPTER_WEIGHTS
+    if not path.is_file():
+        found = ", ".join(sorted(p.name for p in Path(adapter_dir).glob("adapter_model*"))) or "none"
+        raise FileNotFoundError(f"{path}: missing (adapter weights are read from safetensors only; found: {found})")
+    try:
+        return load_file(str(path))
+    except Exception as error:  # safetensors raises its own error types for a truncated or foreign file
+        raise ValueError(f"{path}: not a readable safetensors file ({error})") from error
+
+
+def check_adapter_fits(base_model, weights: dict[str, Any], adapter_dir: str | os.PathLike) -> None:
+    """Refuse an adapter whose LoRA matrices do not fit the base's linear layers.
+
+    ``lora_A`` of a layer is (r, in_features) and ``lora_B`` (out_features, r); the layer is
+    found by the key's module path with PEFT's ``base_model.model.`` prefix removed.
+    """
+    import torch
+
+    modules = dict(base_model.named_modules())
+    for key, tensor in weights.items():
+        for part, side in ((".lora_A.", "in"), (".lora_B.", "out")):
+            if part not in key:
+                continue
+            name = key.split(part)[0].removeprefix("base_model.model.")
+            layer = modules.get(name)
+            if layer is None:
+                raise ValueError(
+                    f"adapter {adapter_dir} does not fit its base ({type(base_model).__name__}): "
+                    f"the base has no module {name!r}"
+                )
+            if not isinstance(layer, torch.nn.Linear):
+                raise ValueError(f"adapter {adapter_dir}: {name!r} of the base is a {type(layer).__name__}, not Linear")
+            expected = layer.in_features if side == "in" else layer.out_features
+            actual = tensor.shape[1] if side == "in" else tensor.shape[0]
+            if actual != expected:
+                raise ValueError(
+                    f"adapter {adapter_dir} does not fit its base: {key} has shape {tuple(tensor.shape)}, "
+                    f"but {name} takes {layer.in_features} inputs and gives {layer.out_features} outputs"
+                )
+
+
+def load_base_and_adapter(adapter_dir: str | os.PathLike, *, merge: bool = True, model_kwargs: dict | None = None):
+    """The base causal LM with the adapter applied: merged into the weights (``merge``: the
+    base's speed, the packed CPU kernels) or kept as a ``PeftModel`` (``disable_adapter()``
+    then gives exactly the base)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    weights = read_adapter_weights(adapter_dir)
+    base_path = adapter_base(adapter_dir)
+    kwargs = {k: v for k, v in (model_kwargs or {}).items() if k != "subfolder"}
+    base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+    check_adapter_fits(base, weights, adapter_dir)
+    model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False)
+    model.eval()
+    return model.merge_and_unload() if merge else model

@@ -1,0 +1,211 @@
+"""[quality]: reward scale options, the hybrid objective (β · InfoNCE on pooled states), LoRA training."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_st_model
+from grace_training.grpo import (
+    advantage_shares,
+    build_policy_batch,
+    group_advantages,
+    policy_pass,
+    pooled_contrastive_loss,
+)
+from grace_training.rewards import compute_rewards, reward_parts
+from grace_training.trainer import GRPOTrainer
+from sentence_transformers import SentenceTransformer
+from test_training_trainer import DATA, config
+
+import grace_st
+
+
+def saved_base(tmp_path):
+    """A tiny GRACE model loaded from a directory (a LoRA adapter needs a base it can name)."""
+    model = make_st_model()
+    model[0].model.save_pretrained(tmp_path / "base")
+    model[0].tokenizer.save_pretrained(tmp_path / "base")
+    return grace_st.from_causal_lm(str(tmp_path / "base"), max_rationale_tokens=8, device="cpu")
+
+
+# -- reward scale ---------------------------------------------------------------------------------
+
+torch.manual_seed(0)
+Q, P, N = torch.randn(2, 6), torch.randn(2, 3, 6), torch.randn(2, 1, 6)
+TRUNCATED = torch.tensor([[True, False, True], [False, False, False]])
+
+
+def test_length_penalty_off_and_in_reward_units():
+    off = compute_rewards(Q, P, N, None, TRUNCATED, tau=0.1, length_penalty_mode="off")
+    torch.testing.assert_close(off["final"], off["scaled"])
+    assert off["length_penalty"].abs().sum() == 0
+    # γ in the units of R_total: divided by τ like the contrastive terms
+    units = compute_rewards(Q, P, N, None, TRUNCATED, tau=0.1, gamma=0.05, length_penalty_units="reward")
+    torch.testing.assert_close(units["final"], units["scaled"] - 0.5 * TRUNCATED.float())
+    replaced = compute_rewards(
+        Q, P, N, None, TRUNCATED, tau=0.1, gamma=0.05, length_penalty_mode="replace", length_penalty_units="reward"
+    )
+    assert torch.all(replaced["final"][TRUNCATED] == -0.5)
+
+
+def test_group_std_scaling_and_advantage_shares():
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [0.0, 0.01, 0.02]])
+    scaled = group_advantages(rewards, "group")
+    torch.testing.assert_close(scaled.std(dim=1, unbiased=False), torch.ones(2), atol=2e-2, rtol=0)
+    torch.testing.assert_close(group_advantages(rewards), rewards - rewards.mean(1, keepdim=True))
+
+    out = compute_rewards(Q, P, N, None, TRUNCATED, tau=10.0, gamma=1.0)
+    parts = reward_parts(out, TRUNCATED, lambda_consistency=0.2, lambda_hard_negative=0.2, tau=10.0)
+    torch.testing.assert_close(sum(parts.values()), out["final"])
+    shares = advantage_shares(parts)
+    assert abs(sum(shares.values()) - 1) < 1e-6
+    # the paper's scale: −1 for a truncated rollout against τ-scaled cosines, the penalty dominates
+    assert shares["length_penalty"] > 0.8
+    for mode in ("replace", "off"):
+        out = compute_rewards(Q, P, N, None, TRUNCATED, length_penalty_mode=mode)
+        parts = reward_parts(
+            out, TRUNCATED, lambda_consistency=0.2, lambda_hard_negative=0.2, tau=10.0, length_penalty_mode=mode
+        )
+        torch.testing.assert_close(sum(parts.values()), out["final"])
+
+
+def test_mask_truncated_drops_cut_rollouts_from_the_loss(tmp_path):
+    trainer = GRPOTrainer(
+        config(tmp_path, mask_truncated=True, max_response_tokens=2), model=make_st_model(), train_data=DATA
+    )
+    rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+    assert bool(rollouts.positives.truncated.all())  # two tokens: every rollout is cut
+    update = trainer.update(rollouts, torch.tensor([0.3, -0.1, -0.2, 0.5, 0.0, -0.5]))
+    assert update["trained_tokens"] == 0 and update["grad_norm"] == 0
+
+
+# -- the hybrid objective ------------------------------------------------------------------------
+
+
+def test_pooled_contrastive_loss_is_infonce_over_the_batch():
+    torch.manual_seed(1)
+    query, positives, negatives = torch.randn(3, 5), torch.randn(3, 2, 5), torch.randn(3, 1, 5)
+    total = pooled_contrastive_loss(query, positives, negatives, temperature=0.1)
+    unit = torch.nn.functional.normalize
+    q, p, n = unit(query, dim=-1), unit(positives, dim=-1), unit(negatives, dim=-1)
+    expected = 0.0
+    for i in range(3):
+        for k in range(2):
+            candidates = [p[i, k], n[i, 0]] + [p[j, l] for j in range(3) if j != i for l in range(2)]
+            logits = torch.stack([q[i] @ c for c in candidates]) / 0.1
+            expected += -torch.log_softmax(logits, 0)[0]
+    torch.testing.assert_close(total, expected)
+    rows = torch.tensor([[True, False], [False, False], [False, True]])
+    part = pooled_contrastive_loss(query, positives, negatives, temperature=0.1, rows=rows)
+    rest = pooled_contrastive_loss(query, positives, negatives, temperature=0.1, rows=~rows)
+    torch.testing.assert_close(part + rest, total)
+    # a padded (absent) negative takes no part
+    masked = pooled_contrastive_loss(query, positives, negatives, torch.zeros(3, 1, dtype=torch.bool), temperature=0.1)
+    assert masked < total
+
+
+def test_update_pass_pools_the_embedding_encode_returns(tmp_path):
+    """The rule: the embedding trained in the update pass is the rollout's, which is encode's."""
+    trainer = GRPOTrainer(config(tmp_path, contrastive_beta=1.0), model=make_st_model(), train_data=DATA)
+    rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+    for role in (rollouts.positives, rollouts.queries, rollouts.negatives):
+        batch = build_policy_batch(
+            role.prompt_ids, role.rationale_ids, role.stop_ids, trainer.encoder.pad_token_id, role.instruction_lengths
+        )
+        with torch.no_grad():
+            _, pooled = policy_pass(trainer.policy, batch, role.temperature, pool_from=trainer.policy)
+        torch.testing.assert_close(torch.nn.functional.normalize(pooled, dim=-1), role.embeddings, atol=1e-5, rtol=1e-4)
+
+
+def gradients(trainer, rollouts, advantages):
+    captured = {}
+
+    def capture(*args, **kwargs):
+        captured["grads"] = {n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None}
+
+    trainer.optimizer.step = capture
+    trainer.update(rollouts, advantages)
+    return captured["grads"]
+
+
+ADVANTAGES = torch.tensor([0.3, -0.1, -0.2, 0.5, 0.0, -0.5])
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_beta_zero_is_the_paper_and_beta_adds_the_infonce_gradient(tmp_path):
+    grads = {}
+    for beta in (0.0, 0.5):
+        trainer = GRPOTrainer(
+            config(tmp_path / str(beta), contrastive_beta=beta), model=make_st_model(), train_data=DATA
+        )
+        rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+        grads[beta] = gradients(trainer, rollouts, ADVANTAGES)
+    paper = GRPOTrainer(config(tmp_path / "paper"), model=make_st_model(), train_data=DATA)
+    reference = gradients(paper, paper.rollout(paper.batch_for_step(0), 0), ADVANTAGES)
+    for name, grad in reference.items():
+        torch.testing.assert_close(grads[0.0][name], grad)
+    assert any(not torch.allclose(grads[0.5][n], g) for n, g in reference.items())
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+@pytest.mark.parametrize("anchors", ["detached", "recompute"])
+def test_hybrid_gradient_reaches_the_lora_parameters_only(tmp_path, anchors):
+    cfg = config(tmp_path, finetune="lora", contrastive_beta=1.0, contrastive_anchors=anchors)
+    trainer = GRPOTrainer(cfg, model=saved_base(tmp_path), train_data=DATA)
+    rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+    grads = gradients(trainer, rollouts, torch.zeros(6))  # no advantage: only the InfoNCE term moves weights
+    assert grads and all("lora_" in name for name in grads)
+    assert sum(float(g.abs().sum()) for g in grads.values()) > 0
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_hybrid_chunks_add_up_to_the_batch_loss(tmp_path):
+    """Chunks sum to the batch's InfoNCE value (other chunks' positives enter as detached negatives)."""
+    values = {}
+    for parts in (1, 2, 3):
+        cfg = config(tmp_path / str(parts), contrastive_beta=1.0, gradient_accumulation_steps=parts)
+        trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
+        values[parts] = trainer.update(trainer.rollout(trainer.batch_for_step(0), 0), ADVANTAGES)["contrastive_loss"]
+    assert values[1] > 0
+    assert values[2] == pytest.approx(values[1], rel=1e-4) and values[3] == pytest.approx(values[1], rel=1e-4)
+
+
+# -- LoRA training ----------------------------------------------------------------------------------
+
+
+def test_lora_run_checkpoints_an_adapter_that_loads_and_resumes(tmp_path):
+    cfg = config(tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=2, save_steps=1, kl_coef=0.1)
+    base = saved_base(tmp_path)
+    before = {k: v.clone() for k, v in base[0].model.state_dict().items()}
+    GRPOTrainer(cfg, model=base, train_data=DATA).train()
+    checkpoint = tmp_path / "run" / "checkpoint-00000002"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
+    # the frozen base is untouched; the adapter moved
+    trained = {k.replace(".base_layer", ""): v for k, v in base[0].model.get_base_model().state_dict().items()}
+    for key, value in before.items():
+        torch.testing.assert_close(trained[key], value)
+    loaded = SentenceTransformer(str(checkpoint), trust_remote_code=True, device="cpu")
+    texts = ["a cat on a mat", "rates rose again"]
+    torch.testing.assert_close(
+        torch.as_tensor(loaded.encode(texts)), torch.as_tensor(base.encode(texts)), atol=1e-5, rtol=1e-4
+    )
+
+    # resume from step 1 reaches the same adapter as the straight run
+    def resumable(steps):
+        return config(
+            tmp_path,
+            finetune="lora",
+            contrastive_beta=1.0,
+            max_steps=steps,
+            save_steps=1,
+            kl_coef=0.1,
+            output_dir=str(tmp_path / "resumed"),
+        )
+
+    GRPOTrainer(resumable(1), model=saved_base(tmp_path), train_data=DATA).train()
+    second = GRPOTrainer(resumable(2), model=saved_base(tmp_path), train_data=DATA)
+    second.train(resume=True)
+    straight = {k: v for k, v in base[0].model.state_dict().items() if "lora_" in k}
+    again = {k: v for k, v in second.policy.state_dict().items() if "lora_" in k}
+    for key, value in straight.items():
+        torch.testing.assert_close(again[key], value, atol=1e-6, rtol=1e-5)

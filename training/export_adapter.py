@@ -1,0 +1,86 @@
+"""Turn a LoRA training checkpoint into the adapter shipped inside grace-st (``grace_st/default_adapter``).
+
+    python -m grace_training.export_adapter runs/default_grace/checkpoint-00000100 \
+        --scores benchmarks/results/quality_study.json --scores-label "shipped default (CPU-trained)"
+
+Writes PEFT's two files (``adapter_config.json``, ``adapter_model.safetensors``) and
+``grace_settings.json``: the encoder settings it was trained with (applied when
+``grace_st.default_model_path()`` builds the trained default), the training config summary, the
+development scores of that row when given, and one example rationale. ``make train-default``
+runs the recipe and then this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from grace_st.default_model import ADAPTER_DIR, ADAPTER_SETTINGS, DEFAULT_MODEL_CONFIG
+
+SHIPPED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+MAX_BYTES = 20 * 1024 * 1024
+
+
+def export(checkpoint: Path, out: Path, scores: dict | None = None, example: dict | None = None) -> Path:
+    adapter = checkpoint / "adapter_model.safetensors"
+    if not adapter.is_file():
+        raise SystemExit(f"{checkpoint}: no adapter_model.safetensors (train with finetune: lora)")
+    if adapter.stat().st_size > MAX_BYTES:
+        raise SystemExit(f"{adapter}: {adapter.stat().st_size / 2**20:.1f} MiB, over the 20 MiB shipped in the package")
+    state = json.loads((checkpoint / "trainer_state" / "state.json").read_text(encoding="utf-8"))
+    grace = json.loads((checkpoint / "grace_config.json").read_text(encoding="utf-8"))
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(adapter, out / "adapter_model.safetensors")
+    config = json.loads((checkpoint / "adapter_config.json").read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = SHIPPED_BASE  # replaced by the local base when the default is built
+    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    settings = {
+        "encoder": {
+            "instructions": grace["instructions"],
+            "max_rationale_tokens": grace["max_rationale_tokens"],
+            # the default's prompt limit; training cut prompts shorter only to save time
+            "max_input_tokens": DEFAULT_MODEL_CONFIG["max_input_tokens"],
+        },
+        "training": {**_summary(state["config"]), "step": state["step"]},
+        "scores": scores,
+        # a rationale the shipped model writes (dev_eval records some), else one from training
+        "example": example or state.get("example"),
+    }
+    (out / ADAPTER_SETTINGS).write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    return out
+
+
+def _summary(config: dict) -> dict:
+    from .config import GRPOConfig
+
+    return GRPOConfig.from_dict(config).summary()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint", type=Path)
+    parser.add_argument("--out", type=Path, default=ADAPTER_DIR)
+    parser.add_argument("--scores", type=Path, help="a dev_eval.py / quality_study.py JSON")
+    parser.add_argument("--scores-label", help="the row of --scores that scored this checkpoint")
+    parser.add_argument("--compare-label", action="append", default=[], help="rows shown beside it (e.g. the base)")
+    args = parser.parse_args(argv)
+    scores = example = None
+    if args.scores:
+        rows = {row["label"]: row for row in json.loads(args.scores.read_text(encoding="utf-8"))["rows"]}
+        missing = [label for label in [args.scores_label, *args.compare_label] if label not in rows]
+        if missing:
+            print(f"no row {missing} in {args.scores}", file=sys.stderr)
+            return 2
+        scores = {k: v for k, v in rows[args.scores_label]["scores"].items() if v is not None}
+        example = (rows[args.scores_label].get("examples") or [None])[0]
+        for label in args.compare_label:
+            scores.update({f"{k} — {label}": v for k, v in rows[label]["scores"].items() if v is not None})
+    print(export(args.checkpoint, args.out, scores, example))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
