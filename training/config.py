@@ -147,6 +147,10 @@ class GRPOConfig:
             (self.contrastive_temperature > 0, "contrastive_temperature must be > 0"),
             (self.lora_r >= 1 and self.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0"),
             (0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)"),
+            (
+                self.finetune == "full" or self.rollout_backend == "hf",
+                "finetune: lora needs rollout_backend: hf (the vLLM engine syncs full weights, not an adapter)",
+            ),
             (self.bad_rows in BAD_ROWS, f"bad_rows must be one of {BAD_ROWS}"),
             (self.lr_scheduler in ("constant", "linear"), "lr_scheduler must be 'constant' or 'linear'"),
             (self.num_rollouts >= 1, "num_rollouts (K) must be >= 1"),
