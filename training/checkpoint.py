@@ -3,7 +3,9 @@
 Layout of ``<output_dir>/checkpoint-<step>/``::
 
     modules.json, config.json, model.safetensors, tokenizer files, grace_config.json, README.md
-        the GRACE sentence-transformers model (also a plain causal-LM directory)
+        the GRACE sentence-transformers model (also a plain causal-LM directory); a LoRA run
+        (finetune: lora) writes adapter_config.json + adapter_model.safetensors instead of
+        config.json + model.safetensors, naming its base (grace_st.adapter)
     trainer_state/state.json      step, epoch, data position, config, last metrics
     trainer_state/optimizer.pt    AdamW moments
     trainer_state/scheduler.pt

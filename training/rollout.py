@@ -44,18 +44,25 @@ class TripletRollouts:
     negative_owner: list[int]
     num_rollouts: int
 
+    def negative_slots(self, max_negatives: int) -> list[tuple[int, int, int]]:
+        """(negative row, owning instance, slot < max_negatives) of every negative kept, in order."""
+        filled = [0] * len(self.queries)
+        slots = []
+        for row, owner in enumerate(self.negative_owner):
+            if filled[owner] < max_negatives:
+                slots.append((row, owner, filled[owner]))
+                filled[owner] += 1
+        return slots
+
     def grouped(self, max_negatives: int) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
         """(queries (B, H), positives (B, K, H), negatives (B, M, H), negative mask (B, M), truncated (B, K))."""
         batch, k = len(self.queries), self.num_rollouts
         hidden = self.queries.embeddings.shape[-1]
         negatives = self.queries.embeddings.new_zeros((batch, max_negatives, hidden))
         mask = torch.zeros((batch, max_negatives), dtype=torch.bool)
-        filled = [0] * batch
-        for row, owner in enumerate(self.negative_owner):
-            if filled[owner] < max_negatives:
-                negatives[owner, filled[owner]] = self.negatives.embeddings[row]
-                mask[owner, filled[owner]] = True
-                filled[owner] += 1
+        for row, owner, slot in self.negative_slots(max_negatives):
+            negatives[owner, slot] = self.negatives.embeddings[row]
+            mask[owner, slot] = True
         positives = self.positives.embeddings.view(batch, k, hidden)
         return self.queries.embeddings, positives, negatives, mask, self.positives.truncated.view(batch, k)
 

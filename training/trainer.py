@@ -437,18 +437,13 @@ class GRPOTrainer:
         query, negatives = query.to(device), negatives.to(device)
         if cfg.contrastive_anchors == "recompute":
             query = self.pooled_with_grad(rollouts.queries)
-            if len(rollouts.negatives):
+            slots = rollouts.negative_slots(cfg.num_negatives)
+            if slots:
                 fresh = self.pooled_with_grad(rollouts.negatives)
-                filled = [0] * batch
-                slots = []
-                for row, owner in enumerate(rollouts.negative_owner):
-                    if filled[owner] < cfg.num_negatives:
-                        slots.append((row, owner * cfg.num_negatives + filled[owner]))
-                        filled[owner] += 1
-                rows_, targets = zip(*slots)
-                negatives = negatives.reshape(batch * cfg.num_negatives, -1).index_copy(
-                    0, torch.tensor(targets, device=device), fresh[list(rows_)]
-                ).reshape(batch, cfg.num_negatives, -1)
+                rows = [row for row, _, _ in slots]
+                targets = torch.tensor([owner * cfg.num_negatives + slot for _, owner, slot in slots], device=device)
+                negatives = negatives.reshape(batch * cfg.num_negatives, -1).index_copy(0, targets, fresh[rows])
+                negatives = negatives.reshape(batch, cfg.num_negatives, -1)
         return pooled_contrastive_loss(
             query,
             flat.reshape(batch, k, -1),
