@@ -18,15 +18,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import numbers
 import os
+import re
 import sqlite3
+import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "grace-st-rationale-cache"
 FORMAT_VERSION = 1
@@ -68,6 +73,24 @@ _CONFIG_KEYS_NOT_HASHED = frozenset(
 )
 
 _SQLITE_MAGIC = b"SQLite format 3\x00"
+# How SQLite reports a file or directory it may not write.
+_READ_ONLY_MESSAGES = re.compile(r"readonly|read-only|unable to open database file", re.IGNORECASE)
+
+
+class _ReadOnlyFile(Exception):
+    """The cache file exists but cannot be opened for writing."""
+
+
+def _writable(path: str) -> bool:
+    """False on a read-only mount (as root too, where ``os.access`` says yes) or without write permission."""
+    try:
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            return False
+    except (OSError, AttributeError):
+        pass
+    return os.access(path, os.W_OK)
+
+
 _INT32 = np.dtype("<i4")
 _FLOAT32 = np.dtype("<f4")
 # Stay under SQLite's host-parameter limit (999 on old builds) in IN (...) queries.
@@ -304,7 +327,9 @@ class RationaleCache:
     Args:
         path: the cache file. Created with its parent directory when missing; an existing file
             must be a cache this format version wrote and pass ``PRAGMA quick_check``, else
-            :class:`CacheError` (the file is left untouched).
+            :class:`CacheError` (the file is left untouched). A valid cache that cannot be
+            written (a read-only mount, no write permission) is opened read-only: hits are
+            served, new entries are not stored, and ``read_only`` is True.
         timeout: seconds a writer waits for another process's lock before giving up.
 
     Several processes may open the same file at once: WAL journaling lets readers run beside
@@ -317,9 +342,24 @@ class RationaleCache:
         self.path = os.fspath(path)
         self._pid = os.getpid()
         self._conn: sqlite3.Connection | None = None
+        self.read_only = False
         self._check_header()
         parent = os.path.dirname(os.path.abspath(self.path))
-        os.makedirs(parent, exist_ok=True)
+        if os.path.isfile(self.path) and not _writable(self.path):
+            self._conn = self._open_read_only()
+            return
+        try:
+            os.makedirs(parent, exist_ok=True)
+        except OSError as error:
+            raise CacheError(f"{self.path}: cannot create the rationale cache's directory: {error}") from error
+        if not os.path.exists(self.path) and not _writable(parent):
+            raise CacheError(f"{self.path}: cannot create the rationale cache: {parent} is read-only")
+        try:
+            self._conn = self._open_writable(timeout)
+        except _ReadOnlyFile:
+            self._conn = self._open_read_only()
+
+    def _open_writable(self, timeout: float) -> sqlite3.Connection:
         try:
             # isolation_level=None: transactions are begun and ended here, explicitly.
             conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
@@ -339,10 +379,47 @@ class RationaleCache:
         except CacheError:
             conn.close()
             raise
+        except sqlite3.OperationalError as error:
+            conn.close()
+            # A file we may read but not write (a read-only mount SQLite only finds out about
+            # when it needs its journal) is still a valid cache to read.
+            if os.path.isfile(self.path) and _READ_ONLY_MESSAGES.search(str(error)):
+                raise _ReadOnlyFile from error
+            raise CacheError(f"{self.path}: not a usable rationale cache: {error}") from error
         except sqlite3.Error as error:
             conn.close()
             raise CacheError(f"{self.path}: not a usable rationale cache: {error}") from error
-        self._conn = conn
+        return conn
+
+    def _open_read_only(self) -> sqlite3.Connection:
+        """Read a cache that cannot be written: hits are served, new entries are not stored.
+
+        ``immutable=1`` because SQLite cannot otherwise open a WAL-mode file whose directory
+        it may not write (it wants the ``-shm`` file); entries still only in an
+        un-checkpointed ``-wal`` are then not seen, and are generated again: slower, never wrong.
+        """
+        uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode=ro&immutable=1"
+        try:
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None)
+        except sqlite3.Error as error:
+            raise CacheError(f"{self.path}: cannot open the read-only rationale cache: {error}") from error
+        try:
+            tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+            if not tables:
+                raise CacheError(f"{self.path}: an empty database on a read-only location, not a rationale cache")
+            self._validate_metadata(conn, tables)
+            self._quick_check(conn)
+        except CacheError:
+            conn.close()
+            raise
+        except sqlite3.Error as error:
+            conn.close()
+            raise CacheError(f"{self.path}: not a usable read-only rationale cache: {error}") from error
+        self.read_only = True
+        logger.warning(
+            "%s: the rationale cache is read-only: cached rationales are used, new ones are not stored", self.path
+        )
+        return conn
 
     # -- opening ---------------------------------------------------------------------------------
 
@@ -452,9 +529,10 @@ class RationaleCache:
         return found
 
     def put_many(self, entries: Mapping[str, CacheEntry]) -> None:
-        """Store (or replace) every entry in one transaction: all of them land, or none."""
+        """Store (or replace) every entry in one transaction: all of them land, or none.
+        A read-only cache stores nothing (it warned so when opened)."""
         rows = [_encode(key, entry) for key, entry in entries.items()]
-        if not rows:
+        if not rows or self.read_only:
             return
         conn = self._connection()
         try:
@@ -483,6 +561,8 @@ class RationaleCache:
     def clear(self) -> None:
         """Delete every entry (the file, its format and metadata stay)."""
         conn = self._connection()
+        if self.read_only:
+            raise CacheError(f"{self.path}: the rationale cache is read-only; nothing was deleted")
         conn.execute("BEGIN IMMEDIATE")
         try:
             conn.execute("DELETE FROM entries")

@@ -4,9 +4,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 import numpy as np
+
+from .prompts import text_problem
+from .settings import RULES
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _encoder_options(parser: argparse.ArgumentParser) -> None:
@@ -25,7 +39,9 @@ def _encoder_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _encoder_settings(args: argparse.Namespace) -> dict:
-    names = ["max_rationale_tokens", "max_input_tokens", "do_sample", "temperature", "top_p", "seed", "num_rationales", "hidden_layer"]
+    # Every setting has an option except these three: the instructions have their own, the
+    # other two describe saved weights, not a way to encode.
+    names = [name for name in RULES if name not in ("instructions", "weights_revision", "merge_adapter")]
     settings = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     instructions = {
         key: value
@@ -70,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--model", help="GRACE model directory or Hub id (default: the embedded default model)")
     encode.add_argument("--task", choices=["query", "document"], help="use the query or document instruction")
     encode.add_argument("--prompt", help="extra instruction, e.g. a task description")
-    encode.add_argument("--batch-size", type=int, default=16)
+    encode.add_argument("--batch-size", type=_positive_int, default=16)
     encode.add_argument("--device", help="torch device, e.g. cpu or cuda")
     encode.add_argument("--json", action="store_true", help="print JSON: texts, rationales, embeddings, similarities")
     encode.add_argument("--cache", help="a rationale cache file (SQLite): repeated texts skip generation")
@@ -94,9 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     local.add_argument("--classification", action="append", default=[], metavar="FILE", help="table: text,label")
     local.add_argument("--pairs", action="append", default=[], metavar="FILE", help="table: label sentence1 sentence2")
     evaluate.add_argument("--tasks", nargs="+", default=[], metavar="NAME", help="registered MTEB tasks (Hub data)")
-    evaluate.add_argument("--limit", type=int, help="at most N pairs / test texts / queries per local task")
-    evaluate.add_argument("--corpus-limit", type=int, help="retrieval: relevant documents plus a sample, N in all")
-    evaluate.add_argument("--batch-size", type=int, default=16)
+    evaluate.add_argument("--limit", type=_positive_int, help="at most N pairs / test texts / queries per local task")
+    evaluate.add_argument(
+        "--corpus-limit", type=_positive_int, help="retrieval: relevant documents plus a sample, N in all"
+    )
+    evaluate.add_argument("--batch-size", type=_positive_int, default=16)
     evaluate.add_argument("--device", help="torch device, e.g. cpu or cuda")
     evaluate.add_argument("--output", metavar="FILE", help="write the results as JSON")
     evaluate.add_argument("--cache-dir", help="mteb result cache (default: $GRACE_ST_HOME/mteb, else the temp dir)")
@@ -112,11 +130,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stdin_lines() -> list[str]:
+    """One text a line: CRLF and LF endings alike, blank lines skipped, invalid UTF-8 named by line."""
+    data = (
+        sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+    )
+    texts = []
+    for number, raw in enumerate(data.split(b"\n"), start=1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise SystemExit(
+                f"grace-st encode: stdin line {number} is not valid UTF-8 (byte {raw[error.start]:#04x} at "
+                f"column {error.start + 1}); convert the input, e.g. iconv -f latin1 -t utf-8"
+            ) from None
+        line = line.removeprefix("\ufeff") if number == 1 else line
+        line = line.removesuffix("\r")
+        if line.strip():
+            texts.append(line)
+    return texts
+
+
 def _read_texts(arguments: list[str]) -> list[str]:
     if arguments == ["-"]:
-        return [line.rstrip("\n") for line in sys.stdin if line.strip()]
+        return _stdin_lines()
     if "-" in arguments:
         raise SystemExit("grace-st encode: '-' must be the only text argument")
+    for index, text in enumerate(arguments, start=1):
+        if text_problem(text) is not None:  # argv bytes that were not UTF-8 arrive as lone surrogates
+            raise SystemExit(f"grace-st encode: text argument {index} is not valid UTF-8: {text!r:.80}")
     return arguments
 
 
@@ -181,8 +223,6 @@ def run_build(args: argparse.Namespace) -> int:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    import os
-
     from .evaluation.runner import default_cache_dir
 
     # mteb creates its default cache folder when imported; point it at ours first.
@@ -235,11 +275,25 @@ def run_eval(args: argparse.Namespace) -> int:
     return 1 if any(entry["error"] for entry in report["tasks"]) else 0
 
 
+COMMANDS = {"encode": run_encode, "build": run_build, "eval": run_eval}
+
+
 def main(argv: list[str] | None = None) -> int:
+    """Run a command. An error ends in one line naming the problem and exit status 1, never a
+    traceback (``GRACE_ST_DEBUG=1`` shows it)."""
     args = build_parser().parse_args(argv)
-    if args.command == "eval":
-        return run_eval(args)
-    return run_encode(args) if args.command == "encode" else run_build(args)
+    try:
+        return COMMANDS[args.command](args)
+    except KeyboardInterrupt:
+        print(f"grace-st {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if os.environ.get("GRACE_ST_DEBUG"):
+            raise
+        kind = "" if isinstance(error, (ValueError, OSError)) else f"{type(error).__name__}: "
+        print(f"grace-st {args.command}: error: {kind}{error}", file=sys.stderr)
+        print("(set GRACE_ST_DEBUG=1 for the traceback)", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

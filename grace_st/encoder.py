@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -33,7 +33,15 @@ from .cache import (
 )
 from .generation import Rollouts, generate_rollouts, left_pad, pooled_embeddings
 from .pooling import masked_mean
-from .prompts import DEFAULT_INSTRUCTIONS, PromptTemplate, build_prompt_template, compose_instruction, tokenize_texts
+from .prompts import (
+    DEFAULT_INSTRUCTIONS,
+    PromptTemplate,
+    build_prompt_template,
+    compose_instruction,
+    text_problem,
+    tokenize_texts,
+)
+from .settings import RULES, check_settings, plain, read_settings_file
 
 try:  # sentence-transformers 6.x
     from sentence_transformers.base.modules import InputModule
@@ -143,6 +151,22 @@ class GenerativeEncoder(InputModule):
         super().__init__()
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        if isinstance(instructions, Mapping):
+            instructions = {**DEFAULT_INSTRUCTIONS, **instructions}
+        settings = {
+            "instructions": dict(DEFAULT_INSTRUCTIONS) if instructions is None else instructions,
+            "max_rationale_tokens": max_rationale_tokens,
+            "max_input_tokens": max_input_tokens,
+            "do_sample": do_sample,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "num_rationales": num_rationales,
+            "hidden_layer": hidden_layer,
+            "weights_revision": weights_revision,
+            "merge_adapter": merge_adapter,
+        }
+        check_settings(settings)  # before the weights load: a bad value costs no time
         if (model is None) != (tokenizer is None):
             raise ValueError("Pass both `model` and `tokenizer`, or neither and a `model_name_or_path`.")
         if model is None:
@@ -155,17 +179,8 @@ class GenerativeEncoder(InputModule):
             tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **(tokenizer_kwargs or {}))
         self.model = model
         self.tokenizer = tokenizer
-        self.instructions = {**DEFAULT_INSTRUCTIONS, **(instructions or {})}
-        self.max_rationale_tokens = max_rationale_tokens
-        self.max_input_tokens = max_input_tokens
-        self.do_sample = do_sample
-        self.temperature = temperature
-        self.top_p = top_p
-        self.seed = seed
-        self.num_rationales = num_rationales
-        self.hidden_layer = hidden_layer
-        self.weights_revision = weights_revision
-        self.merge_adapter = merge_adapter
+        for name, value in plain(settings).items():
+            setattr(self, name, value)
         # What evaluation libraries call this model when it has no Hub id (see describe_for_mteb).
         self.model_id = _model_id(model_name_or_path or getattr(model, "name_or_path", "") or "grace-model")
         self._described: tuple[str | None, str | None] = (None, None)
@@ -184,26 +199,14 @@ class GenerativeEncoder(InputModule):
     # -- settings ---------------------------------------------------------------------------
 
     def check_settings(self) -> None:
-        """Validate the run-time settings; called on construction and before every batch."""
-        if not isinstance(self.max_rationale_tokens, int) or self.max_rationale_tokens < 0:
-            raise ValueError(f"max_rationale_tokens must be an int >= 0, got {self.max_rationale_tokens!r}")
-        if not isinstance(self.max_input_tokens, int) or self.max_input_tokens < 1:
-            raise ValueError(f"max_input_tokens must be an int >= 1, got {self.max_input_tokens!r}")
-        if not isinstance(self.num_rationales, int) or self.num_rationales < 1:
-            raise ValueError(f"num_rationales must be an int >= 1, got {self.num_rationales!r}")
-        if self.num_rationales > 1 and not self.do_sample:
-            raise ValueError("num_rationales > 1 averages sampled rationales: set do_sample=True as well")
-        if self.num_rationales > 1 and self.max_rationale_tokens == 0:
-            raise ValueError("num_rationales > 1 needs max_rationale_tokens > 0")
-        if self.do_sample and not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        layers = self.model.config.get_text_config().num_hidden_layers
-        if not -1 <= self.hidden_layer <= layers:
-            raise ValueError(f"hidden_layer must be -1 or in [0, {layers}], got {self.hidden_layer!r}")
-        if "default" not in self.instructions:
-            raise ValueError("instructions must contain a 'default' entry")
+        """Validate the run-time settings (:func:`grace_st.settings.check_settings`); called on
+        construction, after load and before every batch, so a setting changed on the instance
+        is checked before it is used."""
+        values = {name: getattr(self, name) for name in RULES}
+        check_settings(values, num_layers=self.model.config.get_text_config().num_hidden_layers)
+        for name, value in plain(values).items():
+            if name != "instructions":
+                setattr(self, name, value)
 
     @property
     def max_seq_length(self) -> int:
@@ -363,9 +366,13 @@ class GenerativeEncoder(InputModule):
         self.check_settings()
         texts = list(inputs)
         for index, text in enumerate(texts):
-            if not isinstance(text, str):
-                raise TypeError(
-                    f"GenerativeEncoder takes strings; item {index} of this batch is {type(text).__name__}: {text!r:.80}"
+            problem = text_problem(text)
+            if problem is not None:
+                # ValueError, not TypeError: sentence-transformers 6 answers a TypeError from
+                # preprocess by retrying with the prompt glued to each text, and that retry's
+                # own error (str + list) would replace this one.
+                raise ValueError(
+                    f"GenerativeEncoder takes strings; item {index} of this batch (sorted by length) {problem}"
                 )
         instruction = self.instruction_for(task, prompt)
         template = self.prompt_template(instruction)
@@ -544,6 +551,44 @@ class GenerativeEncoder(InputModule):
         self.model.save_pretrained(output_path, safe_serialization=True)
         if not os.path.isfile(os.path.join(output_path, ADAPTER_CONFIG)):
             raise RuntimeError(f"PEFT wrote no {ADAPTER_CONFIG} in {output_path}")
+
+    @classmethod
+    def load_config(
+        cls,
+        model_name_or_path: str,
+        subfolder: str = "",
+        config_filename: str | None = None,
+        token: bool | str | None = None,
+        cache_folder: str | None = None,
+        revision: str | None = None,
+        local_files_only: bool = False,
+    ) -> dict[str, Any]:
+        """The saved settings, checked (:func:`grace_st.settings.read_settings_file`).
+
+        Unlike other sentence-transformers modules, a missing file is an error: the class
+        defaults (a 256-token rationale, a 1024-token prompt) are not what the model was
+        saved with, and embedding with them would give other vectors without a word.
+        """
+        from sentence_transformers.util import load_file_path
+
+        name = config_filename or cls.config_file_name
+        path = load_file_path(
+            model_name_or_path,
+            name,
+            subfolder=subfolder,
+            token=token,
+            cache_folder=cache_folder,
+            revision=revision,
+            local_files_only=local_files_only,
+        )
+        if path is None:
+            where = os.path.join(model_name_or_path, subfolder) if subfolder else model_name_or_path
+            raise FileNotFoundError(
+                f"{where}: no {name}. modules.json names a GenerativeEncoder, but the settings it was saved "
+                "with are missing; copy the whole model directory (or download it again), or build a GRACE "
+                "model from a causal LM with grace_st.from_causal_lm / `grace-st build`"
+            )
+        return read_settings_file(path)
 
     @classmethod
     def load(

@@ -3,10 +3,13 @@ pooled over it (method.md §1)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
+
+from .prompts import text_problem
 
 
 def find_generative_encoder(model):
@@ -18,15 +21,26 @@ def find_generative_encoder(model):
 
 
 def check_texts(texts) -> list[str]:
-    """A list of strings, or a clear error naming the first bad item."""
+    """A list of strings, or a clear error naming the first bad item.
+
+    A mapping, bytes or a non-iterable is refused as a whole: iterating them would embed a
+    dict's keys or name a byte as an int.
+    """
     if texts is None:
         raise TypeError("texts is None: pass a string or a list of strings")
     if isinstance(texts, str):
-        return [texts]
+        texts = [texts]
+    elif isinstance(texts, Mapping):
+        raise TypeError(f"texts is a {type(texts).__name__}, not a string or a list of strings: {texts!r:.80}")
+    elif isinstance(texts, (bytes, bytearray, memoryview)):
+        raise TypeError(f"texts is {type(texts).__name__}: decode it to str first (e.g. data.decode('utf-8'))")
+    elif not isinstance(texts, Iterable):
+        raise TypeError(f"texts is {type(texts).__name__}, not a string or a list of strings: {texts!r:.80}")
     texts = list(texts)
     for index, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise TypeError(f"texts[{index}] is {type(text).__name__}, not str: {text!r:.80}")
+        problem = text_problem(text)
+        if problem is not None:
+            raise (TypeError if not isinstance(text, str) else ValueError)(f"texts[{index}] {problem}")
     return texts
 
 

@@ -98,6 +98,25 @@ def build_prompt_template(tokenizer, instruction: str) -> PromptTemplate:
     return PromptTemplate(tuple(prefix_ids), tuple(suffix_ids))
 
 
+def text_problem(text) -> str | None:
+    """Why ``text`` cannot be embedded (to follow "item N"), or None when it can.
+
+    A lone surrogate (``"\\ud800"``, what ``surrogateescape`` makes of undecodable bytes)
+    is not text any tokenizer can take: named here with its position, instead of the
+    tokenizer's opaque ``TypeError``.
+    """
+    if not isinstance(text, str):
+        return f"is {type(text).__name__}, not str: {text!r:.80}"
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        return (
+            f"is not valid Unicode: a lone surrogate U+{ord(text[error.start]):04X} at character {error.start} "
+            f"of {text!r:.80} (decode bytes with errors='replace', or fix the source)"
+        )
+    return None
+
+
 def tokenize_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     """User texts as plain data: special-token strings inside them become ordinary tokens."""
     if not texts:

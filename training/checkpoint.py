@@ -15,24 +15,43 @@ Layout of ``<output_dir>/checkpoint-<step>/``::
 Everything is written under ``<output_dir>/.tmp-checkpoint-<step>`` and then renamed, so a
 ``checkpoint-*`` directory is complete or absent: a crash mid-save leaves a temporary
 directory that the next start removes, and ``latest_checkpoint`` never sees half a save.
+
+Re-saving a step that exists (a resumed run passing it again) moves the old copy to
+``.replaced-checkpoint-<step>``, a name :func:`remove_incomplete` puts back when the new copy
+never took ``checkpoint-<step>``, and deletes it only once the new copy has: at every instant a
+complete copy of the step sits where recovery keeps it.
+
+Loading checks what it can before touching the model (:func:`check_checkpoint`) and raises
+:class:`CheckpointError` naming the file for anything unreadable.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
 import shutil
+import struct
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+logger = logging.getLogger(__name__)
+
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TEMPORARY_PREFIX = ".tmp-checkpoint-"
+REPLACED_PREFIX = ".replaced-checkpoint-"  # a complete old copy during a re-save; never deleted blind
+CORRUPT_PREFIX = "corrupt-"  # a checkpoint --resume could not load, kept for a look, out of rotation
 STATE_DIR = "trainer_state"
+TRAINING_FILES = ("optimizer.pt", "scheduler.pt", "rng.pt")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint that cannot be resumed from; the message names the file or directory."""
 
 
 def checkpoint_name(step: int) -> str:
@@ -58,15 +77,35 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 
 
 def remove_incomplete(output_dir: str | Path) -> list[Path]:
-    """Delete temporary directories a crashed save left behind; returns what was removed."""
+    """Settle what a crashed save left behind; returns the temporary directories removed.
+
+    A replaced checkpoint whose successor never took its name is put back first, so the
+    deletion of temporaries that follows can never take the only complete copy of a step.
+    """
     root = Path(output_dir)
     removed = []
     if root.is_dir():
+        for path in sorted(root.iterdir()):
+            if path.name.startswith(REPLACED_PREFIX):
+                _settle_replaced(root, path)
         for path in root.iterdir():
             if path.name.startswith(TEMPORARY_PREFIX):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
+
+
+def _settle_replaced(root: Path, aside: Path) -> None:
+    step = aside.name.removeprefix(REPLACED_PREFIX)
+    final = root / f"checkpoint-{step}"
+    if not final.exists() and (aside / STATE_DIR / "state.json").is_file():
+        os.replace(aside, final)
+        _fsync_dir(root)
+        logger.warning("restored %s: a crash came between moving it aside and its re-save taking its place", final)
+    else:  # the re-save is in place: the old copy is redundant, hand it to the temporary cleanup
+        trash = root / f"{TEMPORARY_PREFIX}old-{step}"
+        shutil.rmtree(trash, ignore_errors=True)  # a rename cannot land on a non-empty directory
+        os.replace(aside, trash)
 
 
 def rng_state() -> dict[str, Any]:
@@ -142,15 +181,47 @@ def write_checkpoint(
         (state_dir / "state.json").write_text(json.dumps(trainer_state, indent=2, default=str), encoding="utf-8")
         _fsync_tree(staging)
         if final.exists():  # a re-save of the same step (e.g. after a resume): replace it whole
-            trash = root / f"{TEMPORARY_PREFIX}old-{step:08d}"
-            os.replace(final, trash)
-            os.replace(staging, final)
-            shutil.rmtree(trash, ignore_errors=True)
+            _replace_checkpoint(root, staging, final)
         else:
             os.replace(staging, final)
+        _fsync_dir(root)
     if distributed:
         accelerator.wait_for_everyone()
     return final
+
+
+def _replace_checkpoint(root: Path, staging: Path, final: Path) -> None:
+    """Swap a complete staging directory in for an existing checkpoint of the same step.
+
+    The old copy waits under ``.replaced-checkpoint-*`` (restored by :func:`remove_incomplete`
+    if the process dies before the next rename) and becomes a temporary, deletable directory
+    only after the new copy holds the final name.
+    """
+    step = final.name.removeprefix("checkpoint-")
+    aside = root / f"{REPLACED_PREFIX}{step}"
+    trash = root / f"{TEMPORARY_PREFIX}old-{step}"
+    for leftover in (aside, trash):  # from an earlier crash; ``final`` exists, so both are redundant
+        shutil.rmtree(leftover, ignore_errors=True)
+    os.replace(final, aside)
+    _fsync_dir(root)
+    os.replace(staging, final)
+    _fsync_dir(root)
+    os.replace(aside, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make renames inside ``directory`` durable (its entry list is what a power cut could lose)."""
+    try:
+        handle = os.open(directory, os.O_RDONLY)
+    except OSError:  # platforms that cannot open a directory have no directory fsync either
+        return
+    try:
+        os.fsync(handle)
+    except OSError:
+        pass
+    finally:
+        os.close(handle)
 
 
 def _fsync_tree(directory: Path) -> None:
@@ -163,49 +234,146 @@ def _fsync_tree(directory: Path) -> None:
 
 
 def read_trainer_state(checkpoint: str | Path) -> dict[str, Any]:
-    return json.loads((Path(checkpoint) / STATE_DIR / "state.json").read_text(encoding="utf-8"))
+    file = Path(checkpoint) / STATE_DIR / "state.json"
+    try:
+        state = json.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{file}: not a readable trainer state ({error})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{file}: not a trainer state (no integer 'step')")
+    return state
+
+
+def check_checkpoint(checkpoint: str | Path) -> dict[str, Any]:
+    """What can be checked without loading: the state parses, every file a load reads is there and
+    each safetensors file is as long as its header says. Returns the trainer state."""
+    checkpoint = Path(checkpoint)
+    state = read_trainer_state(checkpoint)
+    state_dir = checkpoint / STATE_DIR
+    if not (state_dir / "accelerate").is_dir():
+        for name in TRAINING_FILES:
+            file = state_dir / name
+            if not file.is_file() or file.stat().st_size == 0:
+                raise CheckpointError(f"{file}: missing or empty")
+    weights = sorted(checkpoint.glob("*.safetensors"))
+    if not weights:
+        raise CheckpointError(f"{checkpoint}: no *.safetensors weights")
+    for file in weights:
+        _check_safetensors_length(file)
+    return state
+
+
+def _check_safetensors_length(file: Path) -> None:
+    """A truncated or overwritten safetensors file: its header (8-byte length, then JSON) names
+    every tensor's byte range; the data must end exactly at the end of the file."""
+    size = file.stat().st_size
+    try:
+        with open(file, "rb") as handle:
+            (length,) = struct.unpack("<Q", handle.read(8))
+            if length > size - 8:
+                raise ValueError(f"header of {length} bytes in a file of {size}")
+            header = json.loads(handle.read(length))
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except (struct.error, ValueError, KeyError, TypeError, IndexError, AttributeError) as error:
+        raise CheckpointError(f"{file}: not a readable safetensors file ({error})") from None
+    if 8 + length + end != size:
+        raise CheckpointError(f"{file}: {size} bytes, but its header describes {8 + length + end} (truncated?)")
 
 
 def load_checkpoint(checkpoint: str | Path, *, policy, optimizer, scheduler, accelerator=None) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns its trainer state."""
+    """Restore weights, optimizer, scheduler and RNG from a checkpoint; returns its trainer state.
+
+    Raises :class:`CheckpointError` naming the file for a checkpoint that cannot be loaded. The
+    checks run before anything is touched; a failure later, in a file that passed them, can leave
+    the policy part-loaded, and a successful load of another checkpoint overwrites all of it.
+    """
     checkpoint = Path(checkpoint)
+    state = check_checkpoint(checkpoint)
     state_dir = checkpoint / STATE_DIR
     if (state_dir / "accelerate").is_dir() and accelerator is not None:
-        accelerator.load_state(str(state_dir / "accelerate"))
-        return read_trainer_state(checkpoint)
-    from safetensors.torch import load_file
+        try:
+            accelerator.load_state(str(state_dir / "accelerate"))
+        except Exception as error:  # whatever accelerate raises, the path is the news
+            raise CheckpointError(f"{state_dir / 'accelerate'}: cannot be loaded ({error})") from error
+        return state
 
     adapter = checkpoint / "adapter_model.safetensors"
     if adapter.is_file():  # a LoRA run: the checkpoint holds the adapter only (PEFT's format)
         from peft import set_peft_model_state_dict
 
         if not hasattr(policy, "peft_config"):
-            raise RuntimeError(f"{checkpoint}: holds a LoRA adapter, but the policy has none (set finetune: lora)")
-        result = set_peft_model_state_dict(policy, load_file(str(adapter)))
+            raise CheckpointError(f"{checkpoint}: holds a LoRA adapter, but the policy has none (set finetune: lora)")
+        try:
+            result = set_peft_model_state_dict(policy, _load_safetensors(adapter))
+        except (RuntimeError, ValueError, KeyError) as error:  # shapes that do not fit (another rank, model)
+            raise CheckpointError(f"{adapter}: does not fit the policy ({error})") from error
         unexpected = list(getattr(result, "unexpected_keys", []) or [])
         if unexpected:
-            raise RuntimeError(f"{checkpoint}: adapter weights do not match the policy (unexpected {unexpected[:5]})")
-        return _load_training_state(checkpoint, optimizer, scheduler)
+            raise CheckpointError(
+                f"{checkpoint}: adapter weights do not match the policy (unexpected {unexpected[:5]})"
+            )
+        _load_training_state(checkpoint, optimizer, scheduler)
+        return state
     weights = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
-        weights.update(load_file(str(file)))
-    missing, unexpected = policy.load_state_dict(weights, strict=False)
+        weights.update(_load_safetensors(file))
+    try:
+        missing, unexpected = policy.load_state_dict(weights, strict=False)
+    except RuntimeError as error:  # a shape mismatch: the checkpoint is of another model
+        raise CheckpointError(f"{checkpoint}: weights do not fit the policy ({error})") from error
     # Tied embeddings are saved once; the tied parameter is restored through its twin.
     tied = set(getattr(policy, "_tied_weights_keys", None) or [])
     missing = [m for m in missing if m not in tied and not _is_tied(policy, m)]
     if missing or unexpected:
-        raise RuntimeError(
+        raise CheckpointError(
             f"{checkpoint}: weights do not match the policy (missing {missing[:5]}, unexpected {unexpected[:5]})"
         )
-    return _load_training_state(checkpoint, optimizer, scheduler)
+    _load_training_state(checkpoint, optimizer, scheduler)
+    return state
 
 
-def _load_training_state(checkpoint: Path, optimizer, scheduler) -> dict[str, Any]:
+def _load_training_state(checkpoint: Path, optimizer, scheduler) -> None:
     state_dir = checkpoint / STATE_DIR
-    optimizer.load_state_dict(torch.load(state_dir / "optimizer.pt", map_location="cpu", weights_only=False))
-    scheduler.load_state_dict(torch.load(state_dir / "scheduler.pt", map_location="cpu", weights_only=False))
-    set_rng_state(torch.load(state_dir / "rng.pt", map_location="cpu", weights_only=False))
-    return read_trainer_state(checkpoint)
+    for name, restore in (
+        ("optimizer.pt", optimizer.load_state_dict),
+        ("scheduler.pt", scheduler.load_state_dict),
+        ("rng.pt", set_rng_state),
+    ):
+        value = _torch_load(state_dir / name)
+        try:
+            restore(value)
+        except (RuntimeError, ValueError, KeyError, TypeError) as error:  # it unpickled, but holds something else
+            raise CheckpointError(f"{state_dir / name}: does not fit this run ({error})") from error
+
+
+def _torch_load(file: Path) -> Any:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=False)
+    except Exception as error:  # unpickling fails in many ways; each is a bad file
+        raise CheckpointError(f"{file}: cannot be loaded ({type(error).__name__}: {error})") from error
+
+
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except Exception as error:  # safetensors raises its own error types
+        raise CheckpointError(f"{file}: cannot be loaded ({type(error).__name__}: {error})") from error
+
+
+def set_aside_corrupt(checkpoint: Path) -> Path:
+    """Rename a checkpoint --resume could not load to ``corrupt-checkpoint-*``: out of
+    ``list_checkpoints`` (so keep-last-k does not count it against the good ones) but not deleted."""
+    target = checkpoint.with_name(f"{CORRUPT_PREFIX}{checkpoint.name}")
+    suffix = 1
+    while target.exists():
+        target = checkpoint.with_name(f"{CORRUPT_PREFIX}{checkpoint.name}.{suffix}")
+        suffix += 1
+    os.replace(checkpoint, target)
+    return target
 
 
 def _is_tied(policy, name: str) -> bool:

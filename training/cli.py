@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .config import GRPOConfig
+from .checkpoint import CheckpointError
+from .config import ConfigError, GRPOConfig, check_batches, check_environment, locate
 from .data import load_data
 from .trainer import _cap_per_source
 
@@ -70,6 +71,8 @@ def plan(config: GRPOConfig, sample: int = 256) -> dict[str, Any]:
         seed=config.seed,
         objective=config.objective,
     )
+    # the real run refuses it at the same point, before the model; WORLD_SIZE is set under `accelerate launch`
+    check_batches(config, len(rows), int(os.environ.get("WORLD_SIZE", "1")))
     eval_rows, eval_issues = (
         load_data(
             config.eval_data,
@@ -135,15 +138,16 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = GRPOConfig.from_yaml(args.config, args.overrides)
-    except (ValueError, TypeError, FileNotFoundError) as error:
-        print(f"grace-train: bad config: {error}", file=sys.stderr)
-        return 2
+        check_environment(config)
+    except ConfigError as error:
+        return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
     if args.dry_run:
         try:
             summary = plan(config)
-        except (ValueError, FileNotFoundError) as error:
-            print(f"grace-train: {error}", file=sys.stderr)
-            return 2
+        except ConfigError as error:
+            return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
+        except (ValueError, OSError) as error:  # data files: a bad row, a missing file or folder
+            return _refuse(str(error))
         print(json.dumps({"config": config.to_dict(), "plan": summary}, indent=2))
         return 0
     if args.method == "infonce":
@@ -157,10 +161,21 @@ def main(argv: list[str] | None = None) -> int:
     if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, one process writes it
         Path(config.output_dir).mkdir(parents=True, exist_ok=True)
         config.to_yaml(Path(config.output_dir) / "config.yaml")
-    trainer = GRPOTrainer(config)
-    result = trainer.train(resume=args.resume)
+    try:
+        trainer = GRPOTrainer(config)
+        result = trainer.train(resume=args.resume)
+    except ConfigError as error:  # what only the data or the process count shows (the dry run shows it too)
+        return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
+    except CheckpointError as error:  # --resume with no loadable checkpoint: not a crash, a decision to make
+        return _refuse(str(error), code=1)
     print(json.dumps({"step": result["step"], "scores": result["scores"]}, indent=2))
     return 0
+
+
+def _refuse(message: str, code: int = 2) -> int:
+    """argparse's convention: ``prog: error: ...`` on stderr, exit 2 for what the user must fix."""
+    print(f"grace-train: error: {message}", file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -8,10 +8,15 @@ its reference code are noted where they are set.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import json
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .validation import NON_EMPTY, ConfigError, Rule, above, at_least, between, check_value, coerce, one_of, subset_of
 
 REWARD_MODES = ("paper", "per_rollout")
 OBJECTIVES = ("supervised", "unsupervised")
@@ -22,6 +27,7 @@ REWARD_SCALING = ("none", "group")
 FINETUNE_MODES = ("full", "lora")
 CONTRASTIVE_ANCHORS = ("detached", "recompute")
 BAD_ROWS = ("skip", "error")
+LR_SCHEDULERS = ("constant", "linear")
 
 
 @dataclass
@@ -131,59 +137,28 @@ class GRPOConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+        for item in dataclasses.fields(self):  # an int given for a float key is stored as the float
+            value = getattr(self, item.name)
+            if _hints()[item.name] is float and isinstance(value, int) and not isinstance(value, bool):
+                setattr(self, item.name, float(value))
 
     def validate(self) -> None:
-        """Raise ValueError naming the first bad setting (the CLI's --dry-run calls this)."""
-        checks = [
-            (self.objective in OBJECTIVES, f"objective must be one of {OBJECTIVES}"),
-            (self.reward_mode in REWARD_MODES, f"reward_mode must be one of {REWARD_MODES}"),
-            (self.rollout_backend in BACKENDS, f"rollout_backend must be one of {BACKENDS}"),
-            (self.length_penalty_mode in LENGTH_PENALTY_MODES, f"length_penalty_mode: one of {LENGTH_PENALTY_MODES}"),
-            (self.length_penalty_units in LENGTH_PENALTY_UNITS, f"length_penalty_units: one of {LENGTH_PENALTY_UNITS}"),
-            (self.scale_rewards in REWARD_SCALING, f"scale_rewards must be one of {REWARD_SCALING}"),
-            (self.finetune in FINETUNE_MODES, f"finetune must be one of {FINETUNE_MODES}"),
-            (self.contrastive_anchors in CONTRASTIVE_ANCHORS, f"contrastive_anchors: one of {CONTRASTIVE_ANCHORS}"),
-            (self.contrastive_beta >= 0, "contrastive_beta (β) must be >= 0"),
-            (self.contrastive_temperature > 0, "contrastive_temperature must be > 0"),
-            (self.lora_r >= 1 and self.lora_alpha > 0, "lora_r must be >= 1 and lora_alpha > 0"),
-            (0 <= self.lora_dropout < 1, "lora_dropout must be in [0, 1)"),
-            (
-                self.finetune == "full" or self.rollout_backend == "hf",
-                "finetune: lora needs rollout_backend: hf (the vLLM engine syncs full weights, not an adapter)",
-            ),
-            (self.bad_rows in BAD_ROWS, f"bad_rows must be one of {BAD_ROWS}"),
-            (self.lr_scheduler in ("constant", "linear"), "lr_scheduler must be 'constant' or 'linear'"),
-            (self.num_rollouts >= 1, "num_rollouts (K) must be >= 1"),
-            (self.batch_size >= 1, "batch_size must be >= 1"),
-            (self.num_negatives >= 0, "num_negatives must be >= 0"),
-            (self.tau > 0, "tau must be > 0"),
-            (self.gamma >= 0, "gamma must be >= 0"),
-            (self.max_response_tokens >= 1, "max_response_tokens must be >= 1 (GRPO needs a rationale)"),
-            (self.max_prompt_tokens >= 1, "max_prompt_tokens must be >= 1"),
-            (self.ppo_epochs >= 1, "ppo_epochs must be >= 1"),
-            (self.gradient_accumulation_steps >= 1, "gradient_accumulation_steps must be >= 1"),
-            (self.rollout_batch_size >= 1, "rollout_batch_size must be >= 1"),
-            (self.epochs >= 1 or self.max_steps > 0, "set epochs >= 1 or max_steps > 0"),
-            (
-                min(self.temperature_positive, self.temperature_query, self.temperature_negative) >= 0,
-                "temperatures must be >= 0 (0 is greedy)",
-            ),
-            (
-                self.temperature_positive > 0 or self.num_rollouts == 1,
-                "K > 1 positive rollouts need temperature_positive > 0, or every rollout is the same",
-            ),
-            (0 < self.top_p <= 1, "top_p must be in (0, 1]"),
-            (0 < self.vllm_gpu_memory_utilization <= 1, "vllm_gpu_memory_utilization must be in (0, 1]"),
-            (self.save_total_limit is None or self.save_total_limit >= 1, "save_total_limit must be >= 1 or null"),
-            (not self.push_to_hub or bool(self.hub_model_id), "push_to_hub needs hub_model_id"),
-            (set(self.report_to) <= {"jsonl", "tensorboard"}, "report_to takes 'jsonl' and 'tensorboard'"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                raise ValueError(message)
-        for source in [*self.train_data, *self.eval_data]:
-            if not isinstance(source, dict) or "type" not in source or "path" not in source:
-                raise ValueError(f"each data source needs 'type' and 'path', got {source!r}")
+        """Raise :class:`ConfigError` (a ValueError) naming the first bad setting and its value.
+
+        Every key is checked for its annotated type (an int key refuses 2.5 and true, a float key
+        refuses NaN and inf, a non-Optional key refuses null), then for its range (``RULES``),
+        then the rules that tie keys together. Construction, ``from_yaml`` and ``--dry-run`` run it;
+        what needs the data or the machine is :func:`check_batches` / :func:`check_environment`.
+        """
+        hints = _hints()
+        for item in dataclasses.fields(self):
+            check_value(item.name, getattr(self, item.name), hints[item.name], RULES[item.name])
+        for key in ("train_data", "eval_data"):
+            for index, source in enumerate(getattr(self, key)):
+                _check_source(f"{key}[{index}]", source)
+        for holds, key, message in _combination_rules(self):
+            if not holds:
+                raise ConfigError(message, key=key)
 
     # -- (de)serialisation --------------------------------------------------------------------
 
@@ -192,22 +167,25 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GRPOConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(values) - known)
+        hints = _hints()
+        unknown = sorted(str(key) for key in values if key not in hints)
         if unknown:
-            raise ValueError(f"unknown config key(s): {', '.join(unknown)}")
-        return cls(**{key: _coerce(cls.__dataclass_fields__[key].type, value) for key, value in values.items()})
+            message = f"unknown config key(s): {', '.join(_with_suggestion(k) for k in unknown)}"
+            raise ConfigError(message, key=unknown[0])
+        return cls(**{key: coerce(value, hints[key]) for key, value in values.items()})
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> GRPOConfig:
-        """Read a YAML file, then apply ``key=value`` overrides (values parsed as YAML)."""
-        import yaml
+        """Read a YAML file, then apply ``key=value`` overrides (values parsed as YAML).
 
-        values = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        if not isinstance(values, dict):
-            raise TypeError(f"{path}: expected a mapping of config keys")
-        values.update(parse_overrides(overrides or []))
-        return cls.from_dict(values)
+        Every error is a :class:`ConfigError` that names the file (or the override) and the key.
+        """
+        values = read_yaml_mapping(path)
+        changes = parse_overrides(overrides or [])
+        try:
+            return cls.from_dict({**values, **changes})
+        except ConfigError as error:
+            raise locate(error, path, overrides) from None
 
     def to_yaml(self, path: str | Path) -> None:
         import yaml
@@ -252,18 +230,201 @@ class GRPOConfig:
         return json.dumps(self.to_dict(), indent=2)
 
 
-def _coerce(annotation: str, value: Any) -> Any:
-    """YAML 1.1 reads ``1e-6`` as a string; numbers are turned back into numbers here."""
-    if not isinstance(value, str):
-        return value
-    kinds = {part.strip() for part in str(annotation).split("|")}
-    for name, kind in (("int", int), ("float", float)):
-        if name in kinds:
-            try:
-                return kind(value)
-            except ValueError:
-                continue
-    return value
+# -- per-key rules -------------------------------------------------------------------------------
+# Types come from the annotations; these are the ranges. Every key has an entry (a test holds
+# RULES to the dataclass's fields), so a new key cannot skip validation by omission.
+
+POSITIVE, NON_NEGATIVE, AT_LEAST_ONE = above(0), at_least(0), at_least(1)
+PROBABILITY_OPEN_TOP = between(0, 1, high_open=True)
+REPORTERS = ("jsonl", "tensorboard")
+SEED_RANGE = between(0, 2**32 - 1)  # NumPy's seeding takes nothing outside [0, 2**32)
+
+
+def _is_repo_id(value: str) -> bool:
+    parts = value.split("/")
+    return len(parts) <= 2 and all(parts) and not any(c.isspace() for c in value)
+
+
+RULES: dict[str, tuple[Rule, ...]] = {
+    "model_name_or_path": (NON_EMPTY,),
+    "base_model": (NON_EMPTY,),
+    "query_task": (NON_EMPTY,),
+    "document_task": (NON_EMPTY,),
+    "max_prompt_tokens": (AT_LEAST_ONE,),
+    "max_response_tokens": (AT_LEAST_ONE,),  # GRPO needs a rationale
+    "objective": (one_of(OBJECTIVES),),
+    "data_dir": (NON_EMPTY,),
+    "train_data": (),  # each source is checked by _check_source; empty is refused where data is loaded
+    "eval_data": (),
+    "num_negatives": (NON_NEGATIVE,),
+    "bad_rows": (one_of(BAD_ROWS),),
+    "num_rollouts": (AT_LEAST_ONE,),
+    "temperature_positive": (NON_NEGATIVE,),  # 0 is greedy
+    "temperature_query": (NON_NEGATIVE,),
+    "temperature_negative": (NON_NEGATIVE,),
+    "top_p": (between(0, 1, low_open=True),),
+    "rollout_backend": (one_of(BACKENDS),),
+    "rollout_batch_size": (AT_LEAST_ONE,),
+    "vllm_gpu_memory_utilization": (between(0, 1, low_open=True),),
+    "vllm_tensor_parallel_size": (AT_LEAST_ONE,),
+    "vllm_enable_sleep_mode": (),
+    "reward_mode": (one_of(REWARD_MODES),),
+    "lambda_consistency": (NON_NEGATIVE,),  # a negative weight would reward the opposite of Eq. 8
+    "lambda_hard_negative": (NON_NEGATIVE,),
+    "tau": (POSITIVE,),
+    "gamma": (NON_NEGATIVE,),
+    "length_penalty_mode": (one_of(LENGTH_PENALTY_MODES),),
+    "length_penalty_units": (one_of(LENGTH_PENALTY_UNITS),),
+    "mask_truncated": (),
+    "scale_rewards": (one_of(REWARD_SCALING),),
+    "contrastive_beta": (NON_NEGATIVE,),
+    "contrastive_temperature": (POSITIVE,),
+    "contrastive_anchors": (one_of(CONTRASTIVE_ANCHORS),),
+    "finetune": (one_of(FINETUNE_MODES),),
+    "lora_r": (AT_LEAST_ONE,),
+    "lora_alpha": (POSITIVE,),
+    "lora_dropout": (PROBABILITY_OPEN_TOP,),
+    "lora_target_modules": (NON_EMPTY,),
+    "learning_rate": (POSITIVE,),
+    "lr_scheduler": (one_of(LR_SCHEDULERS),),
+    "warmup_steps": (NON_NEGATIVE,),
+    "weight_decay": (NON_NEGATIVE,),
+    "adam_beta1": (PROBABILITY_OPEN_TOP,),  # AdamW refuses a beta of 1 or more
+    "adam_beta2": (PROBABILITY_OPEN_TOP,),
+    "adam_epsilon": (POSITIVE,),
+    "max_grad_norm": (NON_NEGATIVE,),  # 0: no clipping
+    "ppo_epochs": (AT_LEAST_ONE,),
+    "clip_epsilon": (POSITIVE,),
+    "kl_coef": (NON_NEGATIVE,),
+    "gradient_accumulation_steps": (AT_LEAST_ONE,),
+    "batch_size": (AT_LEAST_ONE,),
+    "epochs": (NON_NEGATIVE,),  # 0 only with max_steps > 0 (a combination rule)
+    "max_steps": (at_least(-1),),  # -1 or 0: run the epochs
+    "seed": (SEED_RANGE,),
+    "bf16": (),  # whether this machine can run it is check_environment's question
+    "gradient_checkpointing": (),
+    "output_dir": (NON_EMPTY,),
+    "logging_steps": (AT_LEAST_ONE,),  # a step logs when step % logging_steps == 0
+    "save_steps": (NON_NEGATIVE,),  # 0: only the final checkpoint; a negative one would save every step
+    "save_total_limit": (AT_LEAST_ONE,),  # null keeps every checkpoint
+    "eval_steps": (NON_NEGATIVE,),
+    "eval_max_examples": (NON_NEGATIVE,),  # 0: no cap
+    "eval_batch_size": (AT_LEAST_ONE,),
+    "report_to": (subset_of(REPORTERS),),
+    "push_to_hub": (),
+    "hub_model_id": (Rule(_is_repo_id, "be 'name' or 'owner/name' without spaces"),),
+    "hub_private": (),
+    "push_steps": (NON_NEGATIVE,),
+    "hub_retry_backoff_s": (POSITIVE,),  # 0 would retry a failing push in a busy loop
+    "hub_final_wait_s": (NON_NEGATIVE,),
+    "infonce_learning_rate": (POSITIVE,),
+    "infonce_batch_size": (AT_LEAST_ONE,),
+    "infonce_temperature": (POSITIVE,),
+}
+
+
+@functools.cache
+def _hints() -> dict[str, Any]:
+    return typing.get_type_hints(GRPOConfig)
+
+
+def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
+    """(holds, the key to blame, message) for rules that tie several keys together."""
+    return [
+        (
+            config.finetune == "full" or config.rollout_backend == "hf",
+            "finetune",
+            "finetune: lora needs rollout_backend: hf (the vLLM engine syncs full weights, not an adapter)",
+        ),
+        (config.epochs >= 1 or config.max_steps > 0, "epochs", "epochs: set epochs >= 1 or max_steps > 0"),
+        (
+            config.temperature_positive > 0 or config.num_rollouts == 1,
+            "temperature_positive",
+            "temperature_positive: K > 1 positive rollouts need temperature_positive > 0, or every rollout is the same",
+        ),
+        (not config.push_to_hub or bool(config.hub_model_id), "hub_model_id", "push_to_hub needs hub_model_id"),
+    ]
+
+
+def _check_source(where: str, source: Any) -> None:
+    from .data import SOURCE_TYPES
+
+    if not isinstance(source, dict) or "type" not in source or "path" not in source:
+        raise ConfigError(f"{where}: each data source needs 'type' and 'path', got {source!r}", key=where.split("[")[0])
+    if source["type"] not in SOURCE_TYPES:
+        raise ConfigError(
+            f"{where}.type: {source['type']!r} is not a data source type; one of {', '.join(SOURCE_TYPES)}",
+            key=where.split("[")[0],
+        )
+    if not isinstance(source["path"], str) or not source["path"]:
+        raise ConfigError(f"{where}.path: expected a non-empty string, got {source['path']!r}", key=where.split("[")[0])
+
+
+def _with_suggestion(key: str) -> str:
+    close = difflib.get_close_matches(key, list(_hints()), n=1)
+    return f"{key} (did you mean {close[0]}?)" if close else key
+
+
+# -- what needs the data or the machine ----------------------------------------------------------
+
+
+def check_batches(config: GRPOConfig, instances: int, world_size: int = 1) -> None:
+    """The batch the run takes every step must exist in the data and split over the processes."""
+    if instances == 0 and not config.train_data:
+        raise ConfigError("train_data: no training data (the list of sources is empty)", key="train_data")
+    if instances < config.batch_size:
+        raise ConfigError(
+            f"batch_size: {instances} training instances, fewer than one batch of {config.batch_size}",
+            key="batch_size",
+        )
+    if config.batch_size % world_size:
+        raise ConfigError(
+            f"batch_size: {config.batch_size} must divide evenly over {world_size} processes", key="batch_size"
+        )
+
+
+def check_environment(config: GRPOConfig) -> None:
+    """Settings this machine cannot run, refused before any model is loaded."""
+    if config.bf16:
+        import torch
+
+        if not torch.cuda.is_available():
+            # On CPU accelerate's bf16 autocast leaves float32 weights meeting bfloat16
+            # activations, and step 1 dies with "Float did not match BFloat16".
+            raise ConfigError("bf16: true needs a CUDA GPU and none is available; set bf16: false", key="bf16")
+        if not torch.cuda.is_bf16_supported():
+            raise ConfigError("bf16: true, but this GPU has no bfloat16 support; set bf16: false", key="bf16")
+    output = Path(config.output_dir)
+    if output.exists() and not output.is_dir():
+        raise ConfigError(f"output_dir: {output} exists and is not a directory", key="output_dir")
+
+
+# -- reading ---------------------------------------------------------------------------------------
+
+
+def read_yaml_mapping(path: str | Path) -> dict[str, Any]:
+    """A config file's keys; an unreadable, non-UTF-8, invalid or non-mapping file is a ConfigError naming it."""
+    import yaml
+
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise ConfigError("no such config file", source=str(path)) from None
+    except IsADirectoryError:
+        raise ConfigError("is a directory, not a config file", source=str(path)) from None
+    except OSError as error:
+        raise ConfigError(f"cannot read it ({error.strerror or error})", source=str(path)) from None
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"not UTF-8 text (byte {error.start}: {error.reason})", source=str(path)) from None
+    try:
+        values = yaml.load(text, Loader=_strict_loader())
+    except yaml.YAMLError as error:
+        raise ConfigError(f"invalid YAML: {_yaml_problem(error)}", source=_yaml_position(path, error)) from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"expected a mapping of config keys, got a {type(values).__name__}", source=str(path))
+    return values
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
@@ -273,7 +434,52 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
     parsed: dict[str, Any] = {}
     for item in overrides:
         key, sep, raw = item.partition("=")
+        key = key.strip()
         if not sep or not key:
-            raise ValueError(f"override {item!r} is not key=value")
-        parsed[key.strip()] = yaml.safe_load(raw) if raw.strip() else None
+            raise ConfigError(f"override {item!r} is not key=value (values are parsed as YAML)")
+        try:
+            parsed[key] = yaml.load(raw, Loader=_strict_loader()) if raw.strip() else None
+        except yaml.YAMLError as error:
+            message = f"{key}: invalid YAML value: {_yaml_problem(error)}"
+            raise ConfigError(message, key=key, source=f"override {item}") from None
     return parsed
+
+
+def locate(error: ConfigError, path: str | Path, overrides: list[str] | None = None) -> ConfigError:
+    """Say where the blamed value came from: the last ``key=value`` override of its key, else the file."""
+    if error.source is not None:
+        return error
+    matching = [item for item in overrides or [] if item.partition("=")[0].strip() == error.key]
+    return error.located(f"override {matching[-1]}" if matching else str(path))
+
+
+def _yaml_problem(error: Exception) -> str:
+    problem = getattr(error, "problem", None) or str(error)
+    context = getattr(error, "context", None)
+    return f"{context}, {problem}" if context else problem
+
+
+def _yaml_position(path: str | Path, error: Exception) -> str:
+    mark = getattr(error, "problem_mark", None)
+    return f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+
+
+@functools.cache
+def _strict_loader():
+    import yaml
+
+    class StrictLoader(yaml.SafeLoader):
+        """SafeLoader that refuses a key written twice (YAML keeps the last one without a word)."""
+
+        def construct_mapping(self, node, deep=False):
+            seen = []
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=deep)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        "while reading a mapping", node.start_mark, f"duplicate key {key!r}", key_node.start_mark
+                    )
+                seen.append(key)
+            return super().construct_mapping(node, deep=deep)
+
+    return StrictLoader

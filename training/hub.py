@@ -3,10 +3,17 @@
 Each checkpoint goes to its own branch ``step-<step>``, then to ``main`` when it is the newest
 pushed so far (main = latest). The model directory is uploaded, the trainer state is not.
 
-Nothing is dropped: a failed upload is retried with exponential backoff until it succeeds,
-and the queue is journalled in ``<output_dir>/hub_queue.json``, so a restarted run pushes
-what the previous one had not. The trainer keeps queued checkpoints out of keep-last-k
-rotation (:meth:`HubPusher.pending_paths`).
+A transient failure (HTTP 5xx or 429, a connection error, a timeout) is retried with
+exponential backoff until it succeeds, and the queue is journalled in
+``<output_dir>/hub_queue.json``, so a restarted run pushes what the previous one had not. The
+trainer keeps queued checkpoints out of keep-last-k rotation (:meth:`HubPusher.pending_paths`).
+
+A permanent failure (HTTP 401, 403 or 404, no token, an invalid repo id: :func:`permanent_reason`)
+cannot succeed by waiting, and retrying it would hold every later checkpoint out of rotation
+until the disk fills. It disables pushes for the rest of the run, logged as an error: the queued
+checkpoints and any submitted later move to the journal's ``rejected`` list, leave
+:meth:`~HubPusher.pending_paths` (rotation deletes them as usual), and the next run, with the
+token or repo fixed, retries those still on disk.
 
 The Hub is unreachable from the development machines: tests drive this class with a stand-in
 for ``huggingface_hub.HfApi`` (same method names and keywords).
@@ -25,6 +32,26 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 JOURNAL = "hub_queue.json"
+PERMANENT_STATUS = {401, 403, 404}  # unauthorised, forbidden, no such repo: waiting changes nothing
+PERMANENT_ERRORS = {  # huggingface_hub's names for the same, some raised before any HTTP request
+    "RepositoryNotFoundError",
+    "GatedRepoError",
+    "DisabledRepoError",
+    "LocalTokenNotFoundError",
+    "HFValidationError",
+}
+
+
+def permanent_reason(error: BaseException) -> str | None:
+    """Why retrying ``error`` cannot help ("HTTP 403", "RepositoryNotFoundError"), or None when it
+    may (5xx, 429, connection errors, timeouts, anything unknown)."""
+    status = getattr(getattr(error, "response", None), "status_code", None)
+    if isinstance(status, int):
+        return f"HTTP {status}" if status in PERMANENT_STATUS else None
+    for cls in type(error).__mro__:
+        if cls.__name__ in PERMANENT_ERRORS:
+            return cls.__name__
+    return None
 
 
 class HubPusher:
@@ -69,6 +96,8 @@ class HubPusher:
         self._lock = threading.Condition()
         self._queue: list[dict[str, Any]] = []
         self._failed: list[dict[str, Any]] = []
+        self._rejected: list[dict[str, Any]] = []  # not pushed because pushes were disabled
+        self.disabled: str | None = None  # why, once a permanent error has disabled pushes
         self._main_step = -1
         self._repo_ready = False
         self._closing = False
@@ -84,7 +113,8 @@ class HubPusher:
     def _load_journal(self) -> None:
         if self.journal.is_file():
             saved = json.loads(self.journal.read_text(encoding="utf-8"))
-            saved_items = [*saved.get("failed", []), *saved.get("pending", [])]
+            # Rejected ones too: the permanent error that stopped them (a token, a repo id) may be fixed now.
+            saved_items = [*saved.get("failed", []), *saved.get("rejected", []), *saved.get("pending", [])]
             self._queue = [item for item in saved_items if Path(item["path"]).is_dir()]
             self._main_step = saved.get("main_step", -1)
             if self._queue:
@@ -94,21 +124,32 @@ class HubPusher:
         self.journal.parent.mkdir(parents=True, exist_ok=True)
         temporary = self.journal.with_suffix(".json.tmp")
         temporary.write_text(
-            json.dumps({"pending": self._queue, "failed": self._failed, "main_step": self._main_step}, indent=2)
+            json.dumps(
+                {
+                    "pending": self._queue,
+                    "failed": self._failed,
+                    "rejected": self._rejected,
+                    "main_step": self._main_step,
+                },
+                indent=2,
+            )
         )
         os.replace(temporary, self.journal)
 
     # -- public ---------------------------------------------------------------------------------
 
     def submit(self, checkpoint_dir: str | Path, step: int) -> None:
-        """Queue a checkpoint and return at once."""
+        """Queue a checkpoint and return at once (journal it only, once pushes are disabled)."""
         with self._lock:
-            self._queue.append({"path": str(Path(checkpoint_dir).resolve()), "step": int(step)})
+            item = {"path": str(Path(checkpoint_dir).resolve()), "step": int(step)}
+            (self._rejected if self.disabled else self._queue).append(item)
             self._save_journal()
             self._lock.notify_all()
 
     def pending_paths(self) -> set[str]:
-        """Checkpoints not on the Hub yet (queued or given up on): keep-last-k must spare them."""
+        """Checkpoints not on the Hub yet (queued or given up on): keep-last-k must spare them.
+
+        Not those rejected after a permanent error: no push of them can come in this run."""
         with self._lock:
             return {item["path"] for item in [*self._queue, *self._failed]}
 
@@ -124,13 +165,15 @@ class HubPusher:
         return True
 
     def close(self, timeout: float | None = None) -> bool:
-        """Wait for pending pushes (up to ``timeout``), then stop; the journal keeps the rest."""
+        """Wait for pending pushes (up to ``timeout``), then stop; the journal keeps the rest.
+
+        True when every submitted checkpoint was pushed (False too when pushes were disabled)."""
         done = self.wait(timeout)
         with self._lock:
             self._closing = True
             self._lock.notify_all()
         self._thread.join(timeout=1.0)
-        return done
+        return done and self.disabled is None
 
     # -- worker ---------------------------------------------------------------------------------
 
@@ -145,7 +188,10 @@ class HubPusher:
                 self._busy = True
             outcome = self._push_with_retries(item)
             with self._lock:
-                if outcome != "closing" and self._queue and self._queue[0]["path"] == item["path"]:
+                if outcome == "disabled":
+                    self._rejected.extend(self._queue)
+                    self._queue.clear()
+                elif outcome != "closing" and self._queue and self._queue[0]["path"] == item["path"]:
                     self._queue.pop(0)
                     if outcome == "gave_up":  # kept for the next run, which retries it first
                         self._failed.append(item)
@@ -156,7 +202,8 @@ class HubPusher:
                 return
 
     def _push_with_retries(self, item: dict[str, Any]) -> str:
-        """ "pushed", "gave_up" (only with ``max_attempts``) or "closing" (left queued for the next run)."""
+        """ "pushed", "gave_up" (only with ``max_attempts``), "disabled" (a permanent error) or
+        "closing" (left queued for the next run)."""
         delay = self.initial_backoff
         attempt = 0
         while True:
@@ -165,8 +212,12 @@ class HubPusher:
                 self._push(item)
                 self.pushed.append(item["step"])
                 return "pushed"
-            except Exception as error:  # noqa: BLE001 - network, auth, rate limits: all retried
+            except Exception as error:  # noqa: BLE001 - network, rate limits: retried; see permanent_reason
                 self.failures += 1
+                reason = permanent_reason(error)
+                if reason is not None:
+                    self._disable(item, reason, error)
+                    return "disabled"
                 if self.max_attempts is not None and attempt >= self.max_attempts:
                     logger.error(
                         "push of step %s failed %d times: %s; the journal keeps it for the next run",
@@ -183,6 +234,23 @@ class HubPusher:
                 with self._lock:
                     if self._closing:
                         return "closing"
+
+    def _disable(self, item: dict[str, Any], reason: str, error: BaseException) -> None:
+        with self._lock:
+            self.disabled = f"{reason}: {error}"
+            waiting = len(self._queue)
+        logger.error(
+            "Hub pushes to %s are disabled for the rest of this run: pushing step %s failed with %s (%s), "
+            "which retrying cannot fix (check the token's write access and hub_model_id). %d queued "
+            "checkpoint(s) are released to keep-last-k rotation; %s lists them as rejected and the next "
+            "run retries those still on disk.",
+            self.repo_id,
+            item["step"],
+            reason,
+            error,
+            waiting,
+            self.journal,
+        )
 
     def _push(self, item: dict[str, Any]) -> None:
         step, path = item["step"], item["path"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,7 @@ class MetricsLogger:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.is_file():
-            kept = [line for line in self.path.read_text(encoding="utf-8").splitlines() if _step(line) <= resume_step]
-            self.path.write_text("".join(f"{line}\n" for line in kept), encoding="utf-8")
+            self._truncate_to(resume_step)
         self.jsonl = "jsonl" in report_to
         if "tensorboard" in report_to:
             try:
@@ -34,6 +34,17 @@ class MetricsLogger:
                 self.writer = SummaryWriter(log_dir=str(Path(output_dir) / "tensorboard"))
             except ImportError:
                 logger.warning("tensorboard is not installed: metrics go to metrics.jsonl only")
+
+    def _truncate_to(self, resume_step: int) -> None:
+        """Keep the lines up to the checkpoint's step. The file is replaced, never rewritten in
+        place: a kill at any moment leaves the old file or the new one, never an empty one."""
+        lines = self.path.read_text(encoding="utf-8").splitlines()
+        steps = [_step(line) for line in lines]
+        torn = sum(step is None and bool(line.strip()) for line, step in zip(lines, steps))
+        if torn:  # a line cut short by the kill that made this a resume
+            logger.warning("%s: dropped %d unreadable line(s)", self.path, torn)
+        kept = "".join(f"{line}\n" for line, step in zip(lines, steps) if step is not None and step <= resume_step)
+        _replace_text(self.path, kept)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -59,8 +70,22 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _step(line: str) -> int:
+def _step(line: str) -> int | None:
+    """The line's step; None for a line that is not a JSON record (a write cut short)."""
     try:
         return int(json.loads(line).get("step", 0))
     except (json.JSONDecodeError, AttributeError, TypeError, ValueError):
-        return 0
+        return None
+
+
+def _replace_text(path: Path, text: str) -> None:
+    """Write a sibling temporary file, flush it to disk, then rename it over ``path`` (atomic)."""
+    temporary = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(temporary, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)

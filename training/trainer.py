@@ -30,15 +30,16 @@ from typing import Any
 import torch
 
 from .checkpoint import (
-    latest_checkpoint,
+    CheckpointError,
+    list_checkpoints,
     load_checkpoint,
-    read_trainer_state,
     remove_incomplete,
     rotate_checkpoints,
     save_model_dir,
+    set_aside_corrupt,
     write_checkpoint,
 )
-from .config import GRPOConfig
+from .config import GRPOConfig, check_batches, check_environment
 from .data import Triplet, load_data
 from .evaluation import evaluate
 from .grpo import (
@@ -99,21 +100,11 @@ class GRPOTrainer:
         from accelerate.utils import set_seed
 
         config.validate()
+        check_environment(config)
         self.config = config
         self.accelerator = accelerator or Accelerator(mixed_precision="bf16" if config.bf16 else "no")
-        set_seed(config.seed)
-        self.st_model = model if model is not None else load_grace_model(config, str(self.accelerator.device))
-        self.encoder = self.st_model[0]
-        # The saved model encodes with the prompt and rationale budget it was trained with.
-        self.encoder.max_input_tokens = config.max_prompt_tokens
-        self.encoder.max_rationale_tokens = config.max_response_tokens
-        if config.finetune == "lora":
-            self.encoder.model = add_lora_adapter(self.encoder.model, config)
-        self.policy = self.encoder.model
-        if config.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
 
-        # -- data ---------------------------------------------------------------------------
+        # -- data (before the model: a run the data cannot feed is refused without loading it) --
         data_options = {
             "bad_rows": config.bad_rows,
             "data_dir": config.data_dir,
@@ -127,14 +118,24 @@ class GRPOTrainer:
         self.train_data = list(train_data)
         self.eval_data = _cap_per_source(eval_data or [], config.eval_max_examples, config.seed)
         world = self.accelerator.num_processes
-        if config.batch_size % world:
-            raise ValueError(f"batch_size {config.batch_size} must divide evenly over {world} processes")
+        check_batches(config, len(self.train_data), world)
         self.local_batch_size = config.batch_size // world
         self.steps_per_epoch = len(self.train_data) // config.batch_size
-        if self.steps_per_epoch == 0:
-            raise ValueError(f"{len(self.train_data)} training instances, fewer than one batch of {config.batch_size}")
         self.total_steps = config.max_steps if config.max_steps > 0 else config.epochs * self.steps_per_epoch
         self._orders: dict[int, list[int]] = {}
+
+        # -- model --------------------------------------------------------------------------
+        set_seed(config.seed)
+        self.st_model = model if model is not None else load_grace_model(config, str(self.accelerator.device))
+        self.encoder = self.st_model[0]
+        # The saved model encodes with the prompt and rationale budget it was trained with.
+        self.encoder.max_input_tokens = config.max_prompt_tokens
+        self.encoder.max_rationale_tokens = config.max_response_tokens
+        if config.finetune == "lora":
+            self.encoder.model = add_lora_adapter(self.encoder.model, config)
+        self.policy = self.encoder.model
+        if config.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
 
         # -- optimisation -------------------------------------------------------------------
         # KL reference: with LoRA the base is the adapter disabled (no second copy in memory).
@@ -179,6 +180,7 @@ class GRPOTrainer:
         if main:
             for path in remove_incomplete(cfg.output_dir):
                 logger.warning("removed an incomplete checkpoint left by a crash: %s", path)
+        self.accelerator.wait_for_everyone()  # every process lists checkpoints after the cleanup
         if resume:
             self.resume(None if resume is True else resume)
             if self.step >= self.total_steps:
@@ -228,7 +230,14 @@ class GRPOTrainer:
         if saved_at != self.step:
             self.save_checkpoint(final=True)
         if self.pusher is not None and not self.pusher.close(timeout=cfg.hub_final_wait_s):
-            logger.warning("Hub pushes still pending; %s keeps them for the next run", self.pusher.journal)
+            if self.pusher.disabled:
+                logger.error(
+                    "Hub pushes were disabled (%s); %s lists what was not pushed",
+                    self.pusher.disabled,
+                    self.pusher.journal,
+                )
+            else:
+                logger.warning("Hub pushes still pending; %s keeps them for the next run", self.pusher.journal)
         self.metrics.close()
         return {"step": self.step, "metrics": self.last_metrics, "scores": self.last_scores}
 
@@ -616,21 +625,21 @@ class GRPOTrainer:
         return path
 
     def resume(self, checkpoint: str | Path | None = None) -> int:
-        """Restore weights, optimizer, scheduler, RNG and data position; returns the step."""
-        path = Path(checkpoint) if checkpoint else latest_checkpoint(self.config.output_dir)
-        if path is None:
-            logger.warning("--resume: no checkpoint in %s, starting from step 0", self.config.output_dir)
-            return 0
-        saved = read_trainer_state(path)
-        if saved.get("steps_per_epoch") not in (None, self.steps_per_epoch):
-            logger.warning(
-                "the data changed since the checkpoint (%s batches an epoch, now %s): the order differs",
-                saved["steps_per_epoch"],
-                self.steps_per_epoch,
-            )
-        state = load_checkpoint(
-            path, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler, accelerator=self.accelerator
-        )
+        """Restore weights, optimizer, scheduler, RNG and data position; returns the step.
+
+        Without ``checkpoint``: the newest checkpoint in ``output_dir`` that loads. Each one that
+        does not is logged with its reason and renamed ``corrupt-checkpoint-*`` (kept, but out of
+        keep-last-k's count); none loadable raises :class:`CheckpointError` listing them. A
+        ``checkpoint`` named explicitly is loaded or refused, never swapped for another.
+        """
+        if checkpoint:
+            path = Path(checkpoint)
+            state = self._load_checkpoint(path)
+        else:
+            path, state = self._load_newest_loadable()
+            if path is None:
+                logger.warning("--resume: no checkpoint in %s, starting from step 0", self.config.output_dir)
+                return 0
         self.step = int(state["step"])
         self.last_metrics = state.get("metrics") or {}
         self.last_scores = state.get("scores") or {}
@@ -638,6 +647,50 @@ class GRPOTrainer:
             self.engine.sync_from(self.policy)
         logger.info("resumed from %s at step %d", path, self.step)
         return self.step
+
+    def _load_checkpoint(self, path: Path) -> dict[str, Any]:
+        state = load_checkpoint(
+            path, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler, accelerator=self.accelerator
+        )
+        if state.get("steps_per_epoch") not in (None, self.steps_per_epoch):
+            logger.warning(
+                "the data changed since the checkpoint (%s batches an epoch, now %s): the order differs",
+                state["steps_per_epoch"],
+                self.steps_per_epoch,
+            )
+        return state
+
+    def _load_newest_loadable(self) -> tuple[Path | None, dict[str, Any] | None]:
+        output_dir = self.config.output_dir
+        candidates = [path for _, path in reversed(list_checkpoints(output_dir))]
+        if not candidates:
+            return None, None
+        skipped: list[tuple[Path, CheckpointError]] = []
+        for path in candidates:
+            try:
+                state = self._load_checkpoint(path)
+            except CheckpointError as error:
+                logger.warning("--resume: skipping %s: %s", path, error)
+                skipped.append((path, error))
+                continue
+            if skipped:
+                self._set_aside(skipped)
+                logger.warning(
+                    "--resume: took %s, the newest loadable checkpoint; skipped %s",
+                    path,
+                    ", ".join(p.name for p, _ in skipped),
+                )
+            return path, state
+        reasons = "; ".join(str(error) for _, error in skipped)
+        raise CheckpointError(f"--resume: no loadable checkpoint in {output_dir} ({reasons})")
+
+    def _set_aside(self, skipped: list[tuple[Path, CheckpointError]]) -> None:
+        self.accelerator.wait_for_everyone()  # no process may still be reading them
+        if self.accelerator.is_main_process:
+            for path, _ in skipped:
+                target = set_aside_corrupt(path)
+                logger.warning("--resume: renamed %s to %s (kept for a look, out of rotation)", path.name, target.name)
+        self.accelerator.wait_for_everyone()
 
     # ------------------------------------------------------------------------------------------
 

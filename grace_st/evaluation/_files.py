@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import math
 import os
@@ -42,6 +43,23 @@ class Row:
         return self.values[column]
 
 
+def _decode_utf8(path: Path, data: bytes, line: int = 1) -> str:
+    """``data`` (the file from ``line`` on) as text, or a :class:`DataFileError` naming the line
+    and byte that are not UTF-8. A leading byte-order mark is dropped, as ``utf-8-sig`` does."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line += data.count(b"\n", 0, error.start)
+        column = error.start - (data.rfind(b"\n", 0, error.start) + 1) + 1
+        raise DataFileError(
+            path,
+            line,
+            f"not valid UTF-8: byte {data[error.start]:#04x} at column {column}; "
+            "convert the file (e.g. iconv -f latin1 -t utf-8)",
+        ) from None
+    return text.removeprefix("\ufeff") if line == 1 else text
+
+
 def _delimiter(path: Path, header: str) -> str:
     suffix = path.suffix.lower()
     if suffix in (".tsv", ".tab"):
@@ -64,7 +82,7 @@ def read_table(path: str | os.PathLike) -> tuple[list[str], list[Row]]:
     a different number of fields than the header raises :class:`DataFileError`.
     """
     path = Path(path)
-    with open(path, encoding="utf-8-sig", newline="") as handle:
+    with io.StringIO(_decode_utf8(path, path.read_bytes()), newline="") as handle:
         first = handle.readline()
         if not first.strip():
             raise DataFileError(path, 1, "empty file: expected a header row naming the columns")
@@ -140,8 +158,9 @@ def parse_int(path: Path, row: Row, column: str, allowed: Iterable[int] | None =
 def read_jsonl(path: str | os.PathLike, required: Sequence[str]) -> Iterator[tuple[int, dict]]:
     """``(line number, object)`` for each non-blank line; each must be a JSON object with ``required`` keys."""
     path = Path(path)
-    with open(path, encoding="utf-8-sig") as handle:
-        for number, text in enumerate(handle, start=1):
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            text = _decode_utf8(path, raw, number)
             if not text.strip():
                 continue
             try:

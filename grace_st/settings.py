@@ -1,0 +1,108 @@
+"""The GenerativeEncoder's saved settings: each one's type and range, checked in one place.
+
+The same check runs at construction, when ``grace_config.json`` is read, before every batch
+and after the CLI applies its options, so a value that would change what ``encode`` computes
+without saying so (``"do_sample": "false"`` is a truthy string) is refused with the setting,
+the value and, when it came from a file, the file named.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _is_instructions(value: Any) -> bool:
+    return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+
+
+# name -> (what it must be, the test). Combination rules live in check_settings below.
+RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
+    "instructions": ("a mapping of prompt type to instruction text", _is_instructions),
+    "max_rationale_tokens": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "max_input_tokens": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+    "do_sample": ("true or false (a bool)", lambda v: isinstance(v, bool)),
+    "temperature": ("a finite number >= 0", lambda v: _is_number(v) and v >= 0),
+    "top_p": ("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
+    "seed": ("an int or null", lambda v: v is None or _is_int(v)),
+    "num_rationales": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+    "hidden_layer": ("an int (-1: the last layer)", _is_int),
+    "weights_revision": ("a string or null", lambda v: v is None or isinstance(v, str)),
+    "merge_adapter": ("true or false (a bool)", lambda v: isinstance(v, bool)),
+}
+
+
+def _where(source: str | None) -> str:
+    return f"{source}: " if source else ""
+
+
+def check_settings(values: Mapping[str, Any], *, num_layers: int | None = None, source: str | None = None) -> None:
+    """Raise ``ValueError`` naming the first setting in ``values`` of the wrong type or range,
+    or the first broken combination. ``values`` may hold any subset of :data:`RULES`;
+    ``num_layers`` bounds ``hidden_layer``; ``source`` (a file) prefixes the message."""
+    where = _where(source)
+    for name, value in values.items():
+        if name not in RULES:
+            raise ValueError(f"{where}unknown setting {name!r}; the settings are {', '.join(RULES)}")
+        requirement, valid = RULES[name]
+        if not valid(value):
+            raise ValueError(f"{where}{name} must be {requirement}, got {value!r} ({type(value).__name__})")
+    get = values.get
+    if "instructions" in values and "default" not in values["instructions"]:
+        raise ValueError(f"{where}instructions must contain a 'default' entry")
+    if get("num_rationales", 1) > 1 and not get("do_sample", False):
+        raise ValueError(f"{where}num_rationales > 1 averages sampled rationales: set do_sample=True as well")
+    if get("num_rationales", 1) > 1 and get("max_rationale_tokens", 1) == 0:
+        raise ValueError(f"{where}num_rationales > 1 needs max_rationale_tokens > 0")
+    if get("do_sample", False) and not get("temperature", 1.0) > 0:
+        raise ValueError(f"{where}temperature must be > 0 when sampling, got {get('temperature')!r}")
+    if num_layers is not None and "hidden_layer" in values and not -1 <= values["hidden_layer"] <= num_layers:
+        raise ValueError(f"{where}hidden_layer must be -1 or in [0, {num_layers}], got {values['hidden_layer']!r}")
+
+
+def plain(values: Mapping[str, Any]) -> dict[str, Any]:
+    """The same settings as Python ints and floats (a NumPy integer passes :func:`check_settings`
+    but would not survive ``json.dump`` or key the rationale cache by value)."""
+    out = {}
+    for name, value in values.items():
+        if _is_int(value) and type(value) is not int:
+            value = int(value)
+        elif _is_number(value) and type(value) not in (int, float):
+            value = float(value)
+        out[name] = value
+    return out
+
+
+def read_settings_file(path: str | os.PathLike) -> dict[str, Any]:
+    """A ``grace_config.json``, checked: a clear error naming the file when it is empty,
+    not JSON, not an object, or holds an unknown or ill-typed setting."""
+    path = os.fspath(path)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"{path}: not valid UTF-8 (byte {error.start}): a damaged settings file") from None
+    if not text.strip():
+        raise ValueError(f"{path}: the settings file is empty; re-save the model (GenerativeEncoder.save)")
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(
+            f"{path}: not valid JSON ({error.msg}, line {error.lineno} column {error.colno}); a damaged settings file"
+        ) from None
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a JSON object of settings, found {type(values).__name__}")  # noqa: TRY004
+    check_settings(values, source=path)
+    return values
