@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .hub import hub_snapshot, is_offline, is_repo_id
+
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
@@ -31,14 +33,22 @@ def is_peft_model(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def adapter_base(adapter_dir: str | os.PathLike) -> str:
-    """The base model an adapter was trained on: ``base_model_name_or_path`` of its config, a
-    relative directory resolved against the adapter's own directory."""
+def _read_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:
     config_path = Path(adapter_dir) / ADAPTER_CONFIG
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{config_path}: not a readable adapter config ({error})") from error
+    if isinstance(config, dict):
+        return config
+    raise ValueError(f"{config_path}: not a readable adapter config (not a JSON object)")
+
+
+def adapter_base(adapter_dir: str | os.PathLike) -> str:
+    """The base model an adapter was trained on: ``base_model_name_or_path`` of its config, a
+    relative directory resolved against the adapter's own directory."""
+    config_path = Path(adapter_dir) / ADAPTER_CONFIG
+    config = _read_config(adapter_dir)
     base = config.get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{config_path}: names no base model (base_model_name_or_path is empty)")
@@ -102,8 +112,22 @@ def load_base_and_adapter(adapter_dir: str | os.PathLike, *, merge: bool = True,
 
     weights = read_adapter_weights(adapter_dir)
     base_path = adapter_base(adapter_dir)
-    kwargs = {k: v for k, v in (model_kwargs or {}).items() if k != "subfolder"}
-    base = AutoModelForCausalLM.from_pretrained(base_path, **kwargs)
+    # The revision asked of the adapter's repository is not the base's: the base's is PEFT's own
+    # ``revision`` field (None: the base's default branch).
+    kwargs = {k: v for k, v in (model_kwargs or {}).items() if k not in ("subfolder", "revision")}
+    base_revision = _read_config(adapter_dir).get("revision")
+    offline = kwargs.get("local_files_only") or is_offline()
+    if offline and not os.path.isdir(base_path) and is_repo_id(base_path):
+        # a Hub id with downloads off: a base missing from the cache is named, not a bare OSError
+        hub_snapshot(
+            base_path,
+            base_revision,
+            cache_dir=kwargs.get("cache_dir"),
+            local_files_only=bool(kwargs.get("local_files_only")),
+            needs=("config.json",),
+            wanted_by=f"the base model of the adapter in {adapter_dir}",
+        )
+    base = AutoModelForCausalLM.from_pretrained(base_path, revision=base_revision, **kwargs)
     check_adapter_fits(base, weights, adapter_dir)
     model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False)
     model.eval()

@@ -23,15 +23,47 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _budget(text: str) -> int | dict[str, int]:
+    """``64``, or ``query=64,document=0`` (a budget by prompt type)."""
+    try:
+        if "=" not in text:
+            return int(text)
+        pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
+        return {kind.strip(): int(value) for kind, value in pairs}
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither an integer nor TYPE=N pairs (query=64,document=0)"
+        ) from None
+
+
+def _merged(current, given):
+    """A per-prompt-type option on top of the model's setting: types not named keep theirs."""
+    if not isinstance(given, dict):
+        return given
+    base = dict(current) if isinstance(current, dict) else {"default": current}
+    return {**base, **given}
+
+
 def _encoder_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("encoder options")
-    group.add_argument("--max-rationale-tokens", type=int, help="rationale length limit (0: no rationale)")
+    group.add_argument(
+        "--max-rationale-tokens",
+        type=_budget,
+        metavar="N|TYPE=N,...",
+        help="rationale length limit (0: no rationale), or limits by prompt type, e.g. query=64,document=0 "
+        "(types not named keep the model's)",
+    )
     group.add_argument("--max-input-tokens", type=int, help="prompt length limit; longer texts are cut")
     group.add_argument("--do-sample", action="store_true", default=None, help="sample rationales instead of greedy")
     group.add_argument("--temperature", type=float)
     group.add_argument("--top-p", type=float)
     group.add_argument("--seed", type=int)
-    group.add_argument("--num-rationales", type=int, help="average this many sampled rationales per text")
+    group.add_argument(
+        "--num-rationales",
+        type=_budget,
+        metavar="N|TYPE=N,...",
+        help="average this many sampled rationales per text (or per prompt type, as above)",
+    )
     group.add_argument("--hidden-layer", type=int, help="hidden states to pool (-1: last layer)")
     group.add_argument("--instruction", help="the default instruction")
     group.add_argument("--query-instruction")
@@ -71,7 +103,7 @@ def _load_model(path: str, args: argparse.Namespace):
         if name == "instructions":
             encoder.instructions.update(value)
         else:
-            setattr(encoder, name, value)
+            setattr(encoder, name, _merged(getattr(encoder, name), value))
     if hasattr(encoder, "check_settings"):
         encoder.check_settings()
     return model
@@ -187,6 +219,7 @@ def run_encode(args: argparse.Namespace) -> int:
             "texts": texts,
             "rationales": [item["rationale"] for item in items],
             "truncated": [item["truncated"] for item in items],
+            "rationale_budgets": [item["rationale_budget"] for item in items],
             "embeddings": embeddings.tolist(),
             "similarity": similarity.tolist(),
         }
@@ -194,8 +227,10 @@ def run_encode(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
         return 0
     for index, item in enumerate(items):
-        cut = " [cut at the length limit]" if item["truncated"] else ""
-        print(f"[{index}] {item['text']}\n    rationale{cut}: {item['rationale'].strip()}\n")
+        cut = ", cut at the limit" if item["truncated"] else ""
+        print(
+            f"[{index}] {item['text']}\n    rationale ({item['rationale_budget']} tokens max{cut}): {item['rationale'].strip()}\n"
+        )
     print("cosine similarity")
     print("      " + " ".join(f"[{j}]".rjust(6) for j in range(len(texts))))
     for i, row in enumerate(similarity):

@@ -41,7 +41,7 @@ from .prompts import (
     text_problem,
     tokenize_texts,
 )
-from .settings import RULES, check_settings, plain, read_settings_file
+from .settings import RULES, check_settings, for_prompt_type, plain, read_settings_file
 
 try:  # sentence-transformers 6.x
     from sentence_transformers.base.modules import InputModule
@@ -63,8 +63,14 @@ def _hub_kwargs(token, cache_folder, revision, local_files_only, trust_remote_co
 
 
 def _model_id(name_or_path: str) -> str:
-    """A Hub id stays as it is; a local directory becomes ``local/<directory name>`` (mteb wants
-    an ``organisation/name`` shape)."""
+    """A Hub id stays as it is, and so does a snapshot of one in the Hugging Face cache
+    (``.../models--org--name/snapshots/<commit>`` is ``org/name``); a local directory becomes
+    ``local/<directory name>`` (mteb wants an ``organisation/name`` shape)."""
+    from .hub import snapshot_repo
+
+    snapshot = snapshot_repo(name_or_path)
+    if snapshot is not None:
+        return snapshot[0] if snapshot[0].count("/") == 1 else f"local/{snapshot[0]}"
     if os.path.isdir(name_or_path) or name_or_path.count("/") != 1:
         return f"local/{os.path.basename(os.path.abspath(name_or_path)) or 'grace-model'}"
     return name_or_path
@@ -89,14 +95,16 @@ class GenerativeEncoder(InputModule):
             ``"document"``. ``encode_query`` / ``encode_document`` pick the matching one; any
             other type uses ``"default"``.
         max_rationale_tokens: rationale length limit. 0 pools the prompt alone (the paper's
-            "Base" row, no generation).
+            "Base" row, no generation). An int for every text, or a budget by prompt type,
+            e.g. ``{"query": 64, "document": 0, "default": 64}``: a retrieval corpus is
+            embedded once and cheaply, queries reason (:meth:`prompt_type` says which applies).
         max_input_tokens: limit on the templated prompt; longer user texts are cut at the end
             so that instruction and template stay whole.
         do_sample, temperature, top_p, seed: decoding. Greedy by default. With sampling,
             each text's rationale is seeded from ``seed`` and the text, so it does not depend
             on batching; ``seed=None`` draws from torch's global generator.
         num_rationales: with sampling, average the embeddings of this many rationales per
-            text (test-time scaling).
+            text (test-time scaling); an int, or a count by prompt type as above.
         hidden_layer: which hidden states to pool; -1 is the last layer after the final norm,
             other values index ``hidden_states`` of transformers (0 = embeddings).
         weights_revision: fingerprint of the weights as last saved (written by :meth:`save`);
@@ -133,13 +141,13 @@ class GenerativeEncoder(InputModule):
         model_name_or_path: str | None = None,
         *,
         instructions: dict[str, str] | None = None,
-        max_rationale_tokens: int = 256,
+        max_rationale_tokens: int | dict[str, int] = 256,
         max_input_tokens: int = 1024,
         do_sample: bool = False,
         temperature: float = 1.0,
         top_p: float = 1.0,
         seed: int | None = 0,
-        num_rationales: int = 1,
+        num_rationales: int | dict[str, int] = 1,
         hidden_layer: int = -1,
         weights_revision: str | None = None,
         merge_adapter: bool = True,
@@ -240,6 +248,11 @@ class GenerativeEncoder(InputModule):
             self._templates[instruction] = build_prompt_template(self.tokenizer, instruction)
         return self._templates[instruction]
 
+    def _prompt_kind(self, prompt: str | None) -> str | None:
+        """The prompt type a prompt stands for, when it is one of this module's instructions."""
+        kind = {text: kind for kind, text in self.instructions.items()}.get(prompt or "")
+        return kind or self._instruction_prompts.get(prompt or "")
+
     def instruction_for(self, task: str | None, prompt: str | None) -> str:
         """The system instruction for a call.
 
@@ -247,12 +260,32 @@ class GenerativeEncoder(InputModule):
         in the model's prompts) selects that prompt type's *current* instruction; any other
         prompt is appended to the instruction of ``task``.
         """
-        kind = {text: kind for kind, text in self.instructions.items()}.get(prompt or "")
-        kind = kind or self._instruction_prompts.get(prompt or "")
+        kind = self._prompt_kind(prompt)
         if kind is not None:
             return self.instructions.get(kind, self.instructions["default"])
         base = self.instructions.get(task or "default", self.instructions["default"])
         return compose_instruction(base, prompt)
+
+    def prompt_type(self, task: str | None, prompt: str | None) -> str:
+        """The prompt type of a call (``"query"``, ``"document"``, ``"default"`` ...), resolved as
+        :meth:`instruction_for` resolves the instruction: it picks the rationale budget too."""
+        return self._prompt_kind(prompt) or task or "default"
+
+    def rationale_budget(self, prompt_type: str = "default") -> int:
+        """``max_rationale_tokens`` for texts of ``prompt_type``."""
+        return for_prompt_type(self.max_rationale_tokens, prompt_type)
+
+    def rationales_per_text(self, prompt_type: str = "default") -> int:
+        """``num_rationales`` for texts of ``prompt_type``."""
+        return for_prompt_type(self.num_rationales, prompt_type)
+
+    def _plan(self, features: dict[str, Any]) -> tuple[int, int]:
+        """(rationale budget, rationales per text) that :meth:`preprocess` chose for a batch;
+        the default type's for features built elsewhere."""
+        return (
+            features.get("rationale_budget", self.rationale_budget()),
+            features.get("num_rationales", self.rationales_per_text()),
+        )
 
     def on_model_ready(self, model) -> None:
         """sentence-transformers 6.x hook, run once the model is built or loaded.
@@ -281,10 +314,28 @@ class GenerativeEncoder(InputModule):
         """Give a model with no Hub id a name and revision in its model card data, which is where
         mteb reads them: results are filed under ``local/<directory>`` and a revision that changes
         with the weights or the settings, so a new checkpoint is not mistaken for a cached one.
-        A Hub-loaded model keeps its repository id and commit. Call again after changing settings
+        A Hub-loaded model (a snapshot in the Hugging Face cache) is filed under its repository id
+        and commit, the commit even where the revision asked for was a branch or tag; settings
+        changed at run time add a hash of them to the commit. Call again after changing settings
         at run time (``grace-st eval`` does)."""
+        from .hub import snapshot_repo
+
         card = model.model_card_data
         ours_name, ours_revision = self._described
+        snapshot = snapshot_repo(self._source_path)
+        if snapshot is not None:
+            commit, current = snapshot[1], self.revision()
+            saved = getattr(self, "_snapshot_revision", None)  # the settings it was saved with (see load)
+            revision = commit
+            if saved not in (None, current):
+                revision = f"{commit}-{hashlib.sha256(current.encode()).hexdigest()[:8]}"
+            if card.model_name in (None, ours_name):
+                card.model_name = self.model_id
+            # the first time, sentence-transformers' value (None, or a branch name) gives way to the commit
+            if self._described == (None, None) or card.base_model_revision == ours_revision:
+                card.base_model_revision = revision
+            self._described = (card.model_name, card.base_model_revision)
+            return
         if card.base_model and ours_name is None:  # loaded from the Hub: its id and commit stand
             return
         if card.model_name in (None, ours_name):
@@ -351,9 +402,14 @@ class GenerativeEncoder(InputModule):
             self._fingerprint = (versions, weights_fingerprint(self.model))
         return self._fingerprint[1]
 
-    def generation_settings(self) -> dict[str, Any]:
-        """Everything besides weights and prompt that decides a rationale and its embedding."""
-        return {name: getattr(self, name) for name in REQUIRED_SETTINGS}
+    def generation_settings(self, prompt_type: str = "default") -> dict[str, Any]:
+        """Everything besides weights and prompt that decides a rationale and its embedding, for
+        texts of ``prompt_type`` (the budget and count that type gets, so equal effective
+        settings share rationale-cache entries)."""
+        settings = {name: getattr(self, name) for name in REQUIRED_SETTINGS}
+        settings["max_rationale_tokens"] = self.rationale_budget(prompt_type)
+        settings["num_rationales"] = self.rationales_per_text(prompt_type)
+        return settings
 
     # -- sentence-transformers interface -----------------------------------------------------
 
@@ -361,7 +417,9 @@ class GenerativeEncoder(InputModule):
         """Template and tokenize texts: left-padded prompts plus each one's L_sys.
 
         ``prompt`` (a sentence-transformers prompt, e.g. an mteb task instruction) joins the
-        system instruction of ``task``; both are excluded from pooling.
+        system instruction of ``task``; both are excluded from pooling. The call's prompt type
+        (:meth:`prompt_type`) picks the rationale budget and count, carried to :meth:`forward`
+        as ``rationale_budget`` and ``num_rationales``.
         """
         self.check_settings()
         texts = list(inputs)
@@ -374,30 +432,33 @@ class GenerativeEncoder(InputModule):
                 raise ValueError(
                     f"GenerativeEncoder takes strings; item {index} of this batch (sorted by length) {problem}"
                 )
+        kind = self.prompt_type(task, prompt)
         instruction = self.instruction_for(task, prompt)
         template = self.prompt_template(instruction)
-        budget = self.max_input_tokens - len(template.prefix_ids) - len(template.suffix_ids)
-        if budget < 0:
+        text_budget = self.max_input_tokens - len(template.prefix_ids) - len(template.suffix_ids)
+        if text_budget < 0:
             raise ValueError(
                 f"The instruction and chat template take {len(template.prefix_ids) + len(template.suffix_ids)} "
                 f"tokens, more than max_input_tokens={self.max_input_tokens}"
             )
-        rows = [template.build(ids[:budget]) for ids in tokenize_texts(self.tokenizer, texts)]
+        rows = [template.build(ids[:text_budget]) for ids in tokenize_texts(self.tokenizer, texts)]
         cache_keys = None
-        settings = self.generation_settings()
+        settings = self.generation_settings(kind)
         if self._cache_path is not None and is_deterministic(settings):
             weights = self.weights_key()
             cache_keys = [
                 entry_key(weights, instruction, text, {**settings, "prompt_token_ids": row})
                 for text, row in zip(texts, rows)
             ]
-        repeats = self.num_rationales
+        repeats = settings["num_rationales"]
         rows = [row for row in rows for _ in range(repeats)]
         input_ids, attention_mask = left_pad(rows, self.pad_token_id)
         features = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
             "instruction_lengths": torch.full((len(rows),), template.instruction_span, dtype=torch.long),
+            "rationale_budget": settings["max_rationale_tokens"],
+            "num_rationales": repeats,
         }
         if self.do_sample and self.seed is not None:
             features["rationale_seeds"] = torch.tensor(
@@ -420,8 +481,9 @@ class GenerativeEncoder(InputModule):
         """Generate, pool (Eq. 3) and average over ``num_rationales``.
 
         Adds ``sentence_embedding`` (B, H), ``token_embeddings`` and ``attention_mask`` of the
-        first rationale's ``P(x) ⊕ r``, ``rationale_token_ids`` (B, num_rationales, G; -1 pads)
-        and ``rationale_truncated`` (B, num_rationales).
+        first rationale's ``P(x) ⊕ r``, ``rationale_token_ids`` (B, num_rationales, G; -1 pads),
+        ``rationale_truncated`` (B, num_rationales) and ``rationale_budget`` (B,), the token
+        limit each text's rationale had.
         """
         if "cache_keys" in features:
             return self._forward_cached(features)
@@ -432,10 +494,11 @@ class GenerativeEncoder(InputModule):
         or vLLM generation and an HF pass when :meth:`use_vllm` is on."""
         if self._vllm is None:
             return self.pool(features, self.rollout(features))
+        budget, repeats = self._plan(features)
         prompts = [row[mask.bool()].tolist() for row, mask in zip(features["input_ids"], features["attention_mask"])]
         rationales, truncated = self._vllm.generate(
             prompts,
-            max_new_tokens=self.max_rationale_tokens,
+            max_new_tokens=budget,
             eos_token_ids=self.eos_token_ids,
             do_sample=self.do_sample,
             temperature=self.temperature,
@@ -445,7 +508,6 @@ class GenerativeEncoder(InputModule):
         pooled = pooled_embeddings(
             self.model, prompts, features["instruction_lengths"], rationales, self.pad_token_id, self.hidden_layer
         )
-        repeats = self.num_rationales
         grouped = [rationales[i : i + repeats] for i in range(0, len(rationales), repeats)]
         device = features["input_ids"].device
         return {
@@ -453,6 +515,7 @@ class GenerativeEncoder(InputModule):
             "sentence_embedding": pooled.view(len(grouped), repeats, -1).mean(1),
             "rationale_token_ids": _pad_rationales(grouped, repeats).to(device),
             "rationale_truncated": torch.tensor(truncated, device=device).view(len(grouped), repeats),
+            "rationale_budget": torch.full((len(grouped),), budget, dtype=torch.long, device=device),
         }
 
     def rollout(self, features: dict[str, Tensor]) -> Rollouts:
@@ -462,7 +525,7 @@ class GenerativeEncoder(InputModule):
             features["input_ids"],
             features["attention_mask"],
             features["instruction_lengths"],
-            max_new_tokens=self.max_rationale_tokens,
+            max_new_tokens=self._plan(features)[0],
             eos_token_ids=self.eos_token_ids,
             pad_token_id=self.pad_token_id,
             do_sample=self.do_sample,
@@ -474,13 +537,17 @@ class GenerativeEncoder(InputModule):
 
     def _forward_cached(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
         """:meth:`forward` through the rationale cache: generate only the texts it lacks."""
-        cache, keys, repeats = self._open_cache(), features["cache_keys"], self.num_rationales
+        cache, keys = self._open_cache(), features["cache_keys"]
+        budget, repeats = self._plan(features)
         found = cache.get_many(keys)
         missing = [i for i, key in enumerate(keys) if key not in found or found[key].embedding is None]
         if missing:
-            rows = torch.tensor([i * repeats + k for i in missing for k in range(repeats)], device=features["input_ids"].device)
+            rows = torch.tensor(
+                [i * repeats + k for i in missing for k in range(repeats)], device=features["input_ids"].device
+            )
             names = ("input_ids", "attention_mask", "instruction_lengths", "rationale_seeds")
             subset = {name: features[name][rows] for name in names if name in features}
+            subset.update(rationale_budget=budget, num_rationales=repeats)
             out = self.embed(subset)
             fresh = {
                 keys[i]: CacheEntry(
@@ -499,11 +566,12 @@ class GenerativeEncoder(InputModule):
             "sentence_embedding": torch.from_numpy(np.stack([entry.embedding for entry in entries])).to(device),
             "rationale_token_ids": _pad_rationales([entry.rationale_ids for entry in entries], repeats).to(device),
             "rationale_truncated": torch.tensor([entry.truncated for entry in entries], device=device),
+            "rationale_budget": torch.full((len(entries),), budget, dtype=torch.long, device=device),
         }
 
     def pool(self, features: dict[str, Tensor], rollouts) -> dict[str, Tensor]:
         """Eq. 3 on each rollout, then the mean over a text's ``num_rationales`` rollouts."""
-        repeats = self.num_rationales
+        budget, repeats = self._plan(features)
         pooled = masked_mean(rollouts.token_embeddings, rollouts.pooling_mask)
         batch = pooled.shape[0] // repeats
         first = slice(None, None, repeats)
@@ -514,6 +582,7 @@ class GenerativeEncoder(InputModule):
             "sentence_embedding": pooled.view(batch, repeats, -1).mean(1),
             "rationale_token_ids": rollouts.rationale_ids.view(batch, repeats, -1),
             "rationale_truncated": rollouts.truncated.view(batch, repeats),
+            "rationale_budget": torch.full((batch,), budget, dtype=torch.long, device=pooled.device),
         }
 
     def decode_rationales(self, rationale_token_ids: Tensor) -> list[str]:
@@ -606,6 +675,25 @@ class GenerativeEncoder(InputModule):
         config_kwargs: dict[str, Any] | None = None,
         **kwargs,
     ) -> GenerativeEncoder:
+        from .adapter import ADAPTER_WEIGHTS
+        from .hub import hub_snapshot, is_repo_id, snapshot_repo
+
+        if not os.path.isdir(model_name_or_path) and is_repo_id(model_name_or_path):
+            # A Hub id (sentence-transformers 5.x and 6.x both pass the id, not the snapshot path):
+            # work from its snapshot in the Hugging Face cache, so the model is named by repository
+            # and commit, an adapter is seen as one, and a snapshot missing offline says what to
+            # download. The snapshot is the revision; an adapter's base has its own.
+            inside = (lambda name: f"{subfolder}/{name}") if subfolder else (lambda name: name)
+            weights = ("model.safetensors", "model.safetensors.index.json", ADAPTER_WEIGHTS)
+            model_name_or_path = hub_snapshot(
+                model_name_or_path,
+                revision,
+                cache_dir=cache_folder,
+                token=token,
+                local_files_only=local_files_only,
+                needs=(inside(cls.config_file_name), tuple(inside(name) for name in weights)),
+            )
+            revision = None
         config = cls.load_config(
             model_name_or_path,
             subfolder=subfolder,
@@ -615,12 +703,15 @@ class GenerativeEncoder(InputModule):
             local_files_only=local_files_only,
         )
         hub = _hub_kwargs(token, cache_folder, revision, local_files_only, trust_remote_code, subfolder)
-        return cls(
+        encoder = cls(
             model_name_or_path,
             **config,
             model_kwargs={**hub, **(config_kwargs or {}), **(model_kwargs or {})},
             tokenizer_kwargs={**hub, **(tokenizer_kwargs or {}), **(processor_kwargs or {})},
         )
+        if snapshot_repo(model_name_or_path) is not None:  # settings as saved: the commit alone names them
+            encoder._snapshot_revision = encoder.revision()
+        return encoder
 
     def __repr__(self) -> str:
         return f"GenerativeEncoder({self.get_config_dict()}, model={type(self.model).__name__})"

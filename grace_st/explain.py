@@ -46,8 +46,9 @@ def check_texts(texts) -> list[str]:
 
 def explain(model, texts, **encode_kwargs: Any) -> list[dict[str, Any]]:
     """Encode ``texts`` and return, per text, ``text``, ``rationale`` (exactly the text that was
-    pooled), ``rationales`` (all of them when ``num_rationales`` > 1), ``truncated`` and
-    ``embedding`` — the vector ``model.encode(texts, **encode_kwargs)`` returns.
+    pooled), ``rationales`` (all of them when ``num_rationales`` > 1), ``truncated``,
+    ``rationale_budget`` (the token limit this text got: ``max_rationale_tokens`` may differ
+    by prompt type) and ``embedding`` — the vector ``model.encode(texts, **encode_kwargs)`` returns.
 
     Accepts ``encode``'s arguments (``prompt``, ``prompt_name``, ``task``, ``batch_size``,
     ``normalize_embeddings``, ``convert_to_tensor`` ...). ``encode_query``-style calls: pass
@@ -75,6 +76,7 @@ def explain(model, texts, **encode_kwargs: Any) -> list[dict[str, Any]]:
                 "rationale": rationales[0],
                 "rationales": rationales,
                 "truncated": bool(item["rationale_truncated"][0]),
+                "rationale_budget": int(item["rationale_budget"]),
                 "embedding": embedding if as_tensor else np.asarray(embedding.numpy()),
             }
         )

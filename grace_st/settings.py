@@ -28,16 +28,44 @@ def _is_instructions(value: Any) -> bool:
     return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
+def _per_prompt_type(low: int) -> Callable[[Any], bool]:
+    """An int >= ``low``, or a mapping of prompt type to one, with a ``"default"`` entry."""
+
+    def valid(value: Any) -> bool:
+        if isinstance(value, Mapping):
+            return "default" in value and all(isinstance(k, str) and valid(v) for k, v in value.items())
+        return _is_int(value) and value >= low
+
+    return valid
+
+
+def for_prompt_type(value: int | Mapping[str, int], prompt_type: str) -> int:
+    """A per-prompt-type setting's value for ``prompt_type``: the int itself, or the mapping's
+    entry for that type, else its ``"default"`` (mteb's, LangChain's and LlamaIndex's prompt
+    names resolve to types as :attr:`GenerativeEncoder.prompt_names` says)."""
+    if isinstance(value, Mapping):
+        return value.get(prompt_type, value["default"])
+    return value
+
+
+def prompt_types(*values: Any) -> set[str]:
+    """Every prompt type the per-prompt-type ``values`` name (always ``"default"``)."""
+    return {"default"}.union(*(set(v) for v in values if isinstance(v, Mapping)))
+
+
 # name -> (what it must be, the test). Combination rules live in check_settings below.
 RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
     "instructions": ("a mapping of prompt type to instruction text", _is_instructions),
-    "max_rationale_tokens": ("an int >= 0", lambda v: _is_int(v) and v >= 0),
+    "max_rationale_tokens": (
+        "an int >= 0, or a mapping of prompt type to one with a 'default' entry",
+        _per_prompt_type(0),
+    ),
     "max_input_tokens": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
     "do_sample": ("true or false (a bool)", lambda v: isinstance(v, bool)),
     "temperature": ("a finite number >= 0", lambda v: _is_number(v) and v >= 0),
     "top_p": ("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
     "seed": ("an int or null", lambda v: v is None or _is_int(v)),
-    "num_rationales": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
+    "num_rationales": ("an int >= 1, or a mapping of prompt type to one with a 'default' entry", _per_prompt_type(1)),
     "hidden_layer": ("an int (-1: the last layer)", _is_int),
     "weights_revision": ("a string or null", lambda v: v is None or isinstance(v, str)),
     "merge_adapter": ("true or false (a bool)", lambda v: isinstance(v, bool)),
@@ -62,10 +90,13 @@ def check_settings(values: Mapping[str, Any], *, num_layers: int | None = None, 
     get = values.get
     if "instructions" in values and "default" not in values["instructions"]:
         raise ValueError(f"{where}instructions must contain a 'default' entry")
-    if get("num_rationales", 1) > 1 and not get("do_sample", False):
-        raise ValueError(f"{where}num_rationales > 1 averages sampled rationales: set do_sample=True as well")
-    if get("num_rationales", 1) > 1 and get("max_rationale_tokens", 1) == 0:
-        raise ValueError(f"{where}num_rationales > 1 needs max_rationale_tokens > 0")
+    budgets, repeats = get("max_rationale_tokens", 1), get("num_rationales", 1)
+    for kind in sorted(prompt_types(budgets, repeats)):
+        of = "" if kind == "default" else f" (prompt type {kind!r})"
+        if for_prompt_type(repeats, kind) > 1 and not get("do_sample", False):
+            raise ValueError(f"{where}num_rationales > 1{of} averages sampled rationales: set do_sample=True as well")
+        if for_prompt_type(repeats, kind) > 1 and for_prompt_type(budgets, kind) == 0:
+            raise ValueError(f"{where}num_rationales > 1{of} needs max_rationale_tokens > 0")
     if get("do_sample", False) and not get("temperature", 1.0) > 0:
         raise ValueError(f"{where}temperature must be > 0 when sampling, got {get('temperature')!r}")
     if num_layers is not None and "hidden_layer" in values and not -1 <= values["hidden_layer"] <= num_layers:
@@ -77,7 +108,9 @@ def plain(values: Mapping[str, Any]) -> dict[str, Any]:
     but would not survive ``json.dump`` or key the rationale cache by value)."""
     out = {}
     for name, value in values.items():
-        if _is_int(value) and type(value) is not int:
+        if name in ("max_rationale_tokens", "num_rationales") and isinstance(value, Mapping):
+            value = {kind: int(v) for kind, v in value.items()}
+        elif _is_int(value) and type(value) is not int:
             value = int(value)
         elif _is_number(value) and type(value) not in (int, float):
             value = float(value)
