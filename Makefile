@@ -2,13 +2,14 @@
 PYTHON ?= python3
 VENV := .venv
 VENV_ST5 := .venv-st5
+VENV_GPU := .venv-gpu
 PY := $(VENV)/bin/python
 PY_ST5 := $(VENV_ST5)/bin/python
 # torch first and pinned: 2.13.0 is the local CPU wheel; any other spec pulls CUDA wheels.
 TORCH := torch==2.13.0
 ST5 := sentence-transformers==5.2.3
 
-.PHONY: demo test test-st6 test-st5 venv venv-st5 model bench train-default clean
+.PHONY: demo test test-st6 test-st5 venv venv-st5 model bench train-default gpu-check clean
 
 demo: $(VENV)/.installed model
 	$(VENV)/bin/grace-st encode \
@@ -54,5 +55,14 @@ train-default: $(VENV)/.installed model
 	$(VENV)/bin/grace-train --config training/configs/default_grace.yaml --resume
 	$(PY) -m grace_training.export_adapter runs/default_grace/checkpoint-00000100
 
+# On a machine with a CUDA GPU: HF vs vLLM encode, GRPO steps with vLLM rollouts in bf16, one JSON
+# report (benchmarks/results/gpu_check.json). vLLM brings its own CUDA torch, hence a venv of its
+# own. Without a GPU the preflight says so in one line and nothing is installed.
+gpu-check:
+	@$(PYTHON) benchmarks/gpu_check.py --preflight
+	test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
+	$(VENV_GPU)/bin/python -m pip install -q -e ".[vllm,training]"
+	$(VENV_GPU)/bin/python benchmarks/gpu_check.py
+
 clean:
-	rm -rf $(VENV) $(VENV_ST5) *.egg-info
+	rm -rf $(VENV) $(VENV_ST5) $(VENV_GPU) *.egg-info

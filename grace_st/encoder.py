@@ -496,7 +496,7 @@ class GenerativeEncoder(InputModule):
             return self.pool(features, self.rollout(features))
         budget, repeats = self._plan(features)
         prompts = [row[mask.bool()].tolist() for row, mask in zip(features["input_ids"], features["attention_mask"])]
-        rationales, truncated = self._vllm.generate(
+        rationales, _, truncated = self._vllm.generate(
             prompts,
             max_new_tokens=budget,
             eos_token_ids=self.eos_token_ids,

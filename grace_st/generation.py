@@ -156,8 +156,10 @@ def _prefill(model, captured: dict, hidden_layer: int, input_ids: Tensor, attent
     return states.masked_fill(attention_mask[..., None] == 0, 0.0), last_logits, cache_mask
 
 
-def _sample(logits: Tensor, temperature: float, top_p: float, generators: list[torch.Generator] | None) -> Tensor:
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
+def _sample(logits: Tensor, temperature: Tensor, top_p: float, generators: list[torch.Generator] | None) -> Tensor:
+    """One token a row: sampled at the row's ``temperature`` (rows,), greedy where it is 0."""
+    greedy = temperature <= 0
+    probs = torch.softmax(logits.float() / temperature.masked_fill(greedy, 1.0)[:, None], dim=-1)
     if top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         # keep the smallest prefix whose mass reaches top_p (the top token always survives)
@@ -165,11 +167,13 @@ def _sample(logits: Tensor, temperature: float, top_p: float, generators: list[t
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
     if generators is None:
-        return torch.multinomial(probs, 1).squeeze(-1)
-    # One generator a row: a text's rationale does not depend on what it was batched with.
-    return torch.stack(
-        [torch.multinomial(row.cpu(), 1, generator=gen).squeeze(-1) for row, gen in zip(probs, generators)]
-    ).to(logits.device)
+        sampled = torch.multinomial(probs, 1).squeeze(-1)
+    else:
+        # One generator a row: a text's rationale does not depend on what it was batched with.
+        sampled = torch.stack(
+            [torch.multinomial(row.cpu(), 1, generator=gen).squeeze(-1) for row, gen in zip(probs, generators)]
+        ).to(logits.device)
+    return torch.where(greedy, logits.argmax(-1), sampled) if greedy.any() else sampled
 
 
 def preallocated_cache(model, capacity: int):
@@ -237,7 +241,7 @@ def generate_rollouts(
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     do_sample: bool = False,
-    temperature: float = 1.0,
+    temperature: float | Sequence[float] = 1.0,
     top_p: float = 1.0,
     seeds: Sequence[int] | None = None,
     hidden_layer: int = -1,
@@ -246,7 +250,9 @@ def generate_rollouts(
 ) -> Rollouts:
     """Generate a rationale for each left-padded prompt and keep its hidden states (Eqs. 1–2).
 
-    Greedy unless ``do_sample``. With ``seeds`` (one a row) sampling is reproducible per text.
+    Greedy unless ``do_sample``; ``temperature`` is one for every row or one a row (a row at 0
+    is greedy), so rows of several temperatures (a training step's queries, negatives and
+    positives) share one call. With ``seeds`` (one a row) sampling is reproducible per text.
     ``drop_finished`` stops feeding rows whose rationale has ended, and ``share_prefix`` computes
     the prompts' common instruction prefix once (:func:`_prefill`); both change results only by
     floating-point rounding and only save work.
@@ -257,6 +263,10 @@ def generate_rollouts(
     generators = None
     if do_sample and seeds is not None:
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    temperatures = torch.as_tensor(temperature, dtype=torch.float32, device=device)
+    if temperatures.dim() and temperatures.shape != (batch,):
+        raise ValueError(f"{temperatures.numel()} temperatures for {batch} prompts")
+    temperatures = temperatures.expand(batch)
 
     shared = shared_prefix_length(input_ids, attention_mask, instruction_lengths) if share_prefix else 0
     # G = 0 needs a KV cache only to hold a shared prefix for the rest of the prompt to attend to
@@ -281,7 +291,7 @@ def generate_rollouts(
         for _ in range(max_new_tokens):
             if do_sample:
                 row_generators = None if generators is None else [generators[i] for i in active.tolist()]
-                token = _sample(logits, temperature, top_p, row_generators)
+                token = _sample(logits, temperatures[active], top_p, row_generators)
             else:
                 token = logits.argmax(-1)
             stopping = ~finished[active] & torch.isin(token, eos)

@@ -5,8 +5,10 @@ states that are pooled (Eqs. 2–3), which is how the reference implementation s
 Under greedy decoding the rationales are the HF backend's (:func:`grace_st.generation.generate_rollouts`)
 and so are the embeddings, up to floating point.
 
-- :class:`VLLMRationaleGenerator`: token-id prompts in, rationale token ids (EOS and anything
-  after it excluded) and truncation flags (Eq. 28) out.
+- :class:`VLLMRationaleGenerator`: token-id prompts in; rationale token ids (EOS and anything
+  after it excluded), the EOS id that ended each (−1 where none did) and truncation flags
+  (Eq. 28) out. The encoder's vLLM path and the trainer's vLLM rollouts
+  (``grace_training.vllm_backend``) both generate through it.
 - :func:`pooled_embeddings` (from :mod:`grace_st.generation`): the HF pass and Eq. 3 pooling
   over given rationales.
 
@@ -16,13 +18,28 @@ and so are the embeddings, up to floating point.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from .generation import pooled_embeddings
 
-__all__ = ["INSTALL_HINT", "VLLMRationaleGenerator", "pooled_embeddings"]
+__all__ = ["INSTALL_HINT", "GeneratedRationales", "VLLMRationaleGenerator", "pooled_embeddings"]
 
 INSTALL_HINT = 'pip install "grace-st[vllm]"'
+
+
+class GeneratedRationales(NamedTuple):
+    """What :meth:`VLLMRationaleGenerator.generate` returns, one entry a prompt, in order."""
+
+    rationale_ids: list[list[int]]  # the rationale r (Eq. 1), its EOS excluded
+    stop_ids: list[int]  # the EOS id that ended it (part of the action scored in Eq. 11); -1 if none
+    truncated: list[bool]  # hit the length limit without an EOS (Eq. 28)
+
+
+def _sampling_params_class():
+    """vLLM's SamplingParams; a seam for tests that stand in for vLLM."""
+    from vllm import SamplingParams
+
+    return SamplingParams
 
 
 class VLLMRationaleGenerator:
@@ -38,6 +55,8 @@ class VLLMRationaleGenerator:
         gpu_memory_utilization: share of the GPU's memory vLLM may take (weights + KV cache).
             Leave room for the HF model that pools.
         seed: vLLM's engine seed (used by sampled rows that get no per-row seed).
+        llm: an engine already built (the trainer's, or a test's stand-in); then nothing else
+            is passed to vLLM.
         llm_kwargs: passed to ``vllm.LLM`` (e.g. ``max_model_len``, ``enforce_eager``).
     """
 
@@ -48,16 +67,19 @@ class VLLMRationaleGenerator:
         dtype: str = "auto",
         gpu_memory_utilization: float = 0.5,
         seed: int = 0,
+        llm: Any = None,
         **llm_kwargs: Any,
     ) -> None:
+        self.model_name_or_path = model_name_or_path
+        if llm is not None:
+            self.llm = llm
+            return
         try:
             import vllm
         except ImportError as error:
             raise ImportError(
                 f"VLLMRationaleGenerator needs vLLM, which is not installed (it needs a CUDA GPU): {INSTALL_HINT}"
             ) from error
-        self.model_name_or_path = model_name_or_path
-        self._sampling_params = vllm.SamplingParams
         self.llm = vllm.LLM(
             model=model_name_or_path,
             dtype=dtype,
@@ -73,22 +95,24 @@ class VLLMRationaleGenerator:
         max_new_tokens: int,
         eos_token_ids: Sequence[int],
         do_sample: bool = False,
-        temperature: float = 1.0,
+        temperature: float | Sequence[float] = 1.0,
         top_p: float = 1.0,
         seeds: Sequence[int] | None = None,
-    ) -> tuple[list[list[int]], list[bool]]:
-        """Each prompt's rationale token ids and whether it was truncated.
+    ) -> GeneratedRationales:
+        """Each prompt's rationale token ids, the EOS id that ended it, and whether it was truncated.
 
         A rationale ends before the first of ``eos_token_ids`` (not included) and stops only
         there or at ``max_new_tokens``; ``truncated`` is True where it hit a length limit without
         an EOS token (``max_new_tokens``, or the model's context length). Greedy unless
-        ``do_sample``; with ``seeds`` (one a prompt) each sampled row is reproducible, though
-        vLLM's random stream is not torch's, so sampled rationales differ from the HF backend's.
-        Results are in the order of ``prompts``.
+        ``do_sample``; ``temperature`` is one for all rows or one a row (a row at 0 is greedy),
+        so one call serves rows of several temperatures. With ``seeds`` (one a prompt) each
+        sampled row is reproducible, though vLLM's random stream is not torch's, so sampled
+        rationales differ from the HF backend's. Results are in the order of ``prompts``.
         """
         prompts = [[int(token) for token in row] for row in prompts]
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        temperatures = _per_row(temperature, len(prompts), "temperatures") if do_sample else [0.0] * len(prompts)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         stop = sorted({int(token) for token in eos_token_ids})
@@ -97,18 +121,19 @@ class VLLMRationaleGenerator:
         if any(not row for row in prompts):
             raise ValueError("an empty prompt: every prompt holds at least the chat template's tokens")
         if not prompts:
-            return [], []
+            return GeneratedRationales([], [], [])
         if max_new_tokens == 0:
             # what generate_rollouts reports: nothing generated, nothing truncated
-            return [[] for _ in prompts], [False for _ in prompts]
+            return GeneratedRationales([[] for _ in prompts], [-1] * len(prompts), [False] * len(prompts))
 
+        sampling_params = _sampling_params_class()
         params = [
-            self._sampling_params(
+            sampling_params(
                 n=1,
-                # temperature 0 is vLLM's greedy decoding (top-p is then ignored)
-                temperature=float(temperature) if do_sample else 0.0,
-                top_p=float(top_p) if do_sample else 1.0,
-                seed=int(seeds[i]) if do_sample and seeds is not None else None,
+                # temperature 0 is vLLM's greedy decoding (top-p and the seed are then unused)
+                temperature=temperatures[i],
+                top_p=float(top_p) if temperatures[i] > 0 else 1.0,
+                seed=int(seeds[i]) % 2**63 if temperatures[i] > 0 and seeds is not None else None,
                 max_tokens=max_new_tokens,
                 # Stop on exactly our EOS set, as the HF backend does: ignore_eos drops vLLM's own
                 # choice (the tokenizer's EOS plus generation_config's), stop_token_ids still apply.
@@ -127,20 +152,34 @@ class VLLMRationaleGenerator:
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
 
         stop_set = set(stop)
-        rationales: list[list[int]] = []
-        truncated: list[bool] = []
+        result = GeneratedRationales([], [], [])
         for index, output in enumerate(outputs):
             completion = output.outputs[0]
-            tokens = list(completion.token_ids)
+            tokens = [int(token) for token in completion.token_ids]
             # vLLM keeps the stop token in token_ids; cutting at the first one is right either way.
             cut = next((i for i, token in enumerate(tokens) if token in stop_set), None)
             reason = completion.finish_reason
-            if cut is not None or reason == "stop":
-                rationales.append(tokens[:cut] if cut is not None else tokens)
-                truncated.append(False)
+            if cut is not None:
+                result.rationale_ids.append(tokens[:cut])
+                result.stop_ids.append(tokens[cut])
+                result.truncated.append(False)
+            elif reason == "stop":  # ended by a stop token vLLM did not return: not cut, EOS id unknown
+                result.rationale_ids.append(tokens)
+                result.stop_ids.append(-1)
+                result.truncated.append(False)
             elif reason == "length":
-                rationales.append(tokens)
-                truncated.append(True)
+                result.rationale_ids.append(tokens)
+                result.stop_ids.append(-1)
+                result.truncated.append(True)
             else:
                 raise RuntimeError(f"vLLM ended prompt {index} with finish_reason={reason!r}")
-        return rationales, truncated
+        return result
+
+
+def _per_row(value: float | Sequence[float], rows: int, name: str) -> list[float]:
+    values = [float(value)] * rows if isinstance(value, (int, float)) else [float(v) for v in value]
+    if len(values) != rows:
+        raise ValueError(f"{len(values)} {name} for {rows} prompts")
+    if any(not v >= 0 for v in values):
+        raise ValueError(f"{name} must be >= 0, got {values}")
+    return values

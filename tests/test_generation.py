@@ -92,6 +92,23 @@ def test_seeded_sampling_is_reproducible_and_per_row():
     assert _rationales(other_seed) != _rationales(first)
 
 
+def test_a_temperature_a_row_equals_one_call_per_temperature():
+    """Rows of several temperatures in one call get what separate calls give them (0: greedy)."""
+    tokenizer, model, rows, spans = make_prompts()
+    temperatures, seeds = [0.5, 0.0, 1.3, 0.0], [1, 2, 3, 4]
+    mixed = one_pass_rollouts(model, tokenizer, rows, spans, 8, do_sample=True, temperature=temperatures, seeds=seeds)
+    for index, temperature in enumerate(temperatures):
+        alone = one_pass_rollouts(
+            model, tokenizer, rows[index : index + 1], spans[index : index + 1], 8,
+            do_sample=temperature > 0, temperature=temperature or 1.0, seeds=seeds[index : index + 1],
+        )
+        assert _rationales(alone)[0] == _rationales(mixed)[index], index
+    greedy = one_pass_rollouts(model, tokenizer, rows, spans, 8)
+    assert [_rationales(mixed)[i] for i in (1, 3)] == [_rationales(greedy)[i] for i in (1, 3)]
+    with pytest.raises(ValueError, match="3 temperatures for 4 prompts"):
+        one_pass_rollouts(model, tokenizer, rows, spans, 2, do_sample=True, temperature=[1.0, 1.0, 1.0], seeds=seeds)
+
+
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_dropping_finished_rows_changes_nothing(do_sample):
     tokenizer, model, rows, spans = make_prompts()

@@ -50,6 +50,22 @@ def test_asymmetric_rollout_counts(model):
     assert r.positives.temperature == 1.0 and r.queries.temperature == 0.5
 
 
+def test_a_step_makes_one_generation_call_with_each_roles_temperature(model):
+    from grace_training.rollout import hf_generate
+
+    calls = []
+
+    def spy(prompts, spans, **kwargs):
+        calls.append(kwargs["temperature"])
+        return hf_generate(model[0], prompts, spans, **kwargs)
+
+    r = rollouts(model, step=2, generate=spy)
+    assert calls == [[0.5] * 2 + [0.5] * 3 + [1.0] * 6]  # queries, negatives, positives (K = 3)
+    plain = rollouts(model, step=2)
+    assert r.positives.rationale_ids == plain.positives.rationale_ids
+    assert r.queries.rationale_ids == plain.queries.rationale_ids
+
+
 def test_rollouts_are_seeded_by_step(model):
     first, again, later = rollouts(model, step=3), rollouts(model, step=3), rollouts(model, step=4)
     assert first.positives.rationale_ids == again.positives.rationale_ids
@@ -91,17 +107,17 @@ def test_prompts_come_from_the_encoder_preprocess(model):
 
 def _stand_in_vllm(monkeypatch, outputs):
     """A stand-in for vLLM's LLM: records the requests and the loaded weights."""
-    import grace_training.vllm_backend as backend
+    import grace_st.vllm_backend as backend
 
     monkeypatch.setattr(backend, "_sampling_params_class", lambda: types.SimpleNamespace)
-    loaded = {}
+    loaded, requests = {}, []
     engine_model = types.SimpleNamespace(load_weights=lambda weights: loaded.update(dict(weights)))
     runner = types.SimpleNamespace(model_runner=types.SimpleNamespace(model=engine_model))
     llm = types.SimpleNamespace(
         llm_engine=types.SimpleNamespace(model_executor=types.SimpleNamespace(driver_worker=runner)),
-        generate=lambda prompts, sampling_params, use_tqdm: outputs,
+        generate=lambda prompts, sampling_params, use_tqdm: requests.append(sampling_params) or outputs,
         reset_prefix_cache=lambda: loaded.setdefault("reset", True),
-        requests=[],
+        requests=requests,
     )
     return llm, loaded
 
@@ -116,9 +132,14 @@ def test_vllm_engine_contract_with_a_stand_in(model, monkeypatch):
     engine = VLLMRolloutEngine(encoder, llm=llm)
     prompts, spans = tokenize_prompts(encoder, [CORPUS[0], CORPUS[1]], "document")
     rationales, stops, embeddings, truncated = engine.generate(
-        prompts, spans, temperature=1.0, top_p=1.0, max_new_tokens=3, seeds=[1, 2]
+        prompts, spans, temperature=[0.7, 0.0], top_p=0.9, max_new_tokens=3, seeds=[1, 2]
     )
     assert rationales == [[40, 41], [42, 43, 44]] and stops == [eos, -1] and truncated.tolist() == [False, True]
+    # one request, a temperature a row: the greedy row gets no seed and no top-p
+    ((sampled, greedy),) = llm.requests
+    assert (sampled.temperature, sampled.top_p, sampled.seed) == (0.7, 0.9, 1)
+    assert (greedy.temperature, greedy.top_p, greedy.seed) == (0.0, 1.0, None)
+    assert sampled.stop_token_ids == sorted(set(encoder.eos_token_ids)) and sampled.ignore_eos
     torch.testing.assert_close(embeddings, embed_rollouts(encoder, prompts, spans, rationales))
     engine.sync_from(encoder.model)
     assert set(encoder.model.state_dict()) <= set(loaded) and loaded["reset"]

@@ -136,9 +136,10 @@ def test_generator_stops_and_truncates_like_the_hf_backend(fake_vllm, extra_eos)
         "gpu_memory_utilization": 0.3,
         "seed": 7,
     }
-    rationales, truncated = generator.generate(rows, max_new_tokens=10, eos_token_ids=eos)
+    rationales, stops, truncated = generator.generate(rows, max_new_tokens=10, eos_token_ids=eos)
     assert rationales == [[t for t in row if t >= 0] for row in hf.rationale_ids.tolist()]
     assert truncated == hf.truncated.tolist()
+    assert stops == hf.stop_ids.tolist()  # which EOS ended each rationale, -1 where none did
     assert extra_eos == (not all(truncated))
     ((prompts, params),) = generator.llm.calls
     assert [p["prompt_token_ids"] for p in prompts] == rows
@@ -156,9 +157,17 @@ def test_generator_passes_sampling_settings_and_edge_cases(fake_vllm):
     ((_, params),) = generator.llm.calls
     assert [p.seed for p in params] == [1, 2, 3, 4]
     assert all(p.temperature == 0.7 and p.top_p == 0.9 and p.stop_token_ids == [2, 5] for p in params)
-    assert generator.generate(rows, max_new_tokens=0, eos_token_ids=[2]) == ([[]] * 4, [False] * 4)
-    assert generator.generate([], max_new_tokens=4, eos_token_ids=[2]) == ([], [])
+    assert generator.generate(rows, max_new_tokens=0, eos_token_ids=[2]) == ([[]] * 4, [-1] * 4, [False] * 4)
+    assert generator.generate([], max_new_tokens=4, eos_token_ids=[2]) == ([], [], [])
     assert len(generator.llm.calls) == 1  # neither edge case reached vLLM
+    # a temperature a row: 0 is greedy (no seed, no top-p) within the same call
+    generator.generate(
+        rows, max_new_tokens=2, eos_token_ids=[2], do_sample=True, temperature=[0.5, 0.0, 1.0, 0.0], top_p=0.8, seeds=[1, 2, 3, 4]
+    )
+    params = generator.llm.calls[-1][1]
+    assert [(p.temperature, p.top_p, p.seed) for p in params] == [(0.5, 0.8, 1), (0.0, 1.0, None), (1.0, 0.8, 3), (0.0, 1.0, None)]
+    with pytest.raises(ValueError, match="2 temperatures for 4 prompts"):
+        generator.generate(rows, max_new_tokens=2, eos_token_ids=[2], do_sample=True, temperature=[0.5, 1.0])
     with pytest.raises(ValueError, match="3 seeds for 4 prompts"):
         generator.generate(rows, max_new_tokens=2, eos_token_ids=[2], do_sample=True, seeds=[1, 2, 3])
     with pytest.raises(ValueError, match="eos_token_ids is empty"):

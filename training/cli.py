@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, GRPOConfig, check_batches, check_environment, locate
+from .config import ConfigError, GRPOConfig, LaunchError, check_batches, check_environment, check_launch, locate
 from .data import load_data
 from .trainer import _cap_per_source
 
@@ -139,8 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = GRPOConfig.from_yaml(args.config, args.overrides)
         check_environment(config)
+        check_launch()
     except ConfigError as error:
         return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
+    except LaunchError as error:
+        return _refuse(str(error))
     if args.dry_run:
         try:
             summary = plan(config)
@@ -168,6 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
     except CheckpointError as error:  # --resume with no loadable checkpoint: not a crash, a decision to make
         return _refuse(str(error), code=1)
+    except LaunchError as error:  # FSDP asked for where accelerate would run DDP
+        return _refuse(str(error))
     print(json.dumps({"step": result["step"], "scores": result["scores"]}, indent=2))
     return 0
 

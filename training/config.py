@@ -11,7 +11,9 @@ import dataclasses
 import difflib
 import functools
 import json
+import os
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -397,6 +399,30 @@ def check_environment(config: GRPOConfig) -> None:
     output = Path(config.output_dir)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"output_dir: {output} exists and is not a directory", key="output_dir")
+
+
+class LaunchError(RuntimeError):
+    """The processes were started in a way that would not run what was asked for."""
+
+
+def check_launch(environ: Mapping[str, str] | None = None) -> None:
+    """Refuse a launch that would silently train in fewer processes than asked for.
+
+    ``accelerate launch --cpu --num_processes N`` starts one process unless ``mpirun`` is
+    used (its simple launcher sets ``MASTER_ADDR`` for N > 1 but starts one Python). Several
+    CPU processes come from ``accelerate launch --multi_gpu --num_processes N`` or ``torchrun
+    --nproc_per_node N``: the trainer runs them over gloo when there is no GPU.
+    """
+    env = os.environ if environ is None else environ
+    cpu_flag = env.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+    launched = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")  # torchrun, MPI
+    if cpu_flag and env.get("MASTER_ADDR") and not any(key in env for key in launched):
+        raise LaunchError(
+            "`accelerate launch --cpu --num_processes N` starts a single process (accelerate needs mpirun "
+            "for more); for N CPU processes run `accelerate launch --multi_gpu --num_processes N -m "
+            "grace_training.cli ...` or `torchrun --nproc_per_node N -m grace_training.cli ...` "
+            "(without a GPU they train on CPU over gloo)"
+        )
 
 
 # -- reading ---------------------------------------------------------------------------------------

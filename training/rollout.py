@@ -104,7 +104,7 @@ def hf_generate(
     prompt_ids: list[list[int]],
     instruction_lengths: list[int],
     *,
-    temperature: float,
+    temperature: float | Sequence[float],
     top_p: float,
     max_new_tokens: int,
     seeds: list[int],
@@ -112,9 +112,11 @@ def hf_generate(
 ) -> tuple[list[list[int]], list[int], Tensor, Tensor]:
     """Rationales and embeddings with ``generate_rollouts`` + ``masked_mean``, as ``encode`` makes them.
 
-    Rows are generated in chunks of similar prompt length (less padding); each row has its own
-    generator, so chunking does not change what is sampled.
+    ``temperature``: one for every row or one a row (0: greedy). Rows are generated in chunks of
+    similar prompt length (less padding); each row has its own generator, so chunking does not
+    change what is sampled.
     """
+    temperatures = [float(temperature)] * len(prompt_ids) if isinstance(temperature, (int, float)) else temperature
     model = encoder.model
     device = next(model.parameters()).device
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
@@ -133,8 +135,8 @@ def hf_generate(
             max_new_tokens=max_new_tokens,
             eos_token_ids=encoder.eos_token_ids,
             pad_token_id=encoder.pad_token_id,
-            do_sample=temperature > 0,
-            temperature=temperature if temperature > 0 else 1.0,
+            do_sample=any(temperatures[i] > 0 for i in chunk),
+            temperature=[temperatures[i] for i in chunk],
             top_p=top_p,
             seeds=[seeds[i] for i in chunk],
             hidden_layer=encoder.hidden_layer,
@@ -204,7 +206,7 @@ def asymmetric_rollouts(
 ) -> TripletRollouts:
     """One rationale per query and per negative, K per positive (Eq. 4).
 
-    Rows sharing a temperature are generated together (queries and negatives usually do).
+    All rows go to ``generate`` in one call, each with its role's temperature.
     ``instance_offset`` is the global index of this process's first instance (seeds).
     """
     generate = generate or (lambda *a, **kw: hf_generate(encoder, *a, **kw))
@@ -242,34 +244,30 @@ def asymmetric_rollouts(
         ],
     }
 
+    rows = [(name, i) for name, role in roles.items() for i in range(len(role["prompts"]))]
+    generated = ([], [], torch.zeros((0, encoder.get_embedding_dimension())), torch.zeros(0, dtype=torch.bool))
+    if rows:
+        generated = generate(
+            [roles[name]["prompts"][i] for name, i in rows],
+            [roles[name]["spans"][i] for name, i in rows],
+            temperature=[roles[name]["temperature"] for name, _ in rows],
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            seeds=[roles[name]["seeds"][i] for name, i in rows],
+        )
+    rationales, stops, embeddings, truncated = generated
     results: dict[str, RolloutBatch] = {}
-    for temperature in dict.fromkeys(r["temperature"] for r in roles.values()):
-        members = [name for name, r in roles.items() if r["temperature"] == temperature]
-        prompts = [p for name in members for p in roles[name]["prompts"]]
-        spans = [s for name in members for s in roles[name]["spans"]]
-        seeds = [s for name in members for s in roles[name]["seeds"]]
-        if prompts:
-            rationales, stops, embeddings, truncated = generate(
-                prompts, spans, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds
-            )
-        else:
-            rationales, stops, embeddings, truncated = (
-                [],
-                [],
-                torch.zeros((0, encoder.get_embedding_dimension())),
-                torch.zeros(0, dtype=torch.bool),
-            )
-        start = 0
-        for name in members:
-            n = len(roles[name]["prompts"])
-            results[name] = RolloutBatch(
-                prompt_ids=roles[name]["prompts"],
-                instruction_lengths=roles[name]["spans"],
-                rationale_ids=rationales[start : start + n],
-                stop_ids=stops[start : start + n],
-                embeddings=embeddings[start : start + n],
-                truncated=truncated[start : start + n],
-                temperature=temperature,
-            )
-            start += n
+    start = 0
+    for name, role in roles.items():
+        n = len(role["prompts"])
+        results[name] = RolloutBatch(
+            prompt_ids=role["prompts"],
+            instruction_lengths=role["spans"],
+            rationale_ids=rationales[start : start + n],
+            stop_ids=stops[start : start + n],
+            embeddings=embeddings[start : start + n],
+            truncated=truncated[start : start + n],
+            temperature=role["temperature"],
+        )
+        start += n
     return TripletRollouts(results["query"], results["negative"], results["positive"], owner, num_rollouts)

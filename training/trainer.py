@@ -12,9 +12,10 @@ Read :meth:`GRPOTrainer.train` top to bottom; each stage is a method a test can 
   ``contrastive_beta`` > 0 (the hybrid objective; β = 0 is the paper's GRACE);
 - :meth:`~GRPOTrainer.save_checkpoint` / :meth:`~GRPOTrainer.resume`.
 
-Processes: ``accelerate`` runs it as one CPU process (tests), or on several GPUs (DDP or
-FSDP2, see docs/training.md). The global batch is split evenly across processes; the in-batch
-hard negatives (Eq. 7) see every process's rollouts through a gather.
+Processes: ``accelerate`` runs it as one process, several CPU processes over gloo (DDP, tested
+equal to one process), or several GPUs (DDP or FSDP2); see docs/training.md. The global batch is
+split evenly across processes; the in-batch terms (Eq. 7, the hybrid InfoNCE) see every process's
+rollouts through a gather, and Eq. 11's token count is the global batch's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import os
 import random
 import time
 from pathlib import Path
@@ -39,7 +41,7 @@ from .checkpoint import (
     set_aside_corrupt,
     write_checkpoint,
 )
-from .config import GRPOConfig, check_batches, check_environment
+from .config import GRPOConfig, LaunchError, check_batches, check_environment, check_launch
 from .data import Triplet, load_data
 from .evaluation import evaluate
 from .grpo import (
@@ -101,8 +103,14 @@ class GRPOTrainer:
 
         config.validate()
         check_environment(config)
+        check_launch()
         self.config = config
-        self.accelerator = accelerator or Accelerator(mixed_precision="bf16" if config.bf16 else "no")
+        # cpu=True on a machine without CUDA: accelerate then joins the processes torchrun (or
+        # `accelerate launch --multi_gpu`) started over gloo instead of running each alone.
+        self.accelerator = accelerator or Accelerator(
+            cpu=not torch.cuda.is_available(), mixed_precision="bf16" if config.bf16 else "no"
+        )
+        _check_sharding(self.accelerator)
 
         # -- data (before the model: a run the data cannot feed is refused without loading it) --
         data_options = {
@@ -261,7 +269,11 @@ class GRPOTrainer:
             "update": updated - rewarded,
             "step": updated - start,
         }
-        return self._reduce(self.step_metrics(rollouts, rewards, advantages, update, timings, step))
+        # Reward and advantage statistics over the global batch, the same on every process.
+        rewards = {name: self._gather(value) for name, value in rewards.items()}
+        truncated = self._gather(rollouts.positives.truncated.view(advantages.shape))
+        metrics = self.step_metrics(rollouts, rewards, self._gather(advantages), truncated, update, timings, step)
+        return self._reduce(metrics)
 
     # ------------------------------------------------------------------------------------------
     # stages
@@ -348,7 +360,10 @@ class GRPOTrainer:
         self.policy_wrapped.train()
         rows = list(range(len(positives)))
         parts = min(cfg.gradient_accumulation_steps, len(rows))
-        chunks = [rows[i::parts] for i in range(parts)]
+        # Contiguous blocks of rows (whole instances when K divides them), as the processes
+        # split the global batch: the hybrid term then treats another chunk and another
+        # process alike, and one process with n chunks computes what n processes do.
+        chunks = [rows[len(rows) * i // parts : len(rows) * (i + 1) // parts] for i in range(parts)]
         batches = []
         for chunk in chunks:
             batch = build_policy_batch(
@@ -362,7 +377,12 @@ class GRPOTrainer:
                 cut = positives.truncated[chunk].to(batch["completion_mask"].device)
                 batch["completion_mask"] &= ~cut[:, None]
             batches.append({k: v.to(device) for k, v in batch.items()})
-        num_tokens = float(sum(b["completion_mask"].sum() for b in batches))
+        # T of Eq. 11 counts the tokens of the global batch; DDP and FSDP average gradients over
+        # processes, so each process's loss is scaled by their number to make that average the
+        # gradient of one process holding the whole batch.
+        num_tokens = self._sum_over_processes(float(sum(b["completion_mask"].sum() for b in batches)))
+        world = accelerator.num_processes
+        rows_everywhere = len(positives) * world
         advantages = advantages.to(device)
         temperature = positives.temperature
 
@@ -404,9 +424,9 @@ class GRPOTrainer:
                     policy_loss = loss.detach()
                     contrastive = torch.zeros((), device=device)
                     if hybrid:
-                        contrastive = self.hybrid_contrastive_loss(rollouts, chunk, pooled) / len(rows)
+                        contrastive = self.hybrid_contrastive_loss(rollouts, chunk, pooled) / rows_everywhere
                         loss = loss + cfg.contrastive_beta * contrastive
-                    accelerator.backward(loss)
+                    accelerator.backward(loss * world)
                 share = batch["completion_mask"].sum().item() / max(num_tokens, 1.0)
                 totals["loss"] += loss.item() / cfg.ppo_epochs
                 totals["policy_loss"] += policy_loss.item() / cfg.ppo_epochs
@@ -418,14 +438,17 @@ class GRPOTrainer:
             self.optimizer.step()
         self.scheduler.step()
         self.policy_wrapped.eval()
+        synced = time.perf_counter()
         if self.engine is not None:
             self.engine.sync_from(self.policy)
+        weight_sync_s = time.perf_counter() - synced
         return {
             **totals,
             "lr": lr,
             "grad_norm": float(grad_norm),
             "trained_tokens": num_tokens,
             "update_tokens": float(sum(b["attention_mask"].sum() for b in batches)),
+            "weight_sync_s": weight_sync_s,
         }
 
     def hybrid_contrastive_loss(self, rollouts: TripletRollouts, chunk: list[int], pooled: torch.Tensor) -> torch.Tensor:
@@ -438,20 +461,28 @@ class GRPOTrainer:
         cfg = self.config
         query, positives, negatives, mask, _ = rollouts.grouped(cfg.num_negatives)
         device = pooled.device
-        batch, k = positives.shape[:2]
-        index = torch.tensor(chunk, device=device)
+        local, k = positives.shape[:2]
+        # Several processes: the candidates are the global batch's; this process's rows sit at
+        # its offset and carry gradient, the others' act as another chunk's would (no gradient).
+        offset = self.accelerator.process_index * local
+        query, positives, negatives, mask = (self._gather(t) for t in (query, positives, negatives, mask))
+        batch = positives.shape[0]
+        index = torch.tensor([offset * k + row for row in chunk], device=device)
         flat = positives.reshape(batch * k, -1).to(device=device, dtype=pooled.dtype).index_copy(0, index, pooled)
         selected = torch.zeros(batch * k, dtype=torch.bool, device=device)
         selected[index] = True
         query, negatives = query.to(device), negatives.to(device)
         if cfg.contrastive_anchors == "recompute":
-            query = self.pooled_with_grad(rollouts.queries)
+            mine = torch.arange(offset, offset + local, device=device)
+            query = query.to(pooled.dtype).index_copy(0, mine, self.pooled_with_grad(rollouts.queries))
             slots = rollouts.negative_slots(cfg.num_negatives)
             if slots:
                 fresh = self.pooled_with_grad(rollouts.negatives)
                 rows = [row for row, _, _ in slots]
-                targets = torch.tensor([owner * cfg.num_negatives + slot for _, owner, slot in slots], device=device)
-                negatives = negatives.reshape(batch * cfg.num_negatives, -1).index_copy(0, targets, fresh[rows])
+                targets = [(offset + owner) * cfg.num_negatives + slot for _, owner, slot in slots]
+                targets = torch.tensor(targets, device=device)
+                negatives = negatives.reshape(batch * cfg.num_negatives, -1).to(fresh.dtype)
+                negatives = negatives.index_copy(0, targets, fresh[rows])
                 negatives = negatives.reshape(batch, cfg.num_negatives, -1)
         return pooled_contrastive_loss(
             query,
@@ -490,7 +521,12 @@ class GRPOTrainer:
     # metrics, evaluation
     # ------------------------------------------------------------------------------------------
 
-    def step_metrics(self, rollouts: TripletRollouts, rewards, advantages, update, timings, step) -> dict[str, float]:
+    def step_metrics(
+        self, rollouts: TripletRollouts, rewards, advantages, truncated, update, timings, step
+    ) -> dict[str, float]:
+        """A step's metrics. ``rewards``, ``advantages`` and ``truncated`` (the positives', (B, K))
+        are the global batch's; the rollout and throughput numbers are this process's, which
+        :meth:`_reduce` combines."""
         positives = rollouts.positives
         everything = [rollouts.queries, rollouts.negatives, positives]
         generated = float(sum(r.lengths.sum() for r in everything)) + sum(
@@ -503,7 +539,7 @@ class GRPOTrainer:
         cfg = self.config
         parts = reward_parts(
             rewards,
-            positives.truncated.view(rewards["final"].shape),
+            truncated,
             lambda_consistency=cfg.lambda_consistency,
             lambda_hard_negative=cfg.lambda_hard_negative,
             tau=cfg.tau,
@@ -539,6 +575,7 @@ class GRPOTrainer:
                 "time/reward_s": timings["reward"],
                 "time/update_s": timings["update"],
                 "time/step_s": timings["step"],
+                "time/weight_sync_s": update["weight_sync_s"],  # into the vLLM engine (0 with hf)
                 "time/rollout_share": timings["rollout"] / max(timings["step"], 1e-9),
                 "throughput/generated_tokens": generated,
                 "throughput/generated_tokens_per_s": generated / max(timings["rollout"], 1e-9),
@@ -548,13 +585,32 @@ class GRPOTrainer:
         return metrics
 
     def _reduce(self, metrics: dict[str, float]) -> dict[str, float]:
-        """Mean over processes (a no-op on one)."""
+        """Combine each process's metrics into the global batch's (a no-op on one process).
+
+        Counts, losses (already divided by the global token count) and throughputs add up;
+        maxima and times take the slowest or largest; the rest are means over equal shares.
+        """
         if self.accelerator.num_processes == 1:
             return metrics
         keys = list(metrics)
         values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
-        values = self.accelerator.reduce(values, reduction="mean").cpu().tolist()
-        return dict(zip(keys, values))
+        everywhere = self.accelerator.gather(values[None]).cpu()  # (processes, keys)
+        combined = {}
+        for column, key in enumerate(keys):
+            how = _REDUCTIONS.get(key) or ("max" if key.startswith("time/") else "mean")
+            combined[key] = float(getattr(everywhere[:, column], how)())
+        return combined
+
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` from every process, concatenated in process order (itself on one process)."""
+        if self.accelerator.num_processes == 1:
+            return tensor
+        flag = tensor.dtype == torch.bool  # gloo has no bool all-gather
+        gathered = self.accelerator.gather((tensor.to(torch.uint8) if flag else tensor).to(self.accelerator.device))
+        return (gathered.bool() if flag else gathered).to(tensor.device)
+
+    def _sum_over_processes(self, value: float) -> float:
+        return float(self._gather(torch.tensor([value], dtype=torch.float64)).sum())
 
     def evaluate(self) -> dict[str, float]:
         """Greedy ``encode`` scores on the eval sources (see evaluation.py)."""
@@ -716,6 +772,26 @@ class GRPOTrainer:
         )
 
 
+# How :meth:`GRPOTrainer._reduce` combines a metric over processes (default: mean; ``time/*``: max).
+_REDUCTIONS = {
+    **dict.fromkeys(
+        [
+            "loss",
+            "loss/policy",
+            "loss/contrastive",
+            "clip_fraction",
+            "kl",
+            "rollout/count",
+            "throughput/generated_tokens",
+            "throughput/generated_tokens_per_s",
+            "throughput/tokens_per_s",
+        ],
+        "sum",
+    ),
+    "rollout/positive_length_max": "max",
+}
+
+
 def add_lora_adapter(model, config: GRPOConfig):
     """The policy as a PEFT LoRA adapter on a frozen base (rank, alpha, targets from the config)."""
     from peft import LoraConfig, get_peft_model
@@ -741,6 +817,22 @@ def lr_schedule(config: GRPOConfig, total_steps: int):
         return 1.0
 
     return factor
+
+
+def _check_sharding(accelerator) -> None:
+    """FSDP asked for (``accelerate launch`` with an FSDP config) but not what accelerate set up.
+
+    accelerate 1.x promotes a run to FSDP only from a GPU-type process group; on CPU it runs
+    plain DDP over gloo, replicating the weights the user meant to shard.
+    """
+    from accelerate.utils import DistributedType
+
+    wanted = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
+    if wanted and accelerator.distributed_type != DistributedType.FSDP:
+        raise LaunchError(
+            f"an FSDP launch, but accelerate set up {accelerator.distributed_type.value} (FSDP needs CUDA GPUs "
+            "under accelerate); on CPU launch with --multi_gpu instead (DDP over gloo)"
+        )
 
 
 def _cap_per_source(rows: list[Triplet], cap: int, seed: int) -> list[Triplet]:

@@ -6,9 +6,10 @@ of the trainer's own policy over ``P(x) ⊕ r`` (:func:`grace_training.rollout.e
 so the pooled states are the trainer's, in the trainer's precision, through the same pooling
 code ``encode`` uses.
 
-The engine is built by ``grace_st.vllm_backend.VLLMRationaleGenerator`` (the encoder's own vLLM
-backend); generation calls the engine directly with the same stopping rules, because the trainer
-also needs *which* EOS token ended each rationale (it is part of the action scored in Eq. 11).
+Generation goes through ``grace_st.vllm_backend.VLLMRationaleGenerator``, the generator the
+encoder's own vLLM path uses: the same stopping rules, the EOS id that ended each rationale
+(part of the action scored in Eq. 11), and a temperature a row, so one call serves a step's
+queries, negatives and positives.
 
 Weight sync: after each optimiser step the trainer calls :meth:`VLLMRolloutEngine.load_weights`
 with the policy's ``(name, tensor)`` pairs. The engine runs in this process
@@ -23,7 +24,7 @@ is built, and the trainer refuses ``rollout_backend="vllm"`` with a clear messag
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -37,13 +38,6 @@ def vllm_available() -> bool:
     except ImportError:
         return False
     return True
-
-
-def _sampling_params_class():
-    """vLLM's SamplingParams; a seam for tests that stand in for vLLM."""
-    from vllm import SamplingParams
-
-    return SamplingParams
 
 
 class VLLMRolloutEngine:
@@ -70,27 +64,27 @@ class VLLMRolloutEngine:
         embed_batch_size: int = 64,
         llm=None,
     ) -> None:
+        from grace_st.vllm_backend import VLLMRationaleGenerator
+
         self.encoder = encoder
         self.embed_batch_size = embed_batch_size
-        self.enable_sleep_mode = enable_sleep_mode
         if llm is None:
             if not vllm_available():
                 raise ImportError("rollout_backend='vllm' needs vLLM: pip install 'grace-st[vllm]' (GPU only)")
             # In-process engine core: the trainer can reach the engine's model to load weights.
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-            from grace_st.vllm_backend import VLLMRationaleGenerator
-
-            llm = VLLMRationaleGenerator(
-                model_path,
-                dtype=dtype,
-                gpu_memory_utilization=gpu_memory_utilization,
-                seed=seed,
-                tensor_parallel_size=tensor_parallel_size,
-                max_model_len=max_model_len,
-                enable_prefix_caching=True,
-                enable_sleep_mode=enable_sleep_mode,
-            ).llm
-        self.llm = llm
+        self.generator = VLLMRationaleGenerator(
+            model_path,
+            dtype=dtype,
+            gpu_memory_utilization=gpu_memory_utilization,
+            seed=seed,
+            llm=llm,
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            enable_prefix_caching=True,
+            enable_sleep_mode=enable_sleep_mode,
+        )
+        self.llm = self.generator.llm
 
     # -- generation -----------------------------------------------------------------------------
 
@@ -99,46 +93,24 @@ class VLLMRolloutEngine:
         prompt_ids: list[list[int]],
         instruction_lengths: list[int],
         *,
-        temperature: float,
+        temperature: float | Sequence[float],
         top_p: float,
         max_new_tokens: int,
         seeds: list[int],
     ) -> tuple[list[list[int]], list[int], Tensor, Tensor]:
-        SamplingParams = _sampling_params_class()
-        eos = sorted(set(self.encoder.eos_token_ids))
-        params = [
-            SamplingParams(
-                n=1,
-                temperature=temperature,  # 0 is greedy in vLLM as in the HF backend
-                top_p=top_p if temperature > 0 else 1.0,
-                max_tokens=max_new_tokens,
-                # exactly the encoder's EOS set, as grace_st.vllm_backend and the HF backend stop
-                stop_token_ids=eos,
-                ignore_eos=True,
-                seed=int(seed) % (2**63) if temperature > 0 else None,
-                detokenize=False,
-            )
-            for seed in seeds
-        ]
-        prompts = [{"prompt_token_ids": [int(t) for t in p]} for p in prompt_ids]  # vllm.inputs.TokensPrompt
-        outputs = self.llm.generate(prompts, sampling_params=params, use_tqdm=False)
-        rationales, stops, truncated = [], [], []
-        eos_set = set(eos)
-        for output in outputs:
-            completion = output.outputs[0]
-            ids = list(completion.token_ids)
-            stop = -1
-            # vLLM keeps the stop token in token_ids; the rationale is what precedes it.
-            cut = next((i for i, t in enumerate(ids) if t in eos_set), None)
-            if cut is not None:
-                stop, ids = ids[cut], ids[:cut]
-            rationales.append(ids)
-            stops.append(stop)
-            truncated.append(stop < 0 and completion.finish_reason == "length")
+        """Rationales (one call for every row, a temperature each), then Eq. 3 embeddings from
+        one no-gradient pass of the trainer's policy."""
+        rationales, stops, truncated = self.generator.generate(
+            prompt_ids,
+            max_new_tokens=max_new_tokens,
+            eos_token_ids=self.encoder.eos_token_ids,
+            do_sample=True,  # a row at temperature 0 is greedy
+            temperature=temperature,
+            top_p=top_p,
+            seeds=seeds,
+        )
         embeddings = embed_rollouts(self.encoder, prompt_ids, instruction_lengths, rationales, self.embed_batch_size)
         return rationales, stops, embeddings, torch.tensor(truncated, dtype=torch.bool)
-
-    __call__ = generate
 
     # -- weight sync ----------------------------------------------------------------------------
 
@@ -171,14 +143,6 @@ class VLLMRolloutEngine:
             tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             full[name] = tensor.detach()
         self.load_weights(full.items())
-
-    def sleep(self) -> None:
-        if self.enable_sleep_mode:
-            self.llm.sleep(level=1)
-
-    def wake_up(self) -> None:
-        if self.enable_sleep_mode:
-            self.llm.wake_up()
 
 
 def _load_on_worker(worker, weights):

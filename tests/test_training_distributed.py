@@ -1,0 +1,200 @@
+"""Two CPU processes (accelerate + gloo) against one: same rewards, same weights, same resume.
+
+Each run is the real ``grace-train`` in subprocesses: ``accelerate launch --multi_gpu
+--num_processes 2`` on a machine without a GPU gives two processes over gloo (grace-train asks
+accelerate for the CPU; ``--cpu`` alone would start one process, which is refused).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import CORPUS, make_st_model
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+    reason="this torch build has no gloo backend",
+)
+
+# Compared per step: the rewards span the gathered batch (Eq. 7), the rest follow from them.
+COMPARED = [
+    "reward/contrastive",
+    "reward/consistency",
+    "reward/hard_negative",
+    "reward/final",
+    "reward/final_std_in_group",
+    "advantage/std",
+    "advantage/min",
+    "advantage/max",
+    "rollout/count",
+    "loss",
+    "loss/policy",
+    "loss/contrastive",
+    "grad_norm",
+]
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("distributed")
+    make_st_model().save(str(root / "model"))
+    with open(root / "train.jsonl", "w", encoding="utf-8") as handle:
+        for i in range(8):
+            row = {"query": CORPUS[i], "positive": CORPUS[i + 1], "negatives": [CORPUS[i + 2]]}
+            handle.write(json.dumps(row) + "\n")
+    config = {
+        "model_name_or_path": str(root / "model"),
+        "train_data": [{"type": "triplets", "path": str(root / "train.jsonl")}],
+        "num_rollouts": 3,
+        "batch_size": 4,  # global: two instances a process
+        "num_negatives": 1,
+        "max_prompt_tokens": 160,
+        "max_response_tokens": 5,
+        "learning_rate": 1e-3,
+        "save_steps": 2,
+        "report_to": ["jsonl"],
+        "rollout_batch_size": 16,
+    }
+    (root / "config.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    return root
+
+
+def grace_train(root: Path, name: str, *overrides: str, processes: int = 1, launcher: list[str] | None = None):
+    """Run grace-train in ``processes`` CPU processes; returns (output_dir, completed process)."""
+    output = root / name
+    args = ["-m", "grace_training.cli", "--config", str(root / "config.yaml"), f"output_dir={output}", *overrides]
+    if launcher is None and processes > 1:
+        launcher = ["--multi_gpu", "--num_processes", str(processes)]
+    if launcher is None:
+        command = [sys.executable, *args]
+    else:
+        port = ["--main_process_port", str(_free_port())]
+        command = [sys.executable, "-m", "accelerate.commands.launch", *launcher, *port, *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    return output, done
+
+
+def run_ok(root: Path, name: str, *overrides: str, processes: int = 1) -> Path:
+    output, done = grace_train(root, name, *overrides, processes=processes)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return output
+
+
+def metrics(output: Path) -> list[dict]:
+    lines = (output / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
+    return [json.loads(line) for line in lines if "loss" in json.loads(line)]
+
+
+def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
+    return load_file(str(checkpoint / "model.safetensors"))
+
+
+def assert_same_run(one: Path, two: Path, step: int, atol: float = 2e-5) -> None:
+    first, second = metrics(one), metrics(two)
+    assert [m["step"] for m in first] == [m["step"] for m in second] == list(range(1, step + 1))
+    for a, b in zip(first, second):
+        for key in COMPARED:
+            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
+    name = f"checkpoint-{step:08d}"
+    expected, got = weights(one / name), weights(two / name)
+    assert expected.keys() == got.keys()
+    for key in expected:
+        torch.testing.assert_close(got[key], expected[key], atol=atol, rtol=0)
+
+
+def test_two_processes_equal_one_and_a_resumed_run_equals_a_straight_one(workspace):
+    initial = weights(workspace / "model")
+    one = run_ok(workspace, "one", "max_steps=4")
+    two = run_ok(workspace, "two", "max_steps=4", processes=2)
+    assert_same_run(one, two, step=4)
+    # the weights moved: equality is not two runs that both did nothing
+    moved = max((weights(one / "checkpoint-00000004")[k] - initial[k]).abs().max().item() for k in initial)
+    assert moved > 1e-4
+    # one process wrote: one metrics line a step, both checkpoints whole, the sharded-state layout
+    assert [m["step"] for m in metrics(two)] == [1, 2, 3, 4]
+    state = two / "checkpoint-00000004" / "trainer_state"
+    assert json.loads((state / "state.json").read_text())["step"] == 4
+    assert (state / "accelerate").is_dir()
+    assert not list(two.glob(".tmp-*"))
+
+    # interrupted after step 2's checkpoint, then resumed with two processes
+    resumed = run_ok(workspace, "resumed", "max_steps=2", processes=2)
+    output, done = grace_train(workspace, "resumed", "max_steps=4", "--resume", processes=2)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stderr and "checkpoint-00000002" in done.stderr
+    assert output == resumed
+    assert_same_run(two, resumed, step=4, atol=0.0)
+
+
+@pytest.mark.parametrize("anchors", ["detached", "recompute"])
+def test_the_hybrid_term_spans_the_processes_as_it_spans_chunks(workspace, anchors):
+    """β > 0: two processes of one chunk each == one process of two chunks (exactly the same
+    candidates, the same rows with gradient), so the pooled InfoNCE sees the global batch."""
+    hybrid = ["max_steps=1", "contrastive_beta=0.5", f"contrastive_anchors={anchors}"]
+    one = run_ok(workspace, f"hybrid-one-{anchors}", *hybrid, "gradient_accumulation_steps=2")
+    two = run_ok(workspace, f"hybrid-two-{anchors}", *hybrid, processes=2)
+    assert metrics(two)[0]["loss/contrastive"] > 0
+    assert_same_run(one, two, step=1)
+
+
+def test_launches_that_would_not_run_what_was_asked_are_refused(workspace):
+    # --cpu starts one process whatever --num_processes says: refused, not trained alone
+    # (--quiet: accelerate's launcher would add its own traceback for the child's exit code)
+    _, done = grace_train(workspace, "cpu", "--dry-run", launcher=["--quiet", "--cpu", "--num_processes", "2"])
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "starts a single process" in done.stderr and "--multi_gpu" in done.stderr
+    # an FSDP config on CPU: accelerate would run DDP instead; said, not done silently
+    fsdp = workspace / "fsdp.yaml"
+    fsdp.write_text(
+        yaml.safe_dump(
+            {
+                "distributed_type": "FSDP",
+                "num_processes": 2,
+                "num_machines": 1,
+                "mixed_precision": "no",
+                "fsdp_config": {"fsdp_version": 2, "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP"},
+            }
+        ),
+        encoding="utf-8",
+    )
+    _, done = grace_train(workspace, "fsdp", "max_steps=1", launcher=["--config_file", str(fsdp)])
+    # torchrun reports the exit code with a traceback of its own; none runs through grace_training
+    assert done.returncode != 0 and "grace_training/" not in done.stderr
+    assert "grace-train: error: an FSDP launch, but accelerate set up MULTI_CPU" in done.stderr
+    assert not (workspace / "fsdp" / "checkpoint-00000001").exists()
+
+
+@pytest.mark.parametrize(
+    "env, refused",
+    [
+        ({}, False),  # plain python
+        ({"ACCELERATE_USE_CPU": "True"}, False),  # accelerate launch --cpu, one process
+        ({"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1"}, True),  # --cpu --num_processes 2
+        ({"ACCELERATE_USE_CPU": "True", "MASTER_ADDR": "127.0.0.1", "OMPI_COMM_WORLD_SIZE": "2"}, False),  # mpirun
+        ({"MASTER_ADDR": "127.0.0.1", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, False),  # torchrun
+    ],
+)
+def test_check_launch_tells_a_single_process_from_a_real_launch(env, refused):
+    from grace_training.config import LaunchError, check_launch
+
+    if refused:
+        with pytest.raises(LaunchError, match="starts a single process"):
+            check_launch(env)
+    else:
+        check_launch(env)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
