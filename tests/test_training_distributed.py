@@ -194,6 +194,22 @@ def test_check_launch_tells_a_single_process_from_a_real_launch(env, refused):
         check_launch(env)
 
 
+def test_fsdp_with_hf_rollouts_on_several_processes_is_refused():
+    """Each process decodes its own rows: a sharded model's forwards would stop matching (a hang)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+    from grace_training.config import ConfigError, GRPOConfig
+    from grace_training.trainer import _check_sharding
+
+    fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=8)
+    with pytest.raises(ConfigError, match="rollout_backend: hf cannot run under FSDP"):
+        _check_sharding(fsdp, GRPOConfig(rollout_backend="hf"))
+    _check_sharding(fsdp, GRPOConfig(rollout_backend="vllm"))
+    _check_sharding(SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=1), GRPOConfig())
+    _check_sharding(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2), GRPOConfig())
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -421,7 +421,7 @@ def check_launch(environ: Mapping[str, str] | None = None) -> None:
             "`accelerate launch --cpu --num_processes N` starts a single process (accelerate needs mpirun "
             "for more); for N CPU processes run `accelerate launch --multi_gpu --num_processes N -m "
             "grace_training.cli ...` or `torchrun --nproc_per_node N -m grace_training.cli ...` "
-            "(without a GPU they train on CPU over gloo)"
+            "(without a GPU they train on CPU over gloo); if one process is meant, unset MASTER_ADDR"
         )
 
 

@@ -41,7 +41,7 @@ from .checkpoint import (
     set_aside_corrupt,
     write_checkpoint,
 )
-from .config import GRPOConfig, LaunchError, check_batches, check_environment, check_launch
+from .config import ConfigError, GRPOConfig, LaunchError, check_batches, check_environment, check_launch
 from .data import Triplet, load_data
 from .evaluation import evaluate
 from .grpo import (
@@ -105,12 +105,10 @@ class GRPOTrainer:
         check_environment(config)
         check_launch()
         self.config = config
-        # cpu=True on a machine without CUDA: accelerate then joins the processes torchrun (or
-        # `accelerate launch --multi_gpu`) started over gloo instead of running each alone.
         self.accelerator = accelerator or Accelerator(
-            cpu=not torch.cuda.is_available(), mixed_precision="bf16" if config.bf16 else "no"
+            cpu=_processes_without_a_gpu(), mixed_precision="bf16" if config.bf16 else "no"
         )
-        _check_sharding(self.accelerator)
+        _check_sharding(self.accelerator, config)
 
         # -- data (before the model: a run the data cannot feed is refused without loading it) --
         data_options = {
@@ -360,7 +358,7 @@ class GRPOTrainer:
         self.policy_wrapped.train()
         rows = list(range(len(positives)))
         parts = min(cfg.gradient_accumulation_steps, len(rows))
-        # Contiguous blocks of rows (whole instances when K divides them), as the processes
+        # Contiguous blocks of rows (whole instances when the chunk count divides B), as the processes
         # split the global batch: the hybrid term then treats another chunk and another
         # process alike, and one process with n chunks computes what n processes do.
         chunks = [rows[len(rows) * i // parts : len(rows) * (i + 1) // parts] for i in range(parts)]
@@ -441,6 +439,8 @@ class GRPOTrainer:
         synced = time.perf_counter()
         if self.engine is not None:
             self.engine.sync_from(self.policy)
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()  # the copies are asynchronous: time them to the end
         weight_sync_s = time.perf_counter() - synced
         return {
             **totals,
@@ -473,11 +473,14 @@ class GRPOTrainer:
         selected[index] = True
         query, negatives = query.to(device), negatives.to(device)
         if cfg.contrastive_anchors == "recompute":
+            # One forward for queries and negatives: every process runs the same number of passes
+            # (each DDP or FSDP forward is a collective), whether or not its instances have negatives.
+            fresh = self.pooled_with_grad(rollouts.queries, rollouts.negatives)
             mine = torch.arange(offset, offset + local, device=device)
-            query = query.to(pooled.dtype).index_copy(0, mine, self.pooled_with_grad(rollouts.queries))
+            query = query.to(pooled.dtype).index_copy(0, mine, fresh[:local])
+            fresh = fresh[local:]
             slots = rollouts.negative_slots(cfg.num_negatives)
             if slots:
-                fresh = self.pooled_with_grad(rollouts.negatives)
                 rows = [row for row, _, _ in slots]
                 targets = [(offset + owner) * cfg.num_negatives + slot for _, owner, slot in slots]
                 targets = torch.tensor(targets, device=device)
@@ -493,18 +496,19 @@ class GRPOTrainer:
             rows=selected.reshape(batch, k),
         )
 
-    def pooled_with_grad(self, rollouts: RolloutBatch) -> torch.Tensor:
-        """Eq. 3 embeddings of rollouts (queries or negatives) recomputed with gradient."""
+    def pooled_with_grad(self, *parts: RolloutBatch) -> torch.Tensor:
+        """Eq. 3 embeddings of rollouts (queries, negatives) recomputed with gradient, in one pass, in order."""
         batch = build_policy_batch(
-            rollouts.prompt_ids,
-            rollouts.rationale_ids,
-            rollouts.stop_ids,
+            [ids for part in parts for ids in part.prompt_ids],
+            [ids for part in parts for ids in part.rationale_ids],
+            [stop for part in parts for stop in part.stop_ids],
             self.encoder.pad_token_id,
-            rollouts.instruction_lengths,
+            [length for part in parts for length in part.instruction_lengths],
         )
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
+        # the temperature scales log-probs only, which are not used here
         return policy_pass(
-            self.policy_wrapped, batch, rollouts.temperature, pool_from=self.policy, hidden_layer=self.encoder.hidden_layer
+            self.policy_wrapped, batch, parts[0].temperature, pool_from=self.policy, hidden_layer=self.encoder.hidden_layer
         )[1]
 
     def reference_log_probs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
@@ -532,8 +536,12 @@ class GRPOTrainer:
         generated = float(sum(r.lengths.sum() for r in everything)) + sum(
             int((torch.tensor(r.stop_ids) >= 0).sum()) for r in everything if len(r)
         )
+        # processes can hold different numbers of negatives: these ratios are of global sums
         rows = sum(len(r) for r in everything)
-        truncated_all = sum(int(r.truncated.sum()) for r in everything)
+        truncated_all = self._sum_over_processes(sum(int(r.truncated.sum()) for r in everything))
+        negatives = rollouts.negatives
+        negative_count = self._sum_over_processes(len(negatives))
+        negative_tokens = self._sum_over_processes(float(negatives.lengths.sum()) if len(negatives) else 0.0)
         metrics: dict[str, float] = {f"reward/{name}": value.float().mean().item() for name, value in rewards.items()}
         metrics["reward/final_std_in_group"] = rewards["final"].std(dim=1, unbiased=False).mean().item()
         cfg = self.config
@@ -556,12 +564,10 @@ class GRPOTrainer:
                 "rollout/positive_length_mean": positives.lengths.mean().item(),
                 "rollout/positive_length_max": positives.lengths.max().item(),
                 "rollout/query_length_mean": rollouts.queries.lengths.mean().item(),
-                "rollout/negative_length_mean": rollouts.negatives.lengths.mean().item()
-                if len(rollouts.negatives)
-                else 0.0,
+                "rollout/negative_length_mean": negative_tokens / max(negative_count, 1.0),
                 "rollout/prompt_length_mean": positives.prompt_lengths.mean().item(),
                 "rollout/truncation_rate": positives.truncated.float().mean().item(),
-                "rollout/truncation_rate_all": truncated_all / max(rows, 1),
+                "rollout/truncation_rate_all": truncated_all / max(self._sum_over_processes(rows), 1.0),
                 "rollout/count": float(rows),
                 "loss": update["loss"],
                 "loss/policy": update["policy_loss"],
@@ -588,7 +594,9 @@ class GRPOTrainer:
         """Combine each process's metrics into the global batch's (a no-op on one process).
 
         Counts, losses (already divided by the global token count) and throughputs add up;
-        maxima and times take the slowest or largest; the rest are means over equal shares.
+        maxima and times take the slowest or largest; the rest are means, exact because every
+        process holds as many instances and positive rollouts (ratios over negatives, whose
+        numbers differ, are computed from global sums in :meth:`step_metrics`).
         """
         if self.accelerator.num_processes == 1:
             return metrics
@@ -603,8 +611,11 @@ class GRPOTrainer:
 
     def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """``tensor`` from every process, concatenated in process order (itself on one process)."""
-        if self.accelerator.num_processes == 1:
+        world = self.accelerator.num_processes
+        if world == 1:
             return tensor
+        if tensor.numel() == 0:  # (B, 0, …) negatives: NCCL's gather cannot reshape an empty result
+            return tensor.new_zeros((tensor.shape[0] * world, *tensor.shape[1:]))
         flag = tensor.dtype == torch.bool  # gloo has no bool all-gather
         gathered = self.accelerator.gather((tensor.to(torch.uint8) if flag else tensor).to(self.accelerator.device))
         return (gathered.bool() if flag else gathered).to(tensor.device)
@@ -819,19 +830,39 @@ def lr_schedule(config: GRPOConfig, total_steps: int):
     return factor
 
 
-def _check_sharding(accelerator) -> None:
-    """FSDP asked for (``accelerate launch`` with an FSDP config) but not what accelerate set up.
+def _processes_without_a_gpu() -> bool:
+    """Several processes (torchrun, ``accelerate launch --multi_gpu``) and no CUDA or XPU device:
+    accelerate must be told ``cpu=True`` to join them over gloo instead of running each alone."""
+    from accelerate.utils import is_xpu_available
 
-    accelerate 1.x promotes a run to FSDP only from a GPU-type process group; on CPU it runs
-    plain DDP over gloo, replicating the weights the user meant to shard.
+    several = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    return several and not torch.cuda.is_available() and not is_xpu_available()
+
+
+def _check_sharding(accelerator, config: GRPOConfig) -> None:
+    """Sharding that would not run what was asked for, refused before the model loads.
+
+    - FSDP asked for (``accelerate launch`` with an FSDP config) but not set up: accelerate 1.x
+      promotes a run to FSDP only from a GPU-type process group; on CPU it runs plain DDP over
+      gloo, replicating the weights the user meant to shard.
+    - FSDP with HF rollouts on several processes: every forward of a sharded model gathers its
+      weights from all processes, and each process decodes its own rows until they end, so the
+      processes would make different numbers of forwards and wait for each other forever.
     """
     from accelerate.utils import DistributedType
 
     wanted = os.environ.get("ACCELERATE_USE_FSDP", "").lower() in ("1", "true")
-    if wanted and accelerator.distributed_type != DistributedType.FSDP:
+    sharded = accelerator.distributed_type == DistributedType.FSDP
+    if wanted and not sharded:
         raise LaunchError(
             f"an FSDP launch, but accelerate set up {accelerator.distributed_type.value} (FSDP needs CUDA GPUs "
             "under accelerate); on CPU launch with --multi_gpu instead (DDP over gloo)"
+        )
+    if sharded and accelerator.num_processes > 1 and config.rollout_backend == "hf":
+        raise ConfigError(
+            "rollout_backend: hf cannot run under FSDP on several processes (each process decodes its own "
+            "rollouts, a different number of sharded forwards); use rollout_backend: vllm, or DDP",
+            key="rollout_backend",
         )
 
 
