@@ -109,6 +109,7 @@ def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> 
         example=shipped.get("example"),
         training_config=shipped.get("training"),
         scores=shipped.get("scores"),
+        budget_choice=shipped.get("budget_choice"),
     )
 
 

@@ -19,8 +19,12 @@ def render_model_card(
     example: dict[str, str] | None = None,
     training_config: dict[str, Any] | None = None,
     scores: dict[str, Any] | None = None,
+    budget_choice: str | None = None,
 ) -> str:
-    """Markdown with Hub metadata (library_name, pipeline_tag, tags, base_model) for a GRACE model."""
+    """Markdown with Hub metadata (library_name, pipeline_tag, tags, base_model) for a GRACE model.
+
+    ``budget_choice``: why the rationale budgets are what they are (the measured curve), if known.
+    """
     import jinja2
 
     encoder = model[0]
@@ -36,6 +40,7 @@ def render_model_card(
         example=example,
         training_config=training_config,
         scores=scores,
+        budget_choice=budget_choice,
     )
 
 

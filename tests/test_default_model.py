@@ -74,7 +74,10 @@ def test_shipped_adapter_is_in_the_package_and_small():
     assert {"adapter_config.json", "adapter_model.safetensors", dm.ADAPTER_SETTINGS} <= set(files)
     assert files["adapter_model.safetensors"] <= 20 * 1024 * 1024
     settings = json.loads((dm.ADAPTER_DIR / dm.ADAPTER_SETTINGS).read_text())
-    assert settings["encoder"]["max_rationale_tokens"] > 0 and settings["training"]["finetune"] == "lora"
+    assert settings["training"]["finetune"] == "lora"
+    # budgets by prompt type, chosen from the curve (docs/budget_curve.md) and said on the card
+    assert settings["encoder"]["max_rationale_tokens"] == {"query": 32, "document": 0, "default": 32}
+    assert "docs/budget_curve.md" in settings["budget_choice"]
 
 
 def test_build_trained_applies_an_adapter_and_its_settings(tmp_path):
@@ -113,7 +116,9 @@ def test_trained_default_is_base_plus_shipped_adapter(default_model):
     base[0].max_rationale_tokens = default_model[0].max_rationale_tokens
     texts = ["A man is playing a guitar."]
     assert not np.allclose(base.encode(texts), default_model.encode(texts), atol=1e-3), "the adapter changes embeddings"
-    assert "## " in (path / "README.md").read_text()
+    card = (path / "README.md").read_text()
+    assert "## Rationale budgets" in card and shipped["budget_choice"] in card
+    assert default_model[0].rationale_budget("document") == 0 and default_model[0].rationale_budget("query") == 32
 
 
 @pytest.mark.slow
