@@ -151,7 +151,8 @@ def hub_error(name: str, status: int | None = None):
     cls = getattr(errors, name)
     if status is None:
         return cls(f"{name} raised before any request")
-    response = httpx.Response(status, request=httpx.Request("POST", "https://huggingface.co/api/repos/create"))
+    # a response built here, never sent: the address is a reserved, unresolvable name
+    response = httpx.Response(status, request=httpx.Request("POST", "http://hub.invalid/api/repos/create"))
     return cls(f"{status} from the Hub", response=response)
 
 
