@@ -25,10 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dev_eval
@@ -48,42 +45,15 @@ def load_tasks(sts: int, queries: int, corpus: int) -> dict:
     }
 
 
-class Timed:
-    """encode / encode_query / encode_document, with the seconds and texts of each prompt type."""
-
-    def __init__(self, model, batch_size: int) -> None:
-        self.model, self.batch_size = model, batch_size
-        self.seconds: dict[str, float] = {}
-        self.texts: dict[str, int] = {}
-
-    def __call__(self, texts: list[str], kind: str = "default") -> np.ndarray:
-        encode = {"query": self.model.encode_query, "document": self.model.encode_document}.get(kind, self.model.encode)
-        start = time.perf_counter()
-        out = encode(texts, batch_size=self.batch_size, normalize_embeddings=True, show_progress_bar=True)
-        self.seconds[kind] = self.seconds.get(kind, 0.0) + time.perf_counter() - start
-        self.texts[kind] = self.texts.get(kind, 0) + len(texts)
-        return out
-
-    def summary(self) -> dict:
-        seconds, texts = sum(self.seconds.values()), sum(self.texts.values())
-        per_kind = {kind: self.seconds[kind] / self.texts[kind] for kind in self.seconds}
-        return {"seconds": seconds, "texts": texts, "texts_per_s": texts / seconds, "seconds_per_text": per_kind}
-
-
 def score(model, tasks: dict, names: tuple[str, ...], batch_size: int) -> tuple[dict, dict]:
-    encode = Timed(model, batch_size)
-    scores = {}
-    for name in names:
-        if name == "SciFact":
-            queries, corpus, qrels = tasks[name]
-            query_ids, doc_ids = list(queries), list(corpus)
-            q = encode([queries[i] for i in query_ids], "query")
-            d = encode([corpus[i] for i in doc_ids], "document")
-            scores[name] = dev_eval.ndcg_at_10(q @ d.T, doc_ids, [qrels[i] for i in query_ids])
-        else:
-            first, second, gold = tasks[name]
-            scores[name] = dev_eval.spearman(np.sum(encode(first) * encode(second), axis=1), gold)
-    return scores, encode.summary()
+    encode = dev_eval.Encoder(model, batch_size)
+    scores = {
+        name: dev_eval.scifact_score(encode, tasks[name]) if name == "SciFact" else dev_eval.sts_score(encode, tasks[name])
+        for name in names
+    }
+    per_kind = {kind: encode.seconds_by_kind[kind] / encode.texts_by_kind[kind] for kind in encode.texts_by_kind}
+    cost = {"seconds": encode.seconds, "texts": encode.texts, "texts_per_s": encode.texts / encode.seconds}
+    return scores, {**cost, "seconds_per_text": per_kind}
 
 
 def points(args) -> list[dict]:

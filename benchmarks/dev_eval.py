@@ -211,33 +211,52 @@ def load_tasks(sizes: dict) -> dict:
 
 
 class Encoder:
-    """model.encode / encode_query / encode_document, counting the texts and the seconds spent."""
+    """model.encode / encode_query / encode_document, counting the texts and the seconds spent,
+    in all and by kind ("default", "query", "document")."""
 
     def __init__(self, model, batch_size: int):
         self.model, self.batch_size = model, batch_size
-        self.texts, self.seconds = 0, 0.0
+        self.texts_by_kind: dict[str, int] = {}
+        self.seconds_by_kind: dict[str, float] = {}
+
+    @property
+    def texts(self) -> int:
+        return sum(self.texts_by_kind.values())
+
+    @property
+    def seconds(self) -> float:
+        return sum(self.seconds_by_kind.values())
 
     def __call__(self, texts: list[str], kind: str | None = None) -> np.ndarray:
+        kind = kind or "default"
         function = {"query": self.model.encode_query, "document": self.model.encode_document}.get(
             kind, self.model.encode
         )
         start = time.perf_counter()
         embeddings = function(texts, batch_size=self.batch_size, normalize_embeddings=True, show_progress_bar=True)
-        self.seconds += time.perf_counter() - start
-        self.texts += len(texts)
+        self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + time.perf_counter() - start
+        self.texts_by_kind[kind] = self.texts_by_kind.get(kind, 0) + len(texts)
         return embeddings
+
+
+def sts_score(encode: Encoder, task) -> float:
+    """Spearman of the pairs' cosine similarities against the gold scores."""
+    first, second, gold = task
+    return spearman(np.sum(encode(first) * encode(second), axis=1), gold)
+
+
+def scifact_score(encode: Encoder, task) -> float:
+    """nDCG@10 of the claims (encoded as queries) against the corpus (as documents)."""
+    queries, corpus, qrels = task
+    query_ids, doc_ids = list(queries), list(corpus)
+    similarity = encode([queries[q] for q in query_ids], "query") @ encode([corpus[d] for d in doc_ids], "document").T
+    return ndcg_at_10(similarity, doc_ids, [qrels[q] for q in query_ids])
 
 
 def evaluate(model, tasks: dict, batch_size: int) -> tuple[dict[str, float], Encoder]:
     encode = Encoder(model, batch_size)
-    scores = {}
-    for name in ("STS-B dev", "SICK-R trial"):
-        first, second, gold = tasks[name]
-        scores[name] = spearman(np.sum(encode(first) * encode(second), axis=1), gold)
-    queries, corpus, qrels = tasks["SciFact"]
-    query_ids, doc_ids = list(queries), list(corpus)
-    similarity = encode([queries[q] for q in query_ids], "query") @ encode([corpus[d] for d in doc_ids], "document").T
-    scores["SciFact"] = ndcg_at_10(similarity, doc_ids, [qrels[q] for q in query_ids])
+    scores = {name: sts_score(encode, tasks[name]) for name in ("STS-B dev", "SICK-R trial")}
+    scores["SciFact"] = scifact_score(encode, tasks["SciFact"])
     train_texts, train_labels, test_texts, test_labels = tasks["Banking77"]
     scores["Banking77"] = knn_accuracy(encode(train_texts), train_labels, encode(test_texts), test_labels)
     first, second, labels = tasks["MRPC val"]

@@ -32,8 +32,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DATA = ROOT.parent / "shared" / "data"
 RESULTS = Path(__file__).resolve().parent / "results"
 TOLERANCE = 1e-3  # max 1 - cosine accepted between the HF and vLLM embeddings of a text (float32)
 PART_TIMEOUT_S = 3600  # a stuck engine must not hold `make gpu-check` forever
@@ -82,21 +80,29 @@ def torch_problem() -> str | None:
 # -- data ------------------------------------------------------------------------------------------
 
 
+def _data() -> Path:
+    """../shared/data (or $GRACE_ST_DATA), as the dev scoreboard reads it; imported late: the
+    preflight needs the standard library only."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import dev_eval
+
+    return dev_eval.DATA
+
+
 def sentences(count: int) -> list[str]:
-    dev = DATA / "stsb" / "dev.tsv"
+    dev = _data() / "stsb" / "dev.tsv"
     if not dev.is_file():
         return [SENTENCES[i % len(SENTENCES)] for i in range(count)]
-    import csv
+    import dev_eval
 
-    with open(dev, encoding="utf-8", newline="") as handle:
-        rows = list(csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
-    texts = list(dict.fromkeys(text for row in rows for text in (row["sentence1"], row["sentence2"])))
-    return texts[:count]
+    first, second, _ = dev_eval.sts_pairs(dev, (count + 1) // 2)
+    return [text for pair in zip(first, second) for text in pair][:count]
 
 
 def train_data(workdir: Path) -> list[dict]:
-    if (DATA / "stsb" / "train.tsv").is_file():
-        return [{"type": "pairs", "path": str(DATA / "stsb" / "train.tsv"), "threshold": 4.0, "max_examples": 512}]
+    stsb = _data() / "stsb" / "train.tsv"
+    if stsb.is_file():
+        return [{"type": "pairs", "path": str(stsb), "threshold": 4.0, "max_examples": 512}]
     rows = []
     for i in range(0, len(SENTENCES), 2):
         negative = SENTENCES[(i + 2) % len(SENTENCES)]

@@ -33,29 +33,24 @@ def is_peft_model(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def _read_config(adapter_dir: str | os.PathLike) -> dict[str, Any]:
+def adapter_base(adapter_dir: str | os.PathLike) -> tuple[str, str | None]:
+    """The base model an adapter was trained on and its revision: ``base_model_name_or_path`` of
+    its config (a relative directory resolved against the adapter's own directory) and PEFT's
+    ``revision`` field (None: the base's default branch)."""
     config_path = Path(adapter_dir) / ADAPTER_CONFIG
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"{config_path}: not a readable adapter config ({error})") from error
-    if isinstance(config, dict):
-        return config
-    raise ValueError(f"{config_path}: not a readable adapter config (not a JSON object)")
-
-
-def adapter_base(adapter_dir: str | os.PathLike) -> str:
-    """The base model an adapter was trained on: ``base_model_name_or_path`` of its config, a
-    relative directory resolved against the adapter's own directory."""
-    config_path = Path(adapter_dir) / ADAPTER_CONFIG
-    config = _read_config(adapter_dir)
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path}: not a readable adapter config (not a JSON object)")
     base = config.get("base_model_name_or_path")
     if not base:
         raise ValueError(f"{config_path}: names no base model (base_model_name_or_path is empty)")
     relative = Path(adapter_dir) / base
     if not Path(base).is_absolute() and relative.is_dir():
-        return str(relative.resolve())
-    return base
+        base = str(relative.resolve())
+    return base, config.get("revision")
 
 
 def read_adapter_weights(adapter_dir: str | os.PathLike) -> dict[str, Any]:
@@ -111,11 +106,9 @@ def load_base_and_adapter(adapter_dir: str | os.PathLike, *, merge: bool = True,
     from transformers import AutoModelForCausalLM
 
     weights = read_adapter_weights(adapter_dir)
-    base_path = adapter_base(adapter_dir)
-    # The revision asked of the adapter's repository is not the base's: the base's is PEFT's own
-    # ``revision`` field (None: the base's default branch).
+    # The revision asked of the adapter's repository is not the base's: the base has its own.
+    base_path, base_revision = adapter_base(adapter_dir)
     kwargs = {k: v for k, v in (model_kwargs or {}).items() if k not in ("subfolder", "revision")}
-    base_revision = _read_config(adapter_dir).get("revision")
     offline = kwargs.get("local_files_only") or is_offline()
     if offline and not os.path.isdir(base_path) and is_repo_id(base_path):
         # a Hub id with downloads off: a base missing from the cache is named, not a bare OSError

@@ -156,6 +156,16 @@ def _prefill(model, captured: dict, hidden_layer: int, input_ids: Tensor, attent
     return states.masked_fill(attention_mask[..., None] == 0, 0.0), last_logits, cache_mask
 
 
+def per_row(value: float | Sequence[float], rows: int, name: str = "temperatures") -> list[float]:
+    """One value for every row, or one a row (checked: as many as rows, each >= 0)."""
+    values = [float(value)] * rows if isinstance(value, (int, float)) else [float(v) for v in value]
+    if len(values) != rows:
+        raise ValueError(f"{len(values)} {name} for {rows} prompts")
+    if any(not v >= 0 for v in values):
+        raise ValueError(f"{name} must be >= 0, got {values}")
+    return values
+
+
 def _sample(logits: Tensor, temperature: Tensor, top_p: float, generators: list[torch.Generator] | None) -> Tensor:
     """One token a row: sampled at the row's ``temperature`` (rows,), greedy where it is 0."""
     greedy = temperature <= 0
@@ -263,10 +273,7 @@ def generate_rollouts(
     generators = None
     if do_sample and seeds is not None:
         generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
-    temperatures = torch.as_tensor(temperature, dtype=torch.float32, device=device)
-    if temperatures.dim() and temperatures.shape != (batch,):
-        raise ValueError(f"{temperatures.numel()} temperatures for {batch} prompts")
-    temperatures = temperatures.expand(batch)
+    temperatures = torch.tensor(per_row(temperature, batch), dtype=torch.float32, device=device)
 
     shared = shared_prefix_length(input_ids, attention_mask, instruction_lengths) if share_prefix else 0
     # G = 0 needs a KV cache only to hold a shared prefix for the rest of the prompt to attend to

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .generation import pooled_embeddings
+from .generation import per_row, pooled_embeddings
 
 __all__ = ["INSTALL_HINT", "GeneratedRationales", "VLLMRationaleGenerator", "pooled_embeddings"]
 
@@ -112,7 +112,7 @@ class VLLMRationaleGenerator:
         prompts = [[int(token) for token in row] for row in prompts]
         if seeds is not None and len(seeds) != len(prompts):
             raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
-        temperatures = _per_row(temperature, len(prompts), "temperatures") if do_sample else [0.0] * len(prompts)
+        temperatures = per_row(temperature, len(prompts)) if do_sample else [0.0] * len(prompts)
         if not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0, got {max_new_tokens!r}")
         stop = sorted({int(token) for token in eos_token_ids})
@@ -175,11 +175,3 @@ class VLLMRationaleGenerator:
                 raise RuntimeError(f"vLLM ended prompt {index} with finish_reason={reason!r}")
         return result
 
-
-def _per_row(value: float | Sequence[float], rows: int, name: str) -> list[float]:
-    values = [float(value)] * rows if isinstance(value, (int, float)) else [float(v) for v in value]
-    if len(values) != rows:
-        raise ValueError(f"{len(values)} {name} for {rows} prompts")
-    if any(not v >= 0 for v in values):
-        raise ValueError(f"{name} must be >= 0, got {values}")
-    return values

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grace_st.generation import generate_rollouts, left_pad, pooled_embeddings
+from grace_st.generation import generate_rollouts, left_pad, per_row, pooled_embeddings
 from grace_st.pooling import masked_mean
 
 from .data import Triplet
@@ -116,7 +116,7 @@ def hf_generate(
     similar prompt length (less padding); each row has its own generator, so chunking does not
     change what is sampled.
     """
-    temperatures = [float(temperature)] * len(prompt_ids) if isinstance(temperature, (int, float)) else temperature
+    temperatures = per_row(temperature, len(prompt_ids))
     model = encoder.model
     device = next(model.parameters()).device
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))

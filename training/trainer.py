@@ -317,9 +317,7 @@ class GRPOTrainer:
         query, positives, negatives, mask, truncated = rollouts.grouped(cfg.num_negatives)
         all_queries, all_positives, own = query, positives, None
         if self.accelerator.num_processes > 1:
-            device = self.accelerator.device
-            all_queries = self.accelerator.gather(query.to(device)).cpu()
-            all_positives = self.accelerator.gather(positives.to(device)).cpu()
+            all_queries, all_positives = self._gather(query), self._gather(positives)
             own = torch.arange(len(query)) + self.accelerator.process_index * self.local_batch_size
         return compute_rewards(
             query,
@@ -378,9 +376,10 @@ class GRPOTrainer:
         # T of Eq. 11 counts the tokens of the global batch; DDP and FSDP average gradients over
         # processes, so each process's loss is scaled by their number to make that average the
         # gradient of one process holding the whole batch.
-        num_tokens = self._sum_over_processes(float(sum(b["completion_mask"].sum() for b in batches)))
+        (num_tokens,) = self._sum_over_processes(float(sum(b["completion_mask"].sum() for b in batches)))
         world = accelerator.num_processes
         rows_everywhere = len(positives) * world
+        candidates = self.hybrid_candidates(rollouts) if hybrid else None  # gathered once, every chunk's
         advantages = advantages.to(device)
         temperature = positives.temperature
 
@@ -422,7 +421,7 @@ class GRPOTrainer:
                     policy_loss = loss.detach()
                     contrastive = torch.zeros((), device=device)
                     if hybrid:
-                        contrastive = self.hybrid_contrastive_loss(rollouts, chunk, pooled) / rows_everywhere
+                        contrastive = self.hybrid_contrastive_loss(candidates, rollouts, chunk, pooled) / rows_everywhere
                         loss = loss + cfg.contrastive_beta * contrastive
                     accelerator.backward(loss * world)
                 share = batch["completion_mask"].sum().item() / max(num_tokens, 1.0)
@@ -451,27 +450,35 @@ class GRPOTrainer:
             "weight_sync_s": weight_sync_s,
         }
 
-    def hybrid_contrastive_loss(self, rollouts: TripletRollouts, chunk: list[int], pooled: torch.Tensor) -> torch.Tensor:
+    def hybrid_candidates(self, rollouts: TripletRollouts) -> tuple[torch.Tensor, ...]:
+        """The rollout embeddings the hybrid term scores against: (queries (B, H), positives
+        (B, K, H), negatives (B, M, H), negative mask (B, M)) of the global batch, on the device.
+        Several processes: gathered, in process order."""
+        grouped = rollouts.grouped(self.config.num_negatives)[:4]
+        return tuple(self._gather(t).to(self.accelerator.device) for t in grouped)
+
+    def hybrid_contrastive_loss(
+        self, candidates: tuple[torch.Tensor, ...], rollouts: TripletRollouts, chunk: list[int], pooled: torch.Tensor
+    ) -> torch.Tensor:
         """The hybrid term for one chunk of positive rows (summed; the caller divides by B·K).
 
         ``pooled`` are the chunk's positives pooled with gradient; every other embedding is the
-        rollout's (Eq. 3 under no_grad, the same value before the optimiser step), except the
-        queries and negatives under ``contrastive_anchors: recompute``, pooled here with gradient.
+        rollout's from ``candidates`` (:meth:`hybrid_candidates`: Eq. 3 under no_grad, the same
+        value before the optimiser step), except this process's queries and negatives under
+        ``contrastive_anchors: recompute``, pooled here with gradient.
         """
         cfg = self.config
-        query, positives, negatives, mask, _ = rollouts.grouped(cfg.num_negatives)
+        query, positives, negatives, mask = candidates
         device = pooled.device
-        local, k = positives.shape[:2]
-        # Several processes: the candidates are the global batch's; this process's rows sit at
-        # its offset and carry gradient, the others' act as another chunk's would (no gradient).
+        local, k = len(rollouts.queries), rollouts.num_rollouts
+        # Several processes: this process's rows sit at its offset and carry gradient; the
+        # others' act as another chunk's would (no gradient).
         offset = self.accelerator.process_index * local
-        query, positives, negatives, mask = (self._gather(t) for t in (query, positives, negatives, mask))
         batch = positives.shape[0]
         index = torch.tensor([offset * k + row for row in chunk], device=device)
-        flat = positives.reshape(batch * k, -1).to(device=device, dtype=pooled.dtype).index_copy(0, index, pooled)
+        flat = positives.reshape(batch * k, -1).to(dtype=pooled.dtype).index_copy(0, index, pooled)
         selected = torch.zeros(batch * k, dtype=torch.bool, device=device)
         selected[index] = True
-        query, negatives = query.to(device), negatives.to(device)
         if cfg.contrastive_anchors == "recompute":
             # One forward for queries and negatives: every process runs the same number of passes
             # (each DDP or FSDP forward is a collective), whether or not its instances have negatives.
@@ -491,7 +498,7 @@ class GRPOTrainer:
             query,
             flat.reshape(batch, k, -1),
             negatives,
-            mask.to(device),
+            mask,
             temperature=cfg.contrastive_temperature,
             rows=selected.reshape(batch, k),
         )
@@ -538,10 +545,13 @@ class GRPOTrainer:
         )
         # processes can hold different numbers of negatives: these ratios are of global sums
         rows = sum(len(r) for r in everything)
-        truncated_all = self._sum_over_processes(sum(int(r.truncated.sum()) for r in everything))
         negatives = rollouts.negatives
-        negative_count = self._sum_over_processes(len(negatives))
-        negative_tokens = self._sum_over_processes(float(negatives.lengths.sum()) if len(negatives) else 0.0)
+        rows_all, truncated_all, negative_count, negative_tokens = self._sum_over_processes(
+            rows,
+            sum(int(r.truncated.sum()) for r in everything),
+            len(negatives),
+            float(negatives.lengths.sum()) if len(negatives) else 0.0,
+        )
         metrics: dict[str, float] = {f"reward/{name}": value.float().mean().item() for name, value in rewards.items()}
         metrics["reward/final_std_in_group"] = rewards["final"].std(dim=1, unbiased=False).mean().item()
         cfg = self.config
@@ -567,7 +577,7 @@ class GRPOTrainer:
                 "rollout/negative_length_mean": negative_tokens / max(negative_count, 1.0),
                 "rollout/prompt_length_mean": positives.prompt_lengths.mean().item(),
                 "rollout/truncation_rate": positives.truncated.float().mean().item(),
-                "rollout/truncation_rate_all": truncated_all / max(self._sum_over_processes(rows), 1.0),
+                "rollout/truncation_rate_all": truncated_all / max(rows_all, 1.0),
                 "rollout/count": float(rows),
                 "loss": update["loss"],
                 "loss/policy": update["policy_loss"],
@@ -602,7 +612,7 @@ class GRPOTrainer:
             return metrics
         keys = list(metrics)
         values = torch.tensor([metrics[k] for k in keys], dtype=torch.float64, device=self.accelerator.device)
-        everywhere = self.accelerator.gather(values[None]).cpu()  # (processes, keys)
+        everywhere = self._gather(values[None]).cpu()  # (processes, keys)
         combined = {}
         for column, key in enumerate(keys):
             how = _REDUCTIONS.get(key) or ("max" if key.startswith("time/") else "mean")
@@ -620,8 +630,10 @@ class GRPOTrainer:
         gathered = self.accelerator.gather((tensor.to(torch.uint8) if flag else tensor).to(self.accelerator.device))
         return (gathered.bool() if flag else gathered).to(tensor.device)
 
-    def _sum_over_processes(self, value: float) -> float:
-        return float(self._gather(torch.tensor([value], dtype=torch.float64)).sum())
+    def _sum_over_processes(self, *values: float) -> list[float]:
+        """Each value summed over processes (one gather for all of them)."""
+        local = torch.tensor([values], dtype=torch.float64)
+        return self._gather(local).sum(0).tolist()
 
     def evaluate(self) -> dict[str, float]:
         """Greedy ``encode`` scores on the eval sources (see evaluation.py)."""
