@@ -11,8 +11,8 @@ sentence is a training instance):
                                  documents: every abstract they cite plus fixed random distractors.
                                  Held back = exactly the claims training leaves out: training reads
                                  `{type: beir, path: scifact, split: train, query_fraction: [0.0, 0.9]}`
-                                 and grace_training.data._fraction (a hash of the claim id) decides,
-                                 so here the claims are those with _fraction(id) >= 0.9, all of them.
+                                 and grace_st.data.id_fraction (a hash of the claim id) decides,
+                                 so here the claims are those with id_fraction(id) >= 0.9, all of them.
                                  The claims are unseen, but most abstracts they cite are also cited
                                  by training claims, and the corpus is training's negative pool
   Banking77                      kNN accuracy (k=5, cosine) of 500 test texts against 1000 train
@@ -42,18 +42,18 @@ sets that row's rationale length (@0: no rationale), otherwise --rationale-token
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 import os
 import random
 import sys
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
-from grace_training.data import _fraction  # the trainer's own held-out split of BEIR queries
+
+from grace_st.data import id_fraction, read_beir, read_labelled_pairs, read_labelled_texts, read_scored_pairs
 
 # GRACE_ST_DATA points elsewhere (e.g. a copy carried to a GPU machine)
 DATA = Path(os.environ.get("GRACE_ST_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
@@ -71,40 +71,31 @@ def _sample(items: list, count: int, salt: str) -> list:
 
 
 def sts_pairs(path: Path, count: int) -> tuple[list[str], list[str], np.ndarray]:
-    with open(path, encoding="utf-8", newline="") as handle:
-        rows = list(csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
-    rows = _sample(rows, count, path.name)
-    return [r["sentence1"] for r in rows], [r["sentence2"] for r in rows], np.array([float(r["score"]) for r in rows])
+    pairs = _sample(read_scored_pairs(path), count, path.name)
+    return [p.sentence1 for p in pairs], [p.sentence2 for p in pairs], np.array([p.score for p in pairs])
 
 
 def mrpc_pairs(path: Path, count: int) -> tuple[list[str], list[str], np.ndarray]:
-    with open(path, encoding="utf-8", newline="") as handle:
-        rows = list(csv.DictReader(handle, delimiter="\t", quoting=csv.QUOTE_NONE))
-    rows = _sample(rows, count, path.name)
-    return [r["#1 String"] for r in rows], [r["#2 String"] for r in rows], np.array([int(r["Quality"]) for r in rows])
+    pairs = _sample(read_labelled_pairs(path), count, path.name)
+    return [p.sentence1 for p in pairs], [p.sentence2 for p in pairs], np.array([p.label for p in pairs])
 
 
 def held_back_claims(ids) -> list[str]:
-    """The claim ids training never sees: _fraction(id) >= 0.9, the complement of its [0.0, 0.9)."""
-    return sorted(q for q in ids if _fraction(q) >= HELD_BACK)
+    """The claim ids training never sees: id_fraction(id) >= 0.9, the complement of its [0.0, 0.9)."""
+    return sorted(q for q in ids if id_fraction(q) >= HELD_BACK)
 
 
 def scifact(root: Path, queries: int, corpus: int) -> tuple[dict, dict, dict[str, set[str]]]:
     """Held-back claims (all of them, or a fixed sample of ``queries`` when > 0) and a corpus of
     every abstract they cite plus fixed random distractors, ``corpus`` documents at least."""
-    with open(root / "queries.jsonl", encoding="utf-8") as handle:
-        claims = {item["_id"]: item["text"] for item in map(json.loads, handle)}
-    qrels: dict[str, set[str]] = defaultdict(set)
-    with open(root / "qrels" / "train.tsv", encoding="utf-8") as handle:
-        for row in csv.DictReader(handle, delimiter="\t"):
-            if float(row["score"]) > 0:
-                qrels[row["query-id"]].add(row["corpus-id"])
-    with open(root / "corpus.jsonl", encoding="utf-8") as handle:
-        documents = {item["_id"]: f"{item['title']}. {item['text']}".strip() for item in map(json.loads, handle)}
-    held_back = held_back_claims(q for q in qrels if q in claims)
+    folder = read_beir(root, "train")
+    claims = {q: record.text for q, record in folder.queries.items()}
+    qrels = {q: {d for d, score in scores.items() if score > 0} for q, scores in folder.qrels.items()}
+    documents = {d: f"{record.title}. {record.text}".strip() for d, record in folder.corpus.items()}
+    held_back = held_back_claims(q for q in qrels if qrels[q])
     if queries > 0:
         held_back = sorted(_sample(held_back, queries, "scifact-queries"))
-    relevant = sorted({d for q in held_back for d in qrels[q] if d in documents})
+    relevant = sorted({d for q in held_back for d in qrels[q]})
     others = _sample(sorted(set(documents) - set(relevant)), max(0, corpus - len(relevant)), "scifact-corpus")
     return (
         {q: claims[q] for q in held_back},
@@ -114,14 +105,12 @@ def scifact(root: Path, queries: int, corpus: int) -> tuple[dict, dict, dict[str
 
 
 def banking77(path: Path, train: int, test: int) -> tuple[list[str], list[str], list[str], list[str]]:
-    with open(path, encoding="utf-8", newline="") as handle:
-        rows = [(r["text"], r["category"]) for r in csv.DictReader(handle)]
-    rows = _sample(rows, train + test, "banking77")
+    rows = _sample(read_labelled_texts(path), train + test, "banking77")
     return (
-        [t for t, _ in rows[:train]],
-        [c for _, c in rows[:train]],
-        [t for t, _ in rows[train:]],
-        [c for _, c in rows[train:]],
+        [r.text for r in rows[:train]],
+        [r.label for r in rows[:train]],
+        [r.text for r in rows[train:]],
+        [r.label for r in rows[train:]],
     )
 
 
@@ -175,7 +164,10 @@ def perplexity(model, texts: list[str], batch_size: int) -> float | None:
             # padded with the encoder's pad id (EOS when the tokenizer has none: GGUF tokenizers may not)
             rows = encoder.tokenizer(texts[start : start + batch_size])["input_ids"]
             input_ids, attention_mask = left_pad(rows, encoder.pad_token_id)
-            batch = {"input_ids": input_ids.to(encoder.model.device), "attention_mask": attention_mask.to(encoder.model.device)}
+            batch = {
+                "input_ids": input_ids.to(encoder.model.device),
+                "attention_mask": attention_mask.to(encoder.model.device),
+            }
             positions = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
             logits = encoder.model(**batch, position_ids=positions).logits[:, :-1].float()
             targets = batch["input_ids"][:, 1:]
@@ -347,8 +339,12 @@ def main() -> None:
     )
     parser.add_argument("--label", action="append", default=[], help="row name for each --model")
     parser.add_argument("--no-defaults", action="store_true", help="skip the two default-model rows")
-    parser.add_argument("--max-input-tokens", type=int, default=512,
-                        help="prompt limit of every GRACE row (training checkpoints save their training limit); 0 keeps each model's")
+    parser.add_argument(
+        "--max-input-tokens",
+        type=int,
+        default=512,
+        help="prompt limit of every GRACE row (training checkpoints save their training limit); 0 keeps each model's",
+    )
     parser.add_argument("--no-peer", action="store_true", help="skip the all-MiniLM-L6-v2 row")
     parser.add_argument(
         "--rationale-tokens", type=int, default=64, help="rationale length of GRACE rows without @TOKENS"
@@ -387,7 +383,7 @@ def main() -> None:
     tasks = load_tasks(sizes)
     queries, corpus, _ = tasks["SciFact"]
     print(
-        f"SciFact: {len(queries)} held-back claims (_fraction >= {HELD_BACK}), corpus of {len(corpus)} documents",
+        f"SciFact: {len(queries)} held-back claims (id_fraction >= {HELD_BACK}), corpus of {len(corpus)} documents",
         flush=True,
     )
     example_texts = tasks["STS-B dev"][0][: args.examples]
@@ -413,7 +409,7 @@ def main() -> None:
         "scifact": {
             "held_back_claims": len(queries),
             "corpus": len(corpus),
-            "rule": f"_fraction(query id) >= {HELD_BACK}",
+            "rule": f"id_fraction(query id) >= {HELD_BACK}",
         },
         "device": args.device,
         "rows": [],

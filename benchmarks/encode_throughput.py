@@ -121,8 +121,7 @@ class PeakRSS:
 
 
 def prompt_tokens(encoder, texts: list[str]) -> list[list[int]]:
-    features = encoder.preprocess(texts)
-    return [row[mask.bool()].tolist() for row, mask in zip(features["input_ids"], features["attention_mask"])]
+    return encoder.prompt_token_ids(texts)[0]
 
 
 def time_one_pass(model, texts, batch_size):

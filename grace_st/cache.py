@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from .settings import RATIONALE_SETTINGS
+
 logger = logging.getLogger(__name__)
 
 FORMAT_NAME = "grace-st-rationale-cache"
@@ -38,18 +40,8 @@ FORMAT_VERSION = 1
 # Bumped whenever entry_key's encoding changes, so old keys can never alias new ones.
 KEY_VERSION = 1
 
-# The settings that decide a rationale and its embedding; entry_key refuses a dict without them.
-REQUIRED_SETTINGS = (
-    "max_rationale_tokens",
-    "max_input_tokens",
-    "do_sample",
-    "temperature",
-    "top_p",
-    "seed",
-    "num_rationales",
-    "hidden_layer",
-    "eos_token_ids",
-)
+# entry_key refuses a settings dict without every one of these: each decides the result.
+REQUIRED_SETTINGS = (*RATIONALE_SETTINGS, "eos_token_ids")
 
 # Config entries that do not change a forward pass: where the model was loaded from, library
 # bookkeeping, output switches, and the dtype (each tensor's own dtype is hashed). Leaving a

@@ -117,19 +117,7 @@ class GenerativeEncoder(InputModule):
     """
 
     config_file_name = "grace_config.json"
-    config_keys = [
-        "instructions",
-        "max_rationale_tokens",
-        "max_input_tokens",
-        "do_sample",
-        "temperature",
-        "top_p",
-        "seed",
-        "num_rationales",
-        "hidden_layer",
-        "weights_revision",
-        "merge_adapter",
-    ]
+    config_keys = list(RULES)  # every checked setting is saved, and nothing else
     forward_kwargs = {"task"}
     save_in_root = True
     # Prompt names the calling libraries use, and the prompt type each one means:
@@ -423,25 +411,9 @@ class GenerativeEncoder(InputModule):
         """
         self.check_settings()
         texts = list(inputs)
-        for index, text in enumerate(texts):
-            problem = text_problem(text)
-            if problem is not None:
-                # ValueError, not TypeError: sentence-transformers 6 answers a TypeError from
-                # preprocess by retrying with the prompt glued to each text, and that retry's
-                # own error (str + list) would replace this one.
-                raise ValueError(
-                    f"GenerativeEncoder takes strings; item {index} of this batch (sorted by length) {problem}"
-                )
+        rows, instruction_span = self.prompt_token_ids(texts, task=task, prompt=prompt)
         kind = self.prompt_type(task, prompt)
         instruction = self.instruction_for(task, prompt)
-        template = self.prompt_template(instruction)
-        text_budget = self.max_input_tokens - len(template.prefix_ids) - len(template.suffix_ids)
-        if text_budget < 0:
-            raise ValueError(
-                f"The instruction and chat template take {len(template.prefix_ids) + len(template.suffix_ids)} "
-                f"tokens, more than max_input_tokens={self.max_input_tokens}"
-            )
-        rows = [template.build(ids[:text_budget]) for ids in tokenize_texts(self.tokenizer, texts)]
         cache_keys = None
         settings = self.generation_settings(kind)
         if self._cache_path is not None and is_deterministic(settings):
@@ -456,7 +428,7 @@ class GenerativeEncoder(InputModule):
         features = {
             "input_ids": input_ids,
             "attention_mask": attention_mask,
-            "instruction_lengths": torch.full((len(rows),), template.instruction_span, dtype=torch.long),
+            "instruction_lengths": torch.full((len(rows),), instruction_span, dtype=torch.long),
             "rationale_budget": settings["max_rationale_tokens"],
             "num_rationales": repeats,
         }
@@ -468,6 +440,33 @@ class GenerativeEncoder(InputModule):
         if cache_keys is not None:
             features["cache_keys"] = cache_keys
         return features
+
+    def prompt_token_ids(
+        self, texts: Sequence[str], task: str | None = None, prompt: str | None = None
+    ) -> tuple[list[list[int]], int]:
+        """P(x) for each text, unpadded: the chat template around the call's instruction and the
+        text, cut to fit ``max_input_tokens``; and L_sys, the instruction span every row shares
+        (Eq. 3 pools after it). What :meth:`preprocess` pads for ``encode``, and the prompts GRPO
+        rollouts start from.
+        """
+        for index, text in enumerate(texts):
+            problem = text_problem(text)
+            if problem is not None:
+                # ValueError, not TypeError: sentence-transformers 6 answers a TypeError from
+                # preprocess by retrying with the prompt glued to each text, and that retry's
+                # own error (str + list) would replace this one.
+                raise ValueError(
+                    f"GenerativeEncoder takes strings; item {index} of this batch (sorted by length) {problem}"
+                )
+        template = self.prompt_template(self.instruction_for(task, prompt))
+        text_budget = self.max_input_tokens - len(template.prefix_ids) - len(template.suffix_ids)
+        if text_budget < 0:
+            raise ValueError(
+                f"The instruction and chat template take {len(template.prefix_ids) + len(template.suffix_ids)} "
+                f"tokens, more than max_input_tokens={self.max_input_tokens}"
+            )
+        rows = [template.build(ids[:text_budget]) for ids in tokenize_texts(self.tokenizer, list(texts))]
+        return rows, template.instruction_span
 
     def tokenize(self, texts: list[str], **kwargs):
         """sentence-transformers 5.x entry point (6.x calls :meth:`preprocess`)."""
@@ -509,14 +508,12 @@ class GenerativeEncoder(InputModule):
             self.model, prompts, features["instruction_lengths"], rationales, self.pad_token_id, self.hidden_layer
         )
         grouped = [rationales[i : i + repeats] for i in range(0, len(rationales), repeats)]
-        device = features["input_ids"].device
-        return {
-            "input_ids": features["input_ids"][::repeats],
-            "sentence_embedding": pooled.view(len(grouped), repeats, -1).mean(1),
-            "rationale_token_ids": _pad_rationales(grouped, repeats).to(device),
-            "rationale_truncated": torch.tensor(truncated, device=device).view(len(grouped), repeats),
-            "rationale_budget": torch.full((len(grouped),), budget, dtype=torch.long, device=device),
-        }
+        return self._output(
+            features,
+            pooled.view(len(grouped), repeats, -1).mean(1),
+            _pad_rationales(grouped, repeats),
+            torch.tensor(truncated).view(len(grouped), repeats),
+        )
 
     def rollout(self, features: dict[str, Tensor]) -> Rollouts:
         """Rationales and their hidden states for preprocessed prompts, in one pass (Eqs. 1–2)."""
@@ -560,29 +557,49 @@ class GenerativeEncoder(InputModule):
             cache.put_many(fresh)
             found.update(fresh)
         entries = [found[key] for key in keys]
-        device = features["input_ids"].device
-        return {
-            "input_ids": features["input_ids"][::repeats],
-            "sentence_embedding": torch.from_numpy(np.stack([entry.embedding for entry in entries])).to(device),
-            "rationale_token_ids": _pad_rationales([entry.rationale_ids for entry in entries], repeats).to(device),
-            "rationale_truncated": torch.tensor([entry.truncated for entry in entries], device=device),
-            "rationale_budget": torch.full((len(entries),), budget, dtype=torch.long, device=device),
-        }
+        return self._output(
+            features,
+            torch.from_numpy(np.stack([entry.embedding for entry in entries])),
+            _pad_rationales([entry.rationale_ids for entry in entries], repeats),
+            torch.tensor([entry.truncated for entry in entries]),
+        )
 
     def pool(self, features: dict[str, Tensor], rollouts) -> dict[str, Tensor]:
         """Eq. 3 on each rollout, then the mean over a text's ``num_rationales`` rollouts."""
-        budget, repeats = self._plan(features)
+        repeats = self._plan(features)[1]
         pooled = masked_mean(rollouts.token_embeddings, rollouts.pooling_mask)
         batch = pooled.shape[0] // repeats
         first = slice(None, None, repeats)
+        return self._output(
+            features,
+            pooled.view(batch, repeats, -1).mean(1),
+            rollouts.rationale_ids.view(batch, repeats, -1),
+            rollouts.truncated.view(batch, repeats),
+            attention_mask=rollouts.attention_mask[first],
+            token_embeddings=rollouts.token_embeddings[first],
+        )
+
+    def _output(
+        self,
+        features: dict[str, Tensor],
+        embeddings: Tensor,
+        rationale_token_ids: Tensor,
+        truncated: Tensor,
+        **states: Tensor,
+    ) -> dict[str, Tensor]:
+        """What :meth:`forward` returns, however the rationales came (one-pass rollout, vLLM, the
+        rationale cache): per text, its embedding (B, H), rationales (B, num_rationales, G),
+        truncation flags and budget; ``states`` adds the first rollout's token states."""
+        budget, repeats = self._plan(features)
+        device = features["input_ids"].device
+        batch = embeddings.shape[0]
         return {
-            "input_ids": features["input_ids"][first],
-            "attention_mask": rollouts.attention_mask[first],
-            "token_embeddings": rollouts.token_embeddings[first],
-            "sentence_embedding": pooled.view(batch, repeats, -1).mean(1),
-            "rationale_token_ids": rollouts.rationale_ids.view(batch, repeats, -1),
-            "rationale_truncated": rollouts.truncated.view(batch, repeats),
-            "rationale_budget": torch.full((batch,), budget, dtype=torch.long, device=pooled.device),
+            "input_ids": features["input_ids"][::repeats],
+            **states,
+            "sentence_embedding": embeddings.to(device),
+            "rationale_token_ids": rationale_token_ids.to(device),
+            "rationale_truncated": truncated.to(device),
+            "rationale_budget": torch.full((batch,), budget, dtype=torch.long, device=device),
         }
 
     def decode_rationales(self, rationale_token_ids: Tensor) -> list[str]:

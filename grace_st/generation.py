@@ -33,14 +33,12 @@ class Rollouts:
     rationale token ``k`` of every row.
     """
 
-    sequences: Tensor  # (B, N + G) prompt ⊕ rationale token ids; padding is pad_token_id
     attention_mask: Tensor  # (B, N + G) 1 on real tokens, EOS excluded
     pooling_mask: Tensor  # (B, N + G) 1 where Eq. 3 pools: t > L_sys, before EOS, not padding
     token_embeddings: Tensor  # (B, N + G, H) hidden states of the chosen layer
     rationale_ids: Tensor  # (B, G) rationale token ids, -1 after the rationale ends
     truncated: Tensor  # (B,) hit the length limit without EOS (Eq. 28's length penalty)
     stop_ids: Tensor  # (B,) the EOS token that ended each rationale, -1 where none did
-    prompt_length: int  # N, the padded prompt width
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
@@ -333,17 +331,14 @@ def generate_rollouts(
 
     rationale_ids = torch.stack(tokens, 1) if tokens else torch.empty((batch, 0), dtype=torch.long, device=device)
     rationale_mask = rationale_ids >= 0
-    sequences = torch.cat([input_ids, rationale_ids.clamp(min=0).masked_fill(~rationale_mask, pad_token_id)], 1)
     full_attention = torch.cat([attention_mask, rationale_mask.long()], 1)
     return Rollouts(
-        sequences=sequences,
         attention_mask=full_attention,
         pooling_mask=torch.cat(pooled, 1),
         token_embeddings=torch.cat(all_states, 1),
         rationale_ids=rationale_ids,
         truncated=~finished if max_new_tokens > 0 else torch.zeros_like(finished),
         stop_ids=stop_ids,
-        prompt_length=input_ids.shape[1],
     )
 
 

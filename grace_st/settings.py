@@ -72,6 +72,20 @@ RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
 }
 
 
+# The settings that decide a rationale and the embedding pooled over it (instructions enter
+# through the prompt's token ids): the rationale cache keys its entries by these.
+RATIONALE_SETTINGS = (
+    "max_rationale_tokens",
+    "max_input_tokens",
+    "do_sample",
+    "temperature",
+    "top_p",
+    "seed",
+    "num_rationales",
+    "hidden_layer",
+)
+
+
 def _where(source: str | None) -> str:
     return f"{source}: " if source else ""
 

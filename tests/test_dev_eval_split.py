@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 
 import pytest
-from grace_training.data import _fraction, load_beir
+from grace_training.data import load_beir
+
+from grace_st.data import id_fraction
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +54,7 @@ def test_scifact_claims_are_the_complement_of_training(dev_eval, beir):
     assert held_back, "the fixture should hold some claims back"
     assert not held_back & trained
     assert held_back | trained == {f"claim number {q}" for q in range(60)}
-    assert set(queries) == {str(q) for q in range(60) if _fraction(str(q)) >= 0.9}
+    assert set(queries) == {str(q) for q in range(60) if id_fraction(str(q)) >= 0.9}
     # every cited abstract is in the corpus, padded with distractors to the requested size
     assert {d for q in queries for d in qrels[q]} <= set(corpus)
     assert len(corpus) == 80

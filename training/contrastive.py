@@ -27,6 +27,7 @@ from grace_st.pooling import masked_mean
 from .config import GRPOConfig
 from .data import Triplet, load_data
 from .grpo import position_ids_from_mask
+from .policy import card_base_model, load_grace_model
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,6 @@ def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] |
     except ImportError:  # sentence-transformers 5.x
         from sentence_transformers.losses import MultipleNegativesRankingLoss
         from sentence_transformers.models import Normalize
-
-    from .trainer import _hub_id_or_none, load_grace_model
 
     if model is None:
         model = load_grace_model(config, "cuda" if torch.cuda.is_available() else "cpu")
@@ -140,7 +139,7 @@ def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] |
         model,
         staging,
         model_id=config.hub_model_id or f"{output.name}-infonce",
-        base_model=config.base_model or _hub_id_or_none(config.model_name_or_path),
+        base_model=card_base_model(config),
         training_config={
             "objective": "InfoNCE (MultipleNegativesRankingLoss), prompt pooling",
             "learning_rate": config.infonce_learning_rate,

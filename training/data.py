@@ -1,8 +1,9 @@
 """Training data: triplets (q, d⁺, D⁻) for GRPO (method.md §2), raw texts for the
 unsupervised objective (Eqs. 12–13), scored pairs for development evaluation.
 
-Every loader reads a whole file before training starts and reports each bad row as
-``file:line: reason``. With ``bad_rows="skip"`` the row is skipped and the report printed;
+Files are parsed by the data layer (:mod:`grace_st.data`, shared with evaluation and the
+benchmarks); this module turns its records into training instances. Every loader reads a whole
+file before training starts and reports each bad row as ``file:line: reason``. With ``bad_rows="skip"`` the row is skipped and the report printed;
 with ``"error"`` the run is refused before the first step. Nothing is read lazily, so a bad
 row can never stop a run midway.
 
@@ -30,17 +31,26 @@ Common options: ``max_examples`` (a seeded sample), ``num_negatives``, ``miner``
 
 from __future__ import annotations
 
-import csv
-import hashlib
-import json
 import logging
 import os
 import random
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from grace_st.data import (
+    DataFileError,
+    id_fraction,
+    read_beir,
+    read_labelled_pairs,
+    read_labelled_texts,
+    read_scored_pairs,
+    read_texts,
+    read_triplets,
+)
+from grace_st.data.formats import CLASSIFICATION_COLUMNS, beir_paths
 
 from .mining import mine_negatives
 
@@ -75,78 +85,16 @@ def _is_text(value: Any) -> bool:
     return isinstance(value, str) and bool(value.strip())
 
 
-def _read_lines(path: Path) -> list[str]:
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such file (check the data source path and data_dir)")
-    return path.read_text(encoding="utf-8").splitlines()
-
-
-def _read_table(path: Path, delimiter: str, issues: list[str]) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
-    """Header + (line number, row) pairs; rows with the wrong field count are reported."""
-    lines = _read_lines(path)
-    if not lines:
-        issues.append(f"{path}:1: empty file")
-        return [], []
-    if delimiter == ",":
-        parsed = list(csv.reader(lines))
-    else:
-        # STS-B and MRPC sentences hold unbalanced quotes: no quoting in TSVs.
-        parsed = [line.split(delimiter) for line in lines]
-    header = [h.strip() for h in parsed[0]]
-    rows = []
-    for number, fields in enumerate(parsed[1:], start=2):
-        if not fields or fields == [""]:
-            continue
-        if len(fields) != len(header):
-            issues.append(f"{path}:{number}: expected {len(header)} fields, found {len(fields)}")
-            continue
-        rows.append((number, dict(zip(header, fields))))
-    return header, rows
-
-
-def _read_jsonl(path: Path, issues: list[str]) -> list[tuple[int, dict]]:
-    rows = []
-    for number, line in enumerate(_read_lines(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as error:
-            issues.append(f"{path}:{number}: invalid JSON ({error.msg})")
-            continue
-        if not isinstance(row, dict):
-            issues.append(f"{path}:{number}: expected a JSON object")
-            continue
-        rows.append((number, row))
-    return rows
+def _collect(issues: list[str]) -> Callable[[DataFileError], None]:
+    """The data layer's ``on_error``: each bad row becomes a ``file:line: reason`` issue."""
+    return lambda error: issues.append(f"{error.path}:{error.line}: {error.reason}")
 
 
 # -- loaders ------------------------------------------------------------------------------------
 
 
 def load_triplets_jsonl(path: Path, issues: list[str], name: str) -> list[Triplet]:
-    out = []
-    for number, row in _read_jsonl(path, issues):
-        negatives = row.get("negatives", [row["negative"]] if "negative" in row else [])
-        if isinstance(negatives, str):
-            negatives = [negatives]
-        problem = None
-        if not _is_text(row.get("query")):
-            problem = "missing or empty 'query'"
-        elif not _is_text(row.get("positive")):
-            problem = "missing or empty 'positive'"
-        elif not isinstance(negatives, list) or not all(_is_text(n) for n in negatives):
-            problem = "'negatives' must be a list of non-empty strings"
-        if problem:
-            issues.append(f"{path}:{number}: {problem}")
-            continue
-        out.append(Triplet(row["query"], row["positive"], tuple(negatives), name))
-    return out
-
-
-def _fraction(key: str) -> float:
-    """A stable position in [0, 1) for an id: disjoint train / held-out slices of one split."""
-    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") / 2**64
+    return [Triplet(t.query, t.positive, t.negatives, name) for t in read_triplets(path, _collect(issues))]
 
 
 def load_beir(
@@ -165,40 +113,24 @@ def load_beir(
     ``query_fraction: [lo, hi]`` keeps the queries whose id hashes into [lo, hi), e.g.
     [0, 0.9] to train and [0.9, 1] to evaluate on held-back claims of the same split.
     """
+    folder_data = read_beir(folder, split, _collect(issues))
     corpus: dict[str, str] = {}
-    corpus_path = folder / "corpus.jsonl"
-    for number, row in _read_jsonl(corpus_path, issues):
-        text = " ".join(part for part in (row.get("title") or "", row.get("text") or "") if part).strip()
-        if "_id" not in row or not text:
-            issues.append(f"{corpus_path}:{number}: document needs '_id' and a non-empty title or text")
-            continue
-        corpus[str(row["_id"])] = text
-    queries: dict[str, str] = {}
-    queries_path = folder / "queries.jsonl"
-    for number, row in _read_jsonl(queries_path, issues):
-        if "_id" not in row or not _is_text(row.get("text")):
-            issues.append(f"{queries_path}:{number}: query needs '_id' and non-empty 'text'")
-            continue
-        queries[str(row["_id"])] = row["text"]
-    qrels_path = folder / "qrels" / f"{split}.tsv"
-    relevant: dict[str, list[str]] = defaultdict(list)
-    _, rows = _read_table(qrels_path, "\t", issues)
-    for number, row in rows:
-        qid, did, score = row.get("query-id"), row.get("corpus-id"), row.get("score")
-        try:
-            if float(score) <= 0:
-                continue
-        except (TypeError, ValueError):
-            issues.append(f"{qrels_path}:{number}: score {score!r} is not a number")
-            continue
-        if qid in queries and not query_fraction[0] <= _fraction(qid) < query_fraction[1]:
-            continue
-        if qid not in queries:
-            issues.append(f"{qrels_path}:{number}: query-id {qid!r} not in queries.jsonl")
-        elif did not in corpus:
-            issues.append(f"{qrels_path}:{number}: corpus-id {did!r} not in corpus.jsonl")
+    for doc_id, record in folder_data.corpus.items():
+        text = " ".join(part for part in (record.title, record.text) if part).strip()
+        if text:
+            corpus[doc_id] = text
         else:
-            relevant[qid].append(did)
+            issues.append(f"{folder / 'corpus.jsonl'}:{record.line}: document needs a non-empty title or text")
+    queries: dict[str, str] = {}
+    for query_id, record in folder_data.queries.items():
+        if _is_text(record.text):
+            queries[query_id] = record.text
+        else:
+            issues.append(f"{folder / 'queries.jsonl'}:{record.line}: query needs non-empty 'text'")
+    relevant: dict[str, list[str]] = defaultdict(list)
+    for query_id, scores in folder_data.qrels.items():
+        if query_id in queries and query_fraction[0] <= id_fraction(query_id) < query_fraction[1]:
+            relevant[query_id].extend(d for d, score in scores.items() if score > 0 and d in corpus)
     doc_ids = list(corpus)
     doc_index = {d: i for i, d in enumerate(doc_ids)}
     pairs = [(qid, did) for qid, dids in relevant.items() for did in dids]
@@ -249,19 +181,13 @@ def load_scored_pairs(
     score_column: str = "score",
     columns: Sequence[str] = ("sentence1", "sentence2"),
 ) -> list[tuple[str, str, float]]:
-    _, rows = _read_table(path, "\t", issues)
+    roles = {"score": (score_column,), "sentence1": (columns[0],), "sentence2": (columns[1],)}
     out = []
-    for number, row in rows:
-        try:
-            score = float(row[score_column])
-        except (KeyError, ValueError):
-            issues.append(f"{path}:{number}: score {row.get(score_column)!r} is not a number")
+    for pair in read_scored_pairs(path, roles, _collect(issues)):
+        if not (_is_text(pair.sentence1) and _is_text(pair.sentence2)):
+            issues.append(f"{path}:{pair.line}: empty sentence")
             continue
-        a, b = row.get(columns[0]), row.get(columns[1])
-        if not (_is_text(a) and _is_text(b)):
-            issues.append(f"{path}:{number}: empty sentence")
-            continue
-        out.append((a, b, score))
+        out.append((pair.sentence1, pair.sentence2, pair.score))
     return out
 
 
@@ -292,14 +218,13 @@ def load_pairs(
 
 
 def load_mrpc(path: Path, issues: list[str], name: str, *, num_negatives: int, miner: str, seed: int) -> list[Triplet]:
-    _, rows = _read_table(path, "\t", issues)
     positives, partners, related = [], defaultdict(list), defaultdict(set)
-    for number, row in rows:
-        quality, a, b = row.get("Quality"), row.get("#1 String"), row.get("#2 String")
-        if quality not in ("0", "1") or not (_is_text(a) and _is_text(b)):
-            issues.append(f"{path}:{number}: needs Quality 0/1 and two non-empty strings")
+    for pair in read_labelled_pairs(path, on_error=_collect(issues)):
+        a, b = pair.sentence1, pair.sentence2
+        if not (_is_text(a) and _is_text(b)):
+            issues.append(f"{path}:{pair.line}: needs two non-empty strings")
             continue
-        if quality == "1":
+        if pair.label == 1:
             positives.append((a, b))
             related[a].add(b)
             related[b].add(a)
@@ -317,18 +242,20 @@ def load_labelled(
     num_negatives: int,
     miner: str,
     seed: int,
-    text_column: str = "text",
-    label_column: str = "category",
+    text_column: str | None = None,
+    label_column: str | None = None,
 ) -> list[Triplet]:
-    delimiter = "\t" if path.suffix == ".tsv" else ","
-    _, rows = _read_table(path, delimiter, issues)
+    roles = dict(CLASSIFICATION_COLUMNS)
+    if text_column is not None:
+        roles["text"] = (text_column,)
+    if label_column is not None:
+        roles["label"] = (label_column,)
     by_label: dict[str, list[str]] = defaultdict(list)
-    for number, row in rows:
-        text, label = row.get(text_column), row.get(label_column)
-        if not (_is_text(text) and _is_text(label)):
-            issues.append(f"{path}:{number}: needs non-empty {text_column!r} and {label_column!r}")
+    for item in read_labelled_texts(path, roles, _collect(issues)):
+        if not _is_text(item.text):
+            issues.append(f"{path}:{item.line}: empty text")
             continue
-        by_label[label].append(text)
+        by_label[item.label].append(item.text)
     rng = random.Random(seed)
     positives = []
     for texts in by_label.values():
@@ -341,21 +268,7 @@ def load_labelled(
 
 
 def load_texts(path: Path, issues: list[str], name: str, *, column: str = "text") -> list[Triplet]:
-    texts: list[tuple[int, Any]]
-    if path.suffix == ".jsonl":
-        texts = [(n, row.get(column)) for n, row in _read_jsonl(path, issues)]
-    elif path.suffix in (".tsv", ".csv"):
-        _, rows = _read_table(path, "\t" if path.suffix == ".tsv" else ",", issues)
-        texts = [(n, row.get(column)) for n, row in rows]
-    else:
-        texts = [(n, line) for n, line in enumerate(_read_lines(path), start=1) if line.strip()]
-    out = []
-    for number, text in texts:
-        if not _is_text(text):
-            issues.append(f"{path}:{number}: missing or empty {column!r}")
-            continue
-        out.append(Triplet(text, text, (), name))
-    return out
+    return [Triplet(text, text, (), name) for _, text in read_texts(path, column, _collect(issues))]
 
 
 # -- entry points -------------------------------------------------------------------------------
@@ -377,13 +290,18 @@ def load_source(
         "miner": spec.pop("miner", "bm25"),
         "seed": seed,
     }
+    if kind != "beir":
+        _require_file(path)
     if kind == "triplets":
         rows = load_triplets_jsonl(path, issues, name)
     elif kind == "beir":
         if not path.is_dir():
             raise FileNotFoundError(f"{path}: no such BEIR folder (check the data source path and data_dir)")
+        split = spec.pop("split", "train")
+        for file in beir_paths(path, split):
+            _require_file(file)
         fraction = tuple(float(x) for x in spec.pop("query_fraction", (0.0, 1.0)))
-        rows = load_beir(path, spec.pop("split", "train"), issues, name, **mining, query_fraction=fraction)
+        rows = load_beir(path, split, issues, name, **mining, query_fraction=fraction)
     elif kind == "pairs":
         rows = load_pairs(
             path,
@@ -409,6 +327,11 @@ def load_source(
     if max_examples is not None and len(rows) > int(max_examples):
         rows = random.Random(seed).sample(rows, int(max_examples))
     return rows
+
+
+def _require_file(path: Path) -> None:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (check the data source path and data_dir)")
 
 
 def _columns(spec: dict[str, Any]) -> dict[str, Any]:

@@ -2,7 +2,7 @@
 
 BM25 over the source's own pool of texts, sparse and vectorised: SciFact's 5,183 abstracts
 against its 809 claims take about a second. ``mine_negatives`` also takes any scoring
-function, e.g. the current model's cosine similarity (see ``embedding_scorer``).
+function ``(queries, pool) -> (len(queries), len(pool)) scores``, e.g. the current model's cosines.
 """
 
 from __future__ import annotations
@@ -59,19 +59,6 @@ class BM25:
                     cols.append(self.vocabulary[term])
         indicator = sparse.csr_matrix((np.ones(len(rows)), (rows, cols)), shape=(len(queries), len(self.vocabulary)))
         return np.asarray((indicator @ self.weights.T).todense())
-
-
-def embedding_scorer(embed: Callable[[list[str]], object]) -> Callable[[Sequence[str], Sequence[str]], np.ndarray]:
-    """A ``scorer`` for :func:`mine_negatives` from a text → normalised-embedding function,
-    e.g. ``lambda texts: model.encode(texts, normalize_embeddings=True)`` (mining with the
-    current model; costs one rationale per text)."""
-
-    def score(queries: Sequence[str], pool: Sequence[str]) -> np.ndarray:
-        q = np.asarray(embed(list(queries)), dtype=np.float32)
-        d = np.asarray(embed(list(pool)), dtype=np.float32)
-        return q @ d.T
-
-    return score
 
 
 def mine_negatives(

@@ -18,7 +18,6 @@ not depend on batching, on the process that drew them, or on whether the run was
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -75,25 +74,12 @@ def rollout_seed(seed: int, step: int, role: str, instance: int, k: int = 0) -> 
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
-@contextlib.contextmanager
-def _single_greedy_preprocess(encoder):
-    """``preprocess`` without its own replication and seeds: the trainer replicates rows for K."""
-    saved = encoder.num_rationales, encoder.do_sample
-    encoder.num_rationales, encoder.do_sample = 1, False
-    try:
-        yield
-    finally:
-        encoder.num_rationales, encoder.do_sample = saved
-
-
 def tokenize_prompts(encoder, texts: Sequence[str], task: str | None) -> tuple[list[list[int]], list[int]]:
-    """P(x) for each text through the encoder's ``preprocess`` (template, instruction, truncation)."""
+    """P(x) for each text as ``encode`` builds it (template, instruction, truncation), and each one's L_sys."""
     if not texts:
         return [], []
-    with _single_greedy_preprocess(encoder):
-        features = encoder.preprocess(list(texts), task=task)
-    rows = [ids[mask.bool()].tolist() for ids, mask in zip(features["input_ids"], features["attention_mask"])]
-    return rows, features["instruction_lengths"].tolist()
+    rows, instruction_span = encoder.prompt_token_ids(list(texts), task=task)
+    return rows, [instruction_span] * len(rows)
 
 
 # -- backends --------------------------------------------------------------------------------------

@@ -54,26 +54,12 @@ from .grpo import (
     pooled_contrastive_loss,
 )
 from .metrics import MetricsLogger
+from .policy import card_base_model, load_grace_model
 from .rewards import compute_rewards, reward_parts
 from .rollout import TripletRollouts, asymmetric_rollouts, hf_generate
 from .rollout_batch import RolloutBatch
 
 logger = logging.getLogger(__name__)
-
-
-def load_grace_model(config: GRPOConfig, device: str | None = None):
-    """The policy as a GRACE SentenceTransformer: a GRACE directory as saved, or any chat causal LM wrapped."""
-    from sentence_transformers import SentenceTransformer
-
-    import grace_st
-    from grace_st import GenerativeEncoder
-
-    path = config.model_name_or_path or grace_st.default_model_path(trained=False)
-    if (Path(path) / "modules.json").is_file():
-        model = SentenceTransformer(path, trust_remote_code=True, device=device)
-        if isinstance(model[0], GenerativeEncoder):
-            return model
-    return grace_st.from_causal_lm(path, device=device)
 
 
 class GRPOTrainer:
@@ -174,7 +160,7 @@ class GRPOTrainer:
         self.last_metrics: dict[str, Any] = {}
         self.last_scores: dict[str, float] = {}
         self.last_example: dict[str, str] | None = None
-        self.base_model = config.base_model or _hub_id_or_none(config.model_name_or_path)
+        self.base_model = card_base_model(config)
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -421,7 +407,9 @@ class GRPOTrainer:
                     policy_loss = loss.detach()
                     contrastive = torch.zeros((), device=device)
                     if hybrid:
-                        contrastive = self.hybrid_contrastive_loss(candidates, rollouts, chunk, pooled) / rows_everywhere
+                        contrastive = (
+                            self.hybrid_contrastive_loss(candidates, rollouts, chunk, pooled) / rows_everywhere
+                        )
                         loss = loss + cfg.contrastive_beta * contrastive
                     accelerator.backward(loss * world)
                 share = batch["completion_mask"].sum().item() / max(num_tokens, 1.0)
@@ -515,7 +503,11 @@ class GRPOTrainer:
         batch = {k: v.to(self.accelerator.device) for k, v in batch.items()}
         # the temperature scales log-probs only, which are not used here
         return policy_pass(
-            self.policy_wrapped, batch, parts[0].temperature, pool_from=self.policy, hidden_layer=self.encoder.hidden_layer
+            self.policy_wrapped,
+            batch,
+            parts[0].temperature,
+            pool_from=self.policy,
+            hidden_layer=self.encoder.hidden_layer,
         )[1]
 
     def reference_log_probs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
@@ -888,13 +880,6 @@ def _cap_per_source(rows: list[Triplet], cap: int, seed: int) -> list[Triplet]:
     for items in by_source.values():
         out.extend(items if len(items) <= cap else random.Random(seed).sample(items, cap))
     return out
-
-
-def _hub_id_or_none(path: str | None) -> str | None:
-    """A Hub id (``owner/name``) names a base model on a card; a local path does not."""
-    if not path or Path(path).exists() or path.count("/") != 1 or path.startswith((".", "/", "~")):
-        return None
-    return path
 
 
 def _progress_bar(total: int, initial: int, disable: bool):

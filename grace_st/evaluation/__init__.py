@@ -13,7 +13,7 @@ Needs the ``mteb`` extra (``pip install grace-st[mteb]``).
 
 from __future__ import annotations
 
-from ._files import DataFileError
+from ..data.files import DataFileError
 from .local_tasks import (
     LocalClassificationTask,
     LocalPairClassificationTask,

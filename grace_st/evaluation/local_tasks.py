@@ -32,19 +32,8 @@ from mteb.abstasks.retrieval import AbsTaskRetrieval
 from mteb.abstasks.sts import AbsTaskSTS
 from mteb.abstasks.task_metadata import TaskMetadata
 
-from ._files import (
-    SAMPLING_SEED,
-    DataFileError,
-    find_column,
-    fingerprint,
-    parse_float,
-    parse_int,
-    read_jsonl,
-    read_table,
-    sample_indices,
-    sample_keys,
-    shuffled,
-)
+from ..data.files import SAMPLING_SEED, DataFileError, fingerprint, sample_indices, sample_keys, shuffled
+from ..data.formats import beir_paths, read_beir, read_labelled_pairs, read_labelled_texts, read_scored_pairs
 
 logger = logging.getLogger(__name__)
 
@@ -59,15 +48,6 @@ __all__ = [
     "retrieval_task",
     "sts_task",
 ]
-
-# Accepted header names, first match wins. MRPC ships `Quality #1 ID #2 ID #1 String #2 String`.
-STS_COLUMNS = {"score": ("score",), "sentence1": ("sentence1",), "sentence2": ("sentence2",)}
-PAIR_COLUMNS = {
-    "label": ("label", "labels", "Quality"),
-    "sentence1": ("sentence1", "#1 String"),
-    "sentence2": ("sentence2", "#2 String"),
-}
-CLASSIFICATION_COLUMNS = {"text": ("text",), "label": ("label", "category", "label_name")}
 
 
 def _default_name(path: Path, prefix: str) -> str:
@@ -198,24 +178,23 @@ class LocalSTSTask(_LocalTaskMixin, AbsTaskSTS):
         super().__init__(metadata)
 
     def _read(self) -> DatasetDict:
-        header, rows = read_table(self.path)
-        columns = {role: find_column(self.path, header, role, names) for role, names in STS_COLUMNS.items()}
-        if not rows:
+        pairs = read_scored_pairs(self.path)
+        if not pairs:
             raise DataFileError(self.path, 1, "no data rows after the header")
-        scores = [parse_float(self.path, row, columns["score"]) for row in rows]
+        scores = [pair.score for pair in pairs]
         low, high = self.score_range or (min(scores), max(scores))
         if low == high:
-            raise DataFileError(self.path, rows[0].line, f"every score is {low}: correlations are undefined")
+            raise DataFileError(self.path, pairs[0].line, f"every score is {low}: correlations are undefined")
         # Instance attributes shadow AbsTaskSTS's class defaults (0, 5) used by _normalize.
         self.min_score, self.max_score = low, high
-        keep = sample_indices(len(rows), self.limit)
+        keep = [pairs[i] for i in sample_indices(len(pairs), self.limit)]
         return DatasetDict(
             {
                 "test": Dataset.from_dict(
                     {
-                        "sentence1": [rows[i][columns["sentence1"]] for i in keep],
-                        "sentence2": [rows[i][columns["sentence2"]] for i in keep],
-                        "score": [scores[i] for i in keep],
+                        "sentence1": [pair.sentence1 for pair in keep],
+                        "sentence2": [pair.sentence2 for pair in keep],
+                        "score": [pair.score for pair in keep],
                     }
                 )
             }
@@ -257,21 +236,19 @@ class LocalPairClassificationTask(_LocalTaskMixin, AbsTaskPairClassification):
         super().__init__(metadata)
 
     def _read(self) -> DatasetDict:
-        header, rows = read_table(self.path)
-        columns = {role: find_column(self.path, header, role, names) for role, names in PAIR_COLUMNS.items()}
-        labels = [parse_int(self.path, row, columns["label"], allowed=(0, 1)) for row in rows]
-        if len(rows) < 2:
-            raise DataFileError(self.path, rows[0].line if rows else 1, "need at least 2 pairs")
-        keep = sample_indices(len(rows), self.limit)
-        if len({labels[i] for i in keep}) < 2:
+        pairs = read_labelled_pairs(self.path)
+        if len(pairs) < 2:
+            raise DataFileError(self.path, pairs[0].line if pairs else 1, "need at least 2 pairs")
+        keep = [pairs[i] for i in sample_indices(len(pairs), self.limit)]
+        if len({pair.label for pair in keep}) < 2:
             logger.warning("%s: the evaluated pairs all have one label; average precision is degenerate", self.path)
         return DatasetDict(
             {
                 "test": Dataset.from_dict(
                     {
-                        "sentence1": [rows[i][columns["sentence1"]] for i in keep],
-                        "sentence2": [rows[i][columns["sentence2"]] for i in keep],
-                        "labels": [labels[i] for i in keep],
+                        "sentence1": [pair.sentence1 for pair in keep],
+                        "sentence2": [pair.sentence2 for pair in keep],
+                        "labels": [pair.label for pair in keep],
                     }
                 )
             }
@@ -342,14 +319,7 @@ class LocalClassificationTask(_LocalTaskMixin, AbsTaskClassification):
         super().__init__(metadata)
 
     def _read_labelled(self, path: Path) -> list[tuple[int, str, str]]:
-        header, rows = read_table(path)
-        columns = {role: find_column(path, header, role, names) for role, names in CLASSIFICATION_COLUMNS.items()}
-        items = []
-        for row in rows:
-            label = row[columns["label"]].strip()
-            if not label:
-                raise DataFileError(path, row.line, f"empty {columns['label']}")
-            items.append((row.line, row[columns["text"]], label))
+        items = [(item.line, item.text, item.label) for item in read_labelled_texts(path)]
         if not items:
             raise DataFileError(path, 1, "no data rows after the header")
         return items
@@ -452,9 +422,7 @@ class LocalRetrievalTask(_LocalTaskMixin, AbsTaskRetrieval):
         self.split = split
         self.limit = _check_limit(limit)
         self.corpus_limit = _check_limit(corpus_limit)
-        self.corpus_path = self.beir_dir / "corpus.jsonl"
-        self.queries_path = self.beir_dir / "queries.jsonl"
-        self.qrels_path = self.beir_dir / "qrels" / f"{split}.tsv"
+        self.corpus_path, self.queries_path, self.qrels_path = beir_paths(self.beir_dir, split)
         for path in (self.corpus_path, self.queries_path):
             if not path.is_file():
                 raise FileNotFoundError(f"{path}: not found (a BEIR folder holds corpus.jsonl, queries.jsonl, qrels/)")
@@ -476,44 +444,9 @@ class LocalRetrievalTask(_LocalTaskMixin, AbsTaskRetrieval):
         )
         super().__init__(metadata)
 
-    def _read_items(self, path: Path, required: tuple[str, ...]) -> dict[str, dict]:
-        items: dict[str, dict] = {}
-        for line, item in read_jsonl(path, required):
-            key = item["_id"]
-            if not isinstance(key, (str, int)) or isinstance(key, bool):
-                raise DataFileError(path, line, f"_id must be a string or an integer, got {key!r}")
-            key = str(key)
-            if key in items:
-                raise DataFileError(path, line, f"duplicate _id {key!r} (first on line {items[key]['line']})")
-            text, title = item["text"], item.get("title", "") or ""
-            if not isinstance(text, str) or not isinstance(title, str):
-                raise DataFileError(path, line, "text and title must be strings")
-            items[key] = {"line": line, "text": text, "title": title}
-        if not items:
-            raise DataFileError(path, 1, "no records")
-        return items
-
-    def _read_qrels(self, queries: dict, corpus: dict) -> dict[str, dict[str, int]]:
-        path = self.qrels_path
-        header, rows = read_table(path)
-        columns = {role: find_column(path, header, role, (role,)) for role in ("query-id", "corpus-id", "score")}
-        qrels: dict[str, dict[str, int]] = defaultdict(dict)
-        for row in rows:
-            query_id, doc_id = row[columns["query-id"]].strip(), row[columns["corpus-id"]].strip()
-            score = parse_int(path, row, columns["score"])
-            if query_id not in queries:
-                raise DataFileError(path, row.line, f"query-id {query_id!r} is not in {self.queries_path.name}")
-            if doc_id not in corpus:
-                raise DataFileError(path, row.line, f"corpus-id {doc_id!r} is not in {self.corpus_path.name}")
-            qrels[query_id][doc_id] = score
-        if not qrels:
-            raise DataFileError(path, 1, "no qrels after the header")
-        return dict(qrels)
-
     def _read(self) -> dict:
-        corpus = self._read_items(self.corpus_path, ("_id", "text"))
-        queries = self._read_items(self.queries_path, ("_id", "text"))
-        qrels = self._read_qrels(queries, corpus)
+        folder = read_beir(self.beir_dir, self.split)
+        corpus, queries, qrels = folder.corpus, folder.queries, folder.qrels
         # Only queries with at least one relevant document can be scored (mteb drops the rest).
         query_ids = [q for q in queries if any(score > 0 for score in qrels.get(q, {}).values())]
         if not query_ids:
@@ -532,11 +465,11 @@ class LocalRetrievalTask(_LocalTaskMixin, AbsTaskRetrieval):
             "corpus": Dataset.from_dict(
                 {
                     "id": doc_ids,
-                    "title": [corpus[d]["title"] for d in doc_ids],
-                    "text": [corpus[d]["text"] for d in doc_ids],
+                    "title": [corpus[d].title for d in doc_ids],
+                    "text": [corpus[d].text for d in doc_ids],
                 }
             ),
-            "queries": Dataset.from_dict({"id": query_ids, "text": [queries[q]["text"] for q in query_ids]}),
+            "queries": Dataset.from_dict({"id": query_ids, "text": [queries[q].text for q in query_ids]}),
             "relevant_docs": qrels,
             "top_ranked": None,
         }

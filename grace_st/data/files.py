@@ -1,5 +1,11 @@
-"""Reading local evaluation files: header-named tables and JSON lines, with errors that name
-the file and the 1-based line, plus the deterministic sampling the local tasks share."""
+"""Reading data files: header-named tables and JSON lines, with errors that name the file and
+the 1-based line, plus the deterministic sampling and id splits that training, the local mteb
+tasks and the benchmarks share.
+
+A reader given ``on_error=None`` raises :class:`DataFileError` at the first bad row; given a
+callable, it hands each :class:`DataFileError` to it and leaves that row out (training's
+``bad_rows: skip`` collects them all before the first step).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +15,7 @@ import io
 import json
 import math
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,7 +24,7 @@ SAMPLING_SEED = 42
 
 
 class DataFileError(ValueError):
-    """A malformed evaluation file. The message starts with ``"<path>, line <n>: "``.
+    """A malformed data file. The message starts with ``"<path>, line <n>: "``.
 
     Attributes:
         path: the file, as given.
@@ -30,6 +36,16 @@ class DataFileError(ValueError):
         self.line = line
         self.reason = reason
         super().__init__(f"{self.path}, line {line}: {reason}")
+
+
+OnError = Callable[[DataFileError], None] | None
+
+
+def report(error: DataFileError, on_error: OnError) -> None:
+    """Raise ``error``, or hand it to ``on_error`` (whose caller then leaves the row out)."""
+    if on_error is None:
+        raise error
+    on_error(error)
 
 
 @dataclass(frozen=True)
@@ -72,42 +88,51 @@ def _delimiter(path: Path, header: str) -> str:
     return ";" if ";" in header and "," not in header else ","
 
 
-def read_table(path: str | os.PathLike) -> tuple[list[str], list[Row]]:
+def read_table(path: str | os.PathLike, on_error: OnError = None) -> tuple[list[str], list[Row]]:
     """Header names and rows of a CSV or TSV file (``.tsv`` / ``.csv``; other extensions are
     read as TSV if the header has a tab, else as ``;``-separated if it has a ``;`` and no comma,
     else as CSV).
 
     TSV fields are taken literally (quotes are text, as in STS-B and MRPC); CSV follows the
     usual quoting rules, so a quoted field may span lines. Blank lines are skipped. A row with
-    a different number of fields than the header raises :class:`DataFileError`.
+    a different number of fields than the header is a :class:`DataFileError`; with ``on_error``
+    it is left out, and a file that cannot be read past some line keeps the rows before it.
     """
     path = Path(path)
-    with io.StringIO(_decode_utf8(path, path.read_bytes()), newline="") as handle:
+    header: list[str] = []
+    rows: list[Row] = []
+    try:
+        text = _decode_utf8(path, path.read_bytes())
+    except DataFileError as error:
+        report(error, on_error)
+        return header, rows
+    with io.StringIO(text, newline="") as handle:
         first = handle.readline()
         if not first.strip():
-            raise DataFileError(path, 1, "empty file: expected a header row naming the columns")
+            report(DataFileError(path, 1, "empty file: expected a header row naming the columns"), on_error)
+            return header, rows
         delimiter = _delimiter(path, first)
         handle.seek(0)
         quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
         reader = csv.reader(handle, delimiter=delimiter, quoting=quoting, strict=True)
         try:
             header = [name.strip() for name in next(reader)]
-            rows = []
             start = reader.line_num + 1
             for fields in reader:
                 if fields and any(field.strip() for field in fields):
                     if len(fields) != len(header):
-                        raise DataFileError(
-                            path, start, f"expected {len(header)} fields ({', '.join(header)}), found {len(fields)}"
-                        )
-                    rows.append(Row(start, dict(zip(header, fields))))
+                        problem = f"expected {len(header)} fields ({', '.join(header)}), found {len(fields)}"
+                        report(DataFileError(path, start, problem), on_error)
+                    else:
+                        rows.append(Row(start, dict(zip(header, fields))))
                 start = reader.line_num + 1
         except csv.Error as error:
             kind = {"\t": "TSV", ",": "CSV"}.get(delimiter, f"{delimiter!r}-separated file")
-            raise DataFileError(path, reader.line_num, f"malformed {kind}: {error}") from None
+            report(DataFileError(path, reader.line_num, f"malformed {kind}: {error}"), on_error)
     duplicates = sorted({name for name in header if header.count(name) > 1})
     if duplicates:
-        raise DataFileError(path, 1, f"duplicate column names: {', '.join(duplicates)}")
+        report(DataFileError(path, 1, f"duplicate column names: {', '.join(duplicates)}"), on_error)
+        return header, []
     return header, rows
 
 
@@ -155,24 +180,38 @@ def parse_int(path: Path, row: Row, column: str, allowed: Iterable[int] | None =
     return value
 
 
-def read_jsonl(path: str | os.PathLike, required: Sequence[str]) -> Iterator[tuple[int, dict]]:
+def read_jsonl(
+    path: str | os.PathLike, required: Sequence[str] = (), on_error: OnError = None
+) -> Iterator[tuple[int, dict]]:
     """``(line number, object)`` for each non-blank line; each must be a JSON object with ``required`` keys."""
     path = Path(path)
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
-            text = _decode_utf8(path, raw, number)
-            if not text.strip():
-                continue
             try:
-                item = json.loads(text)
-            except json.JSONDecodeError as error:
-                raise DataFileError(path, number, f"malformed JSON: {error.msg} (column {error.colno})") from None
-            if not isinstance(item, dict):
-                raise DataFileError(path, number, f"expected a JSON object, found {type(item).__name__}")
-            missing = [key for key in required if key not in item]
-            if missing:
-                raise DataFileError(path, number, f"missing key(s) {', '.join(repr(k) for k in missing)}")
-            yield number, item
+                item = _json_object(path, number, raw, required)
+            except DataFileError as error:
+                report(error, on_error)
+                continue
+            if item is not None:
+                yield number, item
+
+
+def _json_object(path: Path, number: int, raw: bytes, required: Sequence[str]) -> dict | None:
+    text = _decode_utf8(path, raw, number)
+    if not text.strip():
+        return None
+    try:
+        item = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise DataFileError(
+            path, number, f"invalid JSON (malformed JSON at column {error.colno}: {error.msg})"
+        ) from None
+    if not isinstance(item, dict):
+        raise DataFileError(path, number, f"expected a JSON object, found {type(item).__name__}")
+    missing = [key for key in required if key not in item]
+    if missing:
+        raise DataFileError(path, number, f"missing key(s) {', '.join(repr(k) for k in missing)}")
+    return item
 
 
 def sample_keys(keys: Sequence[str], k: int, seed: int = SAMPLING_SEED) -> set[str]:
@@ -198,6 +237,12 @@ def sample_indices(count: int, limit: int | None) -> list[int]:
 def shuffled(keys: Sequence[str], seed: int = SAMPLING_SEED) -> list[str]:
     """``keys`` in a deterministic pseudo-random order (the order :func:`sample_keys` draws in)."""
     return sorted(keys, key=lambda key: _rank(seed, key))
+
+
+def id_fraction(key: str) -> float:
+    """A stable position in [0, 1) for an id: disjoint slices of one split by id hash (training
+    keeps SciFact claims in [0, 0.9), the development scoreboard holds back the rest)."""
+    return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "little") / 2**64
 
 
 def _rank(seed: int, key: str) -> bytes:

@@ -1,0 +1,102 @@
+"""The data layer (grace_st.data): one parse of each format for training, evaluation and benchmarks."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from grace_training.data import load_source
+
+from grace_st.data import (
+    DataFileError,
+    read_beir,
+    read_labelled_pairs,
+    read_labelled_texts,
+    read_scored_pairs,
+    read_texts,
+    read_triplets,
+)
+
+
+def write(path, text):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_a_bad_row_raises_without_on_error_and_is_left_out_with_it(tmp_path):
+    file = write(tmp_path / "s.tsv", "score\tsentence1\tsentence2\n4.5\ta\tb\nhigh\tc\td\n1\te\n2.0\tg\th\n")
+    # the table is read whole before its values are parsed: the short row is found first
+    with pytest.raises(DataFileError, match=r"s\.tsv, line 4: expected 3 fields"):
+        read_scored_pairs(file)
+    errors: list[DataFileError] = []
+    pairs = read_scored_pairs(file, on_error=errors.append)
+    assert [(p.line, p.sentence1, p.score) for p in pairs] == [(2, "a", 4.5), (5, "g", 2.0)]
+    assert [(e.line, e.reason.split(" (")[0]) for e in errors] == [
+        (4, "expected 3 fields"),
+        (3, "score 'high' is not a number"),
+    ]
+
+
+def test_a_missing_column_is_one_error_and_no_rows(tmp_path):
+    file = write(tmp_path / "p.tsv", "label\tsentence1\n1\ta\n0\tb\n")
+    errors: list[DataFileError] = []
+    assert read_labelled_pairs(file, on_error=errors.append) == []
+    assert len(errors) == 1 and errors[0].line == 1 and "sentence2" in errors[0].reason
+
+
+def test_training_and_evaluation_read_the_same_texts(tmp_path):
+    """A quoted CSV field may span lines: the one reader keeps it whole for every consumer."""
+    file = write(tmp_path / "b.csv", 'text,category\n"my card\nis lost",lost_card\nI lost my card,lost_card\n')
+    texts = read_labelled_texts(file)
+    assert [(t.line, t.text, t.label) for t in texts] == [
+        (2, "my card\nis lost", "lost_card"),
+        (4, "I lost my card", "lost_card"),
+    ]
+    rows = load_source({"type": "labelled", "path": str(file), "num_negatives": 0}, [])
+    assert {row.query for row in rows} == {t.text for t in texts}
+
+
+def test_mrpc_header_and_labels(tmp_path):
+    file = write(
+        tmp_path / "mrpc.tsv",
+        'Quality\t#1 ID\t#2 ID\t#1 String\t#2 String\n1\t1\t2\tHe said "yes.\tHe agreed.\n0\t3\t4\ta\tb\n',
+    )
+    pairs = read_labelled_pairs(file)
+    # TSV fields are literal: an unbalanced quote is text, as MRPC and STS-B need
+    assert [(p.sentence1, p.label) for p in pairs] == [('He said "yes.', 1), ("a", 0)]
+
+
+def test_beir_ids_resolve_and_bad_records_are_reported(tmp_path):
+    write(
+        tmp_path / "corpus.jsonl",
+        '{"_id": "d1", "title": "T", "text": "a"}\n{"_id": 2, "text": "b"}\n{"_id": "d1", "text": "c"}\n',
+    )
+    write(tmp_path / "queries.jsonl", '{"_id": "q1", "text": "x"}\n{"_id": "q2"}\n')
+    write(tmp_path / "qrels" / "dev.tsv", "query-id\tcorpus-id\tscore\nq1\td1\t1\nq1\t2\t0\nq2\td1\t1\nq1\td9\t1\n")
+    errors: list[DataFileError] = []
+    folder = read_beir(tmp_path, "dev", on_error=errors.append)
+    assert {d: (r.title, r.text) for d, r in folder.corpus.items()} == {"d1": ("T", "a"), "2": ("", "b")}
+    assert folder.qrels == {"q1": {"d1": 1, "2": 0}}
+    reasons = sorted((e.path.rsplit("/", 1)[-1], e.line) for e in errors)
+    assert reasons == [("corpus.jsonl", 3), ("dev.tsv", 4), ("dev.tsv", 5), ("queries.jsonl", 2)]
+    with pytest.raises(DataFileError, match="duplicate _id 'd1'"):
+        read_beir(tmp_path, "dev")
+
+
+def test_triplets_and_texts(tmp_path):
+    file = write(
+        tmp_path / "t.jsonl",
+        json.dumps({"query": "q", "positive": "p", "negative": "n"})
+        + "\n\n"
+        + json.dumps({"query": "q2", "positive": ""})
+        + "\n",
+    )
+    errors: list[DataFileError] = []
+    assert [(t.line, t.negatives) for t in read_triplets(file, errors.append)] == [(1, ("n",))]
+    assert [(e.line, e.reason) for e in errors] == [(3, "missing or empty 'positive'")]
+    lines = write(tmp_path / "x.txt", "one\n\n  \ntwo\n")
+    assert read_texts(lines) == [(1, "one"), (4, "two")]
+    table = write(tmp_path / "x.tsv", "id\tsentence\n1\tfirst\n2\t\n")
+    with pytest.raises(DataFileError, match=r"x\.tsv, line 3: missing or empty 'sentence'"):
+        read_texts(table, column="sentence")
