@@ -126,7 +126,11 @@ def main() -> None:
     if args.phase == "train":
         with ThreadPoolExecutor(args.jobs) as pool:
             results = list(pool.map(lambda n: train_row(n, runs, args.threads, args.set), args.rows))
-        (runs / "train_summary.json").write_text(json.dumps(results, indent=2))
+        # One entry a row, kept across invocations: rows are often trained one at a time.
+        summary = runs / "train_summary.json"
+        earlier = json.loads(summary.read_text()) if summary.is_file() else []
+        done = {result["row"] for result in results}
+        summary.write_text(json.dumps([r for r in earlier if r["row"] not in done] + results, indent=2))
         return
     if args.phase == "eval":
         evaluate(args, runs)
