@@ -3,7 +3,8 @@ unsupervised objective (Eqs. 12–13), scored pairs for development evaluation.
 
 Files are parsed by the data layer (:mod:`grace_st.data`, shared with evaluation and the
 benchmarks); this module turns its records into training instances. Every loader reads a whole
-file before training starts and reports each bad row as ``file:line: reason``. With ``bad_rows="skip"`` the row is skipped and the report printed;
+file before training starts and reports each bad row as ``file:line: reason``. With
+``bad_rows="skip"`` the row is skipped and the report printed;
 with ``"error"`` the run is refused before the first step. Nothing is read lazily, so a bad
 row can never stop a run midway.
 
@@ -50,7 +51,7 @@ from grace_st.data import (
     read_texts,
     read_triplets,
 )
-from grace_st.data.formats import CLASSIFICATION_COLUMNS, beir_paths
+from grace_st.data.formats import CLASSIFICATION_COLUMNS, beir_paths, is_text
 
 from .mining import mine_negatives
 
@@ -79,10 +80,6 @@ def resolve_path(path: str, data_dir: str | None) -> Path:
     if not expanded.is_absolute() and data_dir:
         expanded = Path(os.path.expandvars(os.path.expanduser(data_dir))) / expanded
     return expanded
-
-
-def _is_text(value: Any) -> bool:
-    return isinstance(value, str) and bool(value.strip())
 
 
 def _collect(issues: list[str]) -> Callable[[DataFileError], None]:
@@ -123,7 +120,7 @@ def load_beir(
             issues.append(f"{folder / 'corpus.jsonl'}:{record.line}: document needs a non-empty title or text")
     queries: dict[str, str] = {}
     for query_id, record in folder_data.queries.items():
-        if _is_text(record.text):
+        if is_text(record.text):
             queries[query_id] = record.text
         else:
             issues.append(f"{folder / 'queries.jsonl'}:{record.line}: query needs non-empty 'text'")
@@ -184,7 +181,7 @@ def load_scored_pairs(
     roles = {"score": (score_column,), "sentence1": (columns[0],), "sentence2": (columns[1],)}
     out = []
     for pair in read_scored_pairs(path, roles, _collect(issues)):
-        if not (_is_text(pair.sentence1) and _is_text(pair.sentence2)):
+        if not (is_text(pair.sentence1) and is_text(pair.sentence2)):
             issues.append(f"{path}:{pair.line}: empty sentence")
             continue
         out.append((pair.sentence1, pair.sentence2, pair.score))
@@ -221,7 +218,7 @@ def load_mrpc(path: Path, issues: list[str], name: str, *, num_negatives: int, m
     positives, partners, related = [], defaultdict(list), defaultdict(set)
     for pair in read_labelled_pairs(path, on_error=_collect(issues)):
         a, b = pair.sentence1, pair.sentence2
-        if not (_is_text(a) and _is_text(b)):
+        if not (is_text(a) and is_text(b)):
             issues.append(f"{path}:{pair.line}: needs two non-empty strings")
             continue
         if pair.label == 1:
@@ -252,7 +249,7 @@ def load_labelled(
         roles["label"] = (label_column,)
     by_label: dict[str, list[str]] = defaultdict(list)
     for item in read_labelled_texts(path, roles, _collect(issues)):
-        if not _is_text(item.text):
+        if not is_text(item.text):
             issues.append(f"{path}:{item.line}: empty text")
             continue
         by_label[item.label].append(item.text)

@@ -201,7 +201,8 @@ def read_beir(folder: str | os.PathLike, split: str, on_error: OnError = None) -
     return BeirFolder(corpus, queries, dict(qrels))
 
 
-def _is_text(value: Any) -> bool:
+def is_text(value: Any) -> bool:
+    """A string with something besides whitespace."""
     return isinstance(value, str) and bool(value.strip())
 
 
@@ -215,11 +216,11 @@ def read_triplets(path: str | os.PathLike, on_error: OnError = None) -> list[Tri
         if isinstance(negatives, str):
             negatives = [negatives]
         problem = None
-        if not _is_text(item.get("query")):
+        if not is_text(item.get("query")):
             problem = "missing or empty 'query'"
-        elif not _is_text(item.get("positive")):
+        elif not is_text(item.get("positive")):
             problem = "missing or empty 'positive'"
-        elif not isinstance(negatives, list) or not all(_is_text(n) for n in negatives):
+        elif not isinstance(negatives, list) or not all(is_text(n) for n in negatives):
             problem = "'negatives' must be a list of non-empty strings"
         if problem:
             report(DataFileError(path, line, problem), on_error)
@@ -242,7 +243,7 @@ def read_texts(path: str | os.PathLike, column: str = "text", on_error: OnError 
         found = [(number, text) for number, text in enumerate(lines, start=1) if text.strip()]
     texts = []
     for line, text in found:
-        if _is_text(text):
+        if is_text(text):
             texts.append((line, text))
         else:
             report(DataFileError(path, line, f"missing or empty {column!r}"), on_error)
