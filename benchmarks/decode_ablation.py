@@ -1,7 +1,8 @@
 """What each CPU decoding change buys, side by side in one run: the one-pass rollout of one batch
 with transformers' ``DynamicCache`` or the preallocated KV cache, with PyTorch's default (MKL)
 linear layers or oneDNN-packed ones (grace_st.packed_linear), and with the prompts' common
-instruction prefix fed once a batch or once a row (grace_st.generation.shared_prefix_length).
+instruction prefix fed once a batch or once a row: the switches of grace_st.decoding.DecodeOptions
+(finished rows leave the batch in every variant).
 Variants run interleaved, ``--repeats`` rounds, and the best time of each is reported (this
 machine is shared and noisy). Every variant must produce the same rationales; pooled embeddings
 may differ by float32 rounding (the largest difference is printed).
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import torch
 from encode_throughput import load_texts, matmul_peak_flops
 
 import grace_st
-from grace_st import generation
+from grace_st.decoding import DecodeOptions
 from grace_st.pooling import masked_mean
 
 
@@ -35,31 +35,23 @@ def main() -> None:
     args = parser.parse_args()
 
     from sentence_transformers import SentenceTransformer
-    from transformers import DynamicCache
 
     model_path = args.model or grace_st.default_model_path()
     encoder = SentenceTransformer(model_path, device="cpu", trust_remote_code=True)[0]
     texts, source = load_texts(args.batch_size)
     features = encoder.preprocess(texts)
     params = sum(p.numel() for p in encoder.model.parameters())
-    preallocated, shared_prefix_length = generation.preallocated_cache, generation.shared_prefix_length
-    caches = {"dynamic": lambda model, capacity: DynamicCache(config=model.config), "preallocated": preallocated}
     # (KV cache, linear layers, instruction prefix): the first is where the first session left it
-    variants = [(cache, kernel, "per row") for cache in caches for kernel in ("mkl", "onednn")]
+    variants = [(cache, kernel, "per row") for cache in ("dynamic", "preallocated") for kernel in ("mkl", "onednn")]
     variants.append(("preallocated", "onednn", "shared"))
 
     def rollout(cache: str, kernel: str, prefix: str):
-        generation.preallocated_cache = caches[cache]
-        if prefix == "per row":
-            generation.shared_prefix_length = lambda *_: 0
-        os.environ["GRACE_ST_PACKED_LINEARS"] = "1" if kernel == "onednn" else "0"
-        try:
-            start = time.perf_counter()
-            result = encoder.rollout(features)
-            return time.perf_counter() - start, result
-        finally:
-            generation.preallocated_cache, generation.shared_prefix_length = preallocated, shared_prefix_length
-            os.environ.pop("GRACE_ST_PACKED_LINEARS")
+        encoder.decode_options = DecodeOptions(
+            preallocated_cache=cache == "preallocated", share_prefix=prefix == "shared", packed_linears=kernel == "onednn"
+        )
+        start = time.perf_counter()
+        result = encoder.rollout(features)
+        return time.perf_counter() - start, result
 
     encoder.max_rationale_tokens = args.rationale_tokens
     rollout("preallocated", "onednn", "shared")  # warm-up, and the one-time weight packing

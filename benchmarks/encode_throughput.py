@@ -28,7 +28,11 @@ from pathlib import Path
 import torch
 
 import grace_st
-from grace_st.generation import two_pass_reference
+
+try:
+    from grace_st.second_pass import two_pass_reference
+except ImportError:  # a grace-st from before the second pass had its own module
+    from grace_st.generation import two_pass_reference
 
 try:
     from grace_st.packed_linear import packed_dtypes, packing_enabled

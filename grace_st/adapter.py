@@ -125,3 +125,21 @@ def load_base_and_adapter(adapter_dir: str | os.PathLike, *, merge: bool = True,
     model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False)
     model.eval()
     return model.merge_and_unload() if merge else model
+
+
+def save_adapter(model, output_path: str) -> None:
+    """A PEFT model's adapter alone, in PEFT's format (safetensors); its config names a base that
+    can be found again (a directory, made absolute, or a Hub id)."""
+    config = model.peft_config["default"]
+    base = config.base_model_name_or_path
+    hub_id = isinstance(base, str) and base.count("/") == 1 and not os.path.exists(base)
+    if not base or not (os.path.isdir(base) or hub_id):
+        raise ValueError(
+            f"cannot save this LoRA adapter: its base model {base!r} is neither a directory nor a Hub id; "
+            "save the base model first and load it from there"
+        )
+    if os.path.isdir(base):
+        config.base_model_name_or_path = os.path.abspath(base)
+    model.save_pretrained(output_path, safe_serialization=True)
+    if not os.path.isfile(os.path.join(output_path, ADAPTER_CONFIG)):
+        raise RuntimeError(f"PEFT wrote no {ADAPTER_CONFIG} in {output_path}")

@@ -12,6 +12,11 @@ raises :class:`CacheError`. Nothing is ever overwritten to "repair" it.
 
 Only stdlib ``sqlite3`` and numpy; torch is touched only by :func:`weights_fingerprint`,
 through the model it is given.
+
+Why one file of ~580 lines: the file format is one unit (what a key covers, how an entry is encoded,
+how a foreign or damaged file is recognised, and the SQLite access that relies on both); split, a
+format change would have to be made in several places at once. How an encoder uses the cache is
+:mod:`grace_st.cache_binding`.
 """
 
 from __future__ import annotations

@@ -7,31 +7,33 @@ The saved directory is both a sentence-transformers model and a plain causal-LM 
 trained as a LoRA adapter saves the adapter instead (PEFT's ``adapter_config.json`` and
 ``adapter_model.safetensors``, naming its base): see :mod:`grace_st.adapter`.
 ``modules.json`` names the installed package's class, ``grace_st.encoder.GenerativeEncoder``.
+
+Why one file of ~620 lines: a sentence-transformers module is one class (settings, preprocess,
+forward with one output builder, save/load), and its docstrings carry the user-facing contract.
+What is not the module's own job has a file of its own: the method's decoding loop
+(:mod:`grace_st.generation`) and its speed-ups (:mod:`grace_st.decoding`), the second pass for
+vLLM's rationales (:mod:`grace_st.second_pass`), the rationale cache's wiring
+(:mod:`grace_st.cache_binding`), the mteb name and revision (:mod:`grace_st.mteb_identity`),
+adapters (:mod:`grace_st.adapter`), settings and their checks (:mod:`grace_st.settings`), prompts
+(:mod:`grace_st.prompts`).
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
-from .adapter import ADAPTER_CONFIG, is_adapter_dir, is_peft_model, load_base_and_adapter
-from .cache import (
-    REQUIRED_SETTINGS,
-    CacheEntry,
-    RationaleCache,
-    entry_key,
-    is_deterministic,
-    tensor_change_key,
-    weights_fingerprint,
-)
-from .generation import Rollouts, generate_rollouts, left_pad, pooled_embeddings
+from . import mteb_identity
+from .adapter import is_adapter_dir, is_peft_model, load_base_and_adapter, save_adapter
+from .cache import REQUIRED_SETTINGS, RationaleCache, is_deterministic, tensor_change_key, weights_fingerprint
+from .cache_binding import CacheBinding
+from .decoding import DecodeOptions
+from .generation import Rollouts, generate_rollouts, left_pad, pad_rationales
 from .pooling import masked_mean
 from .prompts import (
     DEFAULT_INSTRUCTIONS,
@@ -41,6 +43,7 @@ from .prompts import (
     text_problem,
     tokenize_texts,
 )
+from .second_pass import pooled_embeddings
 from .settings import RULES, check_settings, for_prompt_type, plain, read_settings_file
 
 try:  # sentence-transformers 6.x
@@ -60,30 +63,6 @@ def _hub_kwargs(token, cache_folder, revision, local_files_only, trust_remote_co
     if subfolder:
         kwargs["subfolder"] = subfolder
     return kwargs
-
-
-def _model_id(name_or_path: str) -> str:
-    """A Hub id stays as it is, and so does a snapshot of one in the Hugging Face cache
-    (``.../models--org--name/snapshots/<commit>`` is ``org/name``); a local directory becomes
-    ``local/<directory name>`` (mteb wants an ``organisation/name`` shape)."""
-    from .hub import snapshot_repo
-
-    snapshot = snapshot_repo(name_or_path)
-    if snapshot is not None:
-        return snapshot[0] if snapshot[0].count("/") == 1 else f"local/{snapshot[0]}"
-    if os.path.isdir(name_or_path) or name_or_path.count("/") != 1:
-        return f"local/{os.path.basename(os.path.abspath(name_or_path)) or 'grace-model'}"
-    return name_or_path
-
-
-def _pad_rationales(groups: list[list[list[int]]], repeats: int) -> Tensor:
-    """(texts, repeats, longest) rationale ids, -1 after each rationale's end."""
-    width = max((len(ids) for group in groups for ids in group), default=0)
-    padded = torch.full((len(groups), repeats, width), -1, dtype=torch.long)
-    for i, group in enumerate(groups):
-        for k, ids in enumerate(group):
-            padded[i, k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return padded
 
 
 class GenerativeEncoder(InputModule):
@@ -178,13 +157,15 @@ class GenerativeEncoder(InputModule):
         for name, value in plain(settings).items():
             setattr(self, name, value)
         # What evaluation libraries call this model when it has no Hub id (see describe_for_mteb).
-        self.model_id = _model_id(model_name_or_path or getattr(model, "name_or_path", "") or "grace-model")
+        name = model_name_or_path or getattr(model, "name_or_path", "") or "grace-model"
+        self.model_id = mteb_identity.model_id(name)
         self._described: tuple[str | None, str | None] = (None, None)
-        self._cache_path: str | None = None
-        self._cache: tuple[int, RationaleCache] | None = None  # (process id, open cache)
+        self._rationale_cache: CacheBinding | None = None
         self._fingerprint: tuple[tuple, str] | None = None  # (parameter versions, weights fingerprint)
         self._source_path = model_name_or_path if model_name_or_path and os.path.isdir(model_name_or_path) else None
         self._vllm = None
+        # How rollouts feed the model (grace_st.decoding): speed only, so not a saved setting.
+        self.decode_options = DecodeOptions()
         self._templates: dict[str, PromptTemplate] = {}
         # instruction text -> prompt type, for prompts that are our own instructions (see on_model_ready)
         self._instruction_prompts = {text: kind for kind, text in self.instructions.items()}
@@ -290,47 +271,13 @@ class GenerativeEncoder(InputModule):
         self.describe_for_mteb(model)
 
     def revision(self) -> str:
-        """The weights' fingerprint and a hash of the current settings: what determines an embedding."""
-        if self.weights_revision is None:
-            self.weights_revision = self.weights_key()[:16]
-        # merge_adapter changes how the weights are held, not what they compute
-        settings = {k: v for k, v in self.get_config_dict().items() if k not in ("weights_revision", "merge_adapter")}
-        digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
-        return f"{self.weights_revision}-{digest}"
+        """What mteb files results under besides the name (:func:`grace_st.mteb_identity.revision`)."""
+        return mteb_identity.revision(self)
 
     def describe_for_mteb(self, model) -> None:
-        """Give a model with no Hub id a name and revision in its model card data, which is where
-        mteb reads them: results are filed under ``local/<directory>`` and a revision that changes
-        with the weights or the settings, so a new checkpoint is not mistaken for a cached one.
-        A Hub-loaded model (a snapshot in the Hugging Face cache) is filed under its repository id
-        and commit, the commit even where the revision asked for was a branch or tag; settings
-        changed at run time add a hash of them to the commit. Call again after changing settings
-        at run time (``grace-st eval`` does)."""
-        from .hub import snapshot_repo
-
-        card = model.model_card_data
-        ours_name, ours_revision = self._described
-        snapshot = snapshot_repo(self._source_path)
-        if snapshot is not None:
-            commit, current = snapshot[1], self.revision()
-            saved = getattr(self, "_snapshot_revision", None)  # the settings it was saved with (see load)
-            revision = commit
-            if saved not in (None, current):
-                revision = f"{commit}-{hashlib.sha256(current.encode()).hexdigest()[:8]}"
-            if card.model_name in (None, ours_name):
-                card.model_name = self.model_id
-            # the first time, sentence-transformers' value (None, or a branch name) gives way to the commit
-            if self._described == (None, None) or card.base_model_revision == ours_revision:
-                card.base_model_revision = revision
-            self._described = (card.model_name, card.base_model_revision)
-            return
-        if card.base_model and ours_name is None:  # loaded from the Hub: its id and commit stand
-            return
-        if card.model_name in (None, ours_name):
-            card.model_name = self.model_id
-        if card.base_model_revision in (None, ours_revision):
-            card.base_model_revision = self.revision()
-        self._described = (card.model_name, card.base_model_revision)
+        """Name and revision in ``model``'s card data (:func:`grace_st.mteb_identity.describe_for_mteb`).
+        Call again after changing settings at run time (``grace-st eval`` does)."""
+        mteb_identity.describe_for_mteb(self, model)
 
     # -- the rationale cache ------------------------------------------------------------------
 
@@ -344,27 +291,24 @@ class GenerativeEncoder(InputModule):
         states, so with a cache the outputs carry no ``token_embeddings``. Not a saved setting:
         a cache file belongs to a machine, not to the model.
         """
-        if self._cache is not None and self._cache[0] == os.getpid():
-            self._cache[1].close()
-        self._cache_path = os.fspath(path) if path is not None else None
-        self._cache = None
-        if self._cache_path is not None:
-            self._open_cache()  # a corrupt or foreign file is reported now, not at the first encode
+        if self._rationale_cache is not None:
+            self._rationale_cache.close()
+            self._rationale_cache = None
+        if path is not None:
+            # a corrupt or foreign file is refused now, not at the first encode
+            self._rationale_cache = CacheBinding(path)
 
     def _open_cache(self) -> RationaleCache:
-        # A sqlite connection must not cross a fork or a pickle: each process opens its own.
-        if self._cache is None or self._cache[0] != os.getpid():
-            self._cache = (os.getpid(), RationaleCache(self._cache_path))
-        return self._cache[1]
+        return self._rationale_cache.connection()
 
     def __getstate__(self) -> dict:
-        # An open cache connection or a GPU engine does not travel to another process.
+        # A GPU engine does not travel to another process (nor does a cache connection: CacheBinding).
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        return {**state, "_cache": None, "_vllm": None}
+        return {**state, "_vllm": None}
 
     def use_vllm(self, model_path: str | os.PathLike | None = None, **vllm_kwargs: Any) -> None:
         """Write rationales with vLLM (GPU, ``pip install "grace-st[vllm]"``) and pool them with one
-        HF forward pass (:func:`grace_st.generation.pooled_embeddings`); :meth:`use_hf` switches back.
+        HF forward pass (:func:`grace_st.second_pass.pooled_embeddings`); :meth:`use_hf` switches back.
         Under greedy decoding the embeddings equal the HF backend's within
         floating-point tolerance. ``model_path`` defaults to the directory this module was
         loaded from; ``vllm_kwargs`` go to :class:`grace_st.vllm_backend.VLLMRationaleGenerator`
@@ -416,12 +360,8 @@ class GenerativeEncoder(InputModule):
         instruction = self.instruction_for(task, prompt)
         cache_keys = None
         settings = self.generation_settings(kind)
-        if self._cache_path is not None and is_deterministic(settings):
-            weights = self.weights_key()
-            cache_keys = [
-                entry_key(weights, instruction, text, {**settings, "prompt_token_ids": row})
-                for text, row in zip(texts, rows)
-            ]
+        if self._rationale_cache is not None and is_deterministic(settings):
+            cache_keys = CacheBinding.keys(self.weights_key(), instruction, texts, rows, settings)
         repeats = settings["num_rationales"]
         rows = [row for row in rows for _ in range(repeats)]
         input_ids, attention_mask = left_pad(rows, self.pad_token_id)
@@ -485,7 +425,7 @@ class GenerativeEncoder(InputModule):
         limit each text's rationale had.
         """
         if "cache_keys" in features:
-            return self._forward_cached(features)
+            return self._rationale_cache.forward(self, features)
         return self.embed(features)
 
     def embed(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -511,7 +451,7 @@ class GenerativeEncoder(InputModule):
         return self._output(
             features,
             pooled.view(len(grouped), repeats, -1).mean(1),
-            _pad_rationales(grouped, repeats),
+            pad_rationales(grouped, repeats),
             torch.tensor(truncated).view(len(grouped), repeats),
         )
 
@@ -530,38 +470,7 @@ class GenerativeEncoder(InputModule):
             top_p=self.top_p,
             seeds=features["rationale_seeds"].tolist() if "rationale_seeds" in features else None,
             hidden_layer=self.hidden_layer,
-        )
-
-    def _forward_cached(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
-        """:meth:`forward` through the rationale cache: generate only the texts it lacks."""
-        cache, keys = self._open_cache(), features["cache_keys"]
-        budget, repeats = self._plan(features)
-        found = cache.get_many(keys)
-        missing = [i for i, key in enumerate(keys) if key not in found or found[key].embedding is None]
-        if missing:
-            rows = torch.tensor(
-                [i * repeats + k for i in missing for k in range(repeats)], device=features["input_ids"].device
-            )
-            names = ("input_ids", "attention_mask", "instruction_lengths", "rationale_seeds")
-            subset = {name: features[name][rows] for name in names if name in features}
-            subset.update(rationale_budget=budget, num_rationales=repeats)
-            out = self.embed(subset)
-            fresh = {
-                keys[i]: CacheEntry(
-                    rationale_ids=[[t for t in row if t >= 0] for row in out["rationale_token_ids"][j].tolist()],
-                    truncated=[bool(t) for t in out["rationale_truncated"][j].tolist()],
-                    embedding=out["sentence_embedding"][j].float().cpu().numpy(),
-                )
-                for j, i in enumerate(missing)
-            }
-            cache.put_many(fresh)
-            found.update(fresh)
-        entries = [found[key] for key in keys]
-        return self._output(
-            features,
-            torch.from_numpy(np.stack([entry.embedding for entry in entries])),
-            _pad_rationales([entry.rationale_ids for entry in entries], repeats),
-            torch.tensor([entry.truncated for entry in entries]),
+            options=self.decode_options,
         )
 
     def pool(self, features: dict[str, Tensor], rollouts) -> dict[str, Tensor]:
@@ -616,27 +525,11 @@ class GenerativeEncoder(InputModule):
             raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
         self.weights_revision = self.weights_key()[:16]
         if is_peft_model(self.model):
-            self._save_adapter(output_path)
+            save_adapter(self.model, output_path)
         else:
             self.model.save_pretrained(output_path)
         self.tokenizer.save_pretrained(output_path)
         self.save_config(output_path)
-
-    def _save_adapter(self, output_path: str) -> None:
-        """The adapter alone, in PEFT's format; its config names a base that can be found again."""
-        config = self.model.peft_config["default"]
-        base = config.base_model_name_or_path
-        hub_id = isinstance(base, str) and base.count("/") == 1 and not os.path.exists(base)
-        if not base or not (os.path.isdir(base) or hub_id):
-            raise ValueError(
-                f"cannot save this LoRA adapter: its base model {base!r} is neither a directory nor a Hub id; "
-                "save the base model first and load it from there"
-            )
-        if os.path.isdir(base):
-            config.base_model_name_or_path = os.path.abspath(base)
-        self.model.save_pretrained(output_path, safe_serialization=True)
-        if not os.path.isfile(os.path.join(output_path, ADAPTER_CONFIG)):
-            raise RuntimeError(f"PEFT wrote no {ADAPTER_CONFIG} in {output_path}")
 
     @classmethod
     def load_config(

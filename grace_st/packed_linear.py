@@ -19,13 +19,13 @@ Costs and limits, all deliberate:
 - the first packing in a process is checked against ``F.linear``; a kernel that disagrees, or
   a PyTorch without the operator, switches packing off with a warning.
 
-``GRACE_ST_PACKED_LINEARS=0`` turns it off.
+``packed_linears(model, enabled=False)`` does nothing; rollouts pass
+``DecodeOptions.packed_linears`` (:mod:`grace_st.decoding`) there.
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -43,8 +43,9 @@ _kernel_ok: bool | None = None  # None until the first packing in this process h
 
 
 def packing_enabled() -> bool:
-    """Whether :func:`packed_linears` packs anything here: the switch, and a PyTorch with oneDNN's operators."""
-    if os.environ.get("GRACE_ST_PACKED_LINEARS", "1") == "0" or _kernel_ok is False:
+    """Whether :func:`packed_linears` can pack anything here: a PyTorch with oneDNN's operators
+    whose kernel passed its check (or was not checked yet)."""
+    if _kernel_ok is False:
         return False
     return (
         torch.backends.mkldnn.is_available()
@@ -112,14 +113,14 @@ def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
 
 
 @contextlib.contextmanager
-def packed_linears(model: nn.Module) -> Iterator[None]:
+def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Run ``model``'s CPU float32 (and bfloat16) linear layers on oneDNN-packed weights inside the block.
 
-    Does nothing while autograd is on, on other devices and dtypes, or when
+    Does nothing unless ``enabled``, while autograd is on, on other devices and dtypes, or when
     :func:`packing_enabled` says no. Weights are packed on first use and reused until they change.
     """
     global _kernel_ok
-    if torch.is_grad_enabled() or not packing_enabled():
+    if not enabled or torch.is_grad_enabled() or not packing_enabled():
         yield
         return
     if _kernel_ok is None:

@@ -9,7 +9,7 @@ and so are the embeddings, up to floating point.
   after it excluded), the EOS id that ended each (−1 where none did) and truncation flags
   (Eq. 28) out. The encoder's vLLM path and the trainer's vLLM rollouts
   (``grace_training.vllm_backend``) both generate through it.
-- :func:`pooled_embeddings` (from :mod:`grace_st.generation`): the HF pass and Eq. 3 pooling
+- :func:`pooled_embeddings` (from :mod:`grace_st.second_pass`): the HF pass and Eq. 3 pooling
   over given rationales.
 
 ``import grace_st.vllm_backend`` never needs vLLM; only constructing the generator does.
@@ -20,7 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from .generation import per_row, pooled_embeddings
+from .generation import per_row
+from .second_pass import pooled_embeddings
 
 __all__ = ["INSTALL_HINT", "GeneratedRationales", "VLLMRationaleGenerator", "pooled_embeddings"]
 
@@ -126,22 +127,9 @@ class VLLMRationaleGenerator:
             # what generate_rollouts reports: nothing generated, nothing truncated
             return GeneratedRationales([[] for _ in prompts], [-1] * len(prompts), [False] * len(prompts))
 
-        sampling_params = _sampling_params_class()
         params = [
-            sampling_params(
-                n=1,
-                # temperature 0 is vLLM's greedy decoding (top-p and the seed are then unused)
-                temperature=temperatures[i],
-                top_p=float(top_p) if temperatures[i] > 0 else 1.0,
-                seed=int(seeds[i]) % 2**63 if temperatures[i] > 0 and seeds is not None else None,
-                max_tokens=max_new_tokens,
-                # Stop on exactly our EOS set, as the HF backend does: ignore_eos drops vLLM's own
-                # choice (the tokenizer's EOS plus generation_config's), stop_token_ids still apply.
-                stop_token_ids=stop,
-                ignore_eos=True,
-                detokenize=False,
-            )
-            for i in range(len(prompts))
+            _sampling_params(t, top_p, None if seeds is None else seeds[i], max_new_tokens, stop)
+            for i, t in enumerate(temperatures)
         ]
         outputs = self.llm.generate(
             [{"prompt_token_ids": row} for row in prompts],  # a vllm.inputs.TokensPrompt
@@ -150,28 +138,43 @@ class VLLMRationaleGenerator:
         )
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-
-        stop_set = set(stop)
         result = GeneratedRationales([], [], [])
         for index, output in enumerate(outputs):
-            completion = output.outputs[0]
-            tokens = [int(token) for token in completion.token_ids]
-            # vLLM keeps the stop token in token_ids; cutting at the first one is right either way.
-            cut = next((i for i, token in enumerate(tokens) if token in stop_set), None)
-            reason = completion.finish_reason
-            if cut is not None:
-                result.rationale_ids.append(tokens[:cut])
-                result.stop_ids.append(tokens[cut])
-                result.truncated.append(False)
-            elif reason == "stop":  # ended by a stop token vLLM did not return: not cut, EOS id unknown
-                result.rationale_ids.append(tokens)
-                result.stop_ids.append(-1)
-                result.truncated.append(False)
-            elif reason == "length":
-                result.rationale_ids.append(tokens)
-                result.stop_ids.append(-1)
-                result.truncated.append(True)
-            else:
-                raise RuntimeError(f"vLLM ended prompt {index} with finish_reason={reason!r}")
+            ids, stop_id, truncated = _read_completion(index, output.outputs[0], set(stop))
+            result.rationale_ids.append(ids)
+            result.stop_ids.append(stop_id)
+            result.truncated.append(truncated)
         return result
+
+
+def _sampling_params(temperature: float, top_p: float, seed: int | None, max_new_tokens: int, stop: list[int]):
+    """One row's vLLM ``SamplingParams``."""
+    return _sampling_params_class()(
+        n=1,
+        # temperature 0 is vLLM's greedy decoding (top-p and the seed are then unused)
+        temperature=temperature,
+        top_p=float(top_p) if temperature > 0 else 1.0,
+        seed=int(seed) % 2**63 if temperature > 0 and seed is not None else None,
+        max_tokens=max_new_tokens,
+        # Stop on exactly our EOS set, as the HF backend does: ignore_eos drops vLLM's own
+        # choice (the tokenizer's EOS plus generation_config's), stop_token_ids still apply.
+        stop_token_ids=stop,
+        ignore_eos=True,
+        detokenize=False,
+    )
+
+
+def _read_completion(index: int, completion, stop: set[int]) -> tuple[list[int], int, bool]:
+    """(rationale ids, the EOS id that ended it or -1, truncated) of one vLLM completion."""
+    tokens = [int(token) for token in completion.token_ids]
+    # vLLM keeps the stop token in token_ids; cutting at the first one is right either way.
+    cut = next((i for i, token in enumerate(tokens) if token in stop), None)
+    reason = completion.finish_reason
+    if cut is not None:
+        return tokens[:cut], tokens[cut], False
+    if reason == "stop":  # ended by a stop token vLLM did not return: not cut, EOS id unknown
+        return tokens, -1, False
+    if reason == "length":
+        return tokens, -1, True
+    raise RuntimeError(f"vLLM ended prompt {index} with finish_reason={reason!r}")
 

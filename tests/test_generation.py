@@ -4,8 +4,9 @@ import pytest
 import torch
 from conftest import PROMPT_TEXTS, make_prompts, one_pass_rollouts
 
-from grace_st.generation import two_pass_reference
+from grace_st.decoding import DecodeOptions
 from grace_st.pooling import masked_mean
+from grace_st.second_pass import two_pass_reference
 
 TEXTS = PROMPT_TEXTS
 
@@ -17,10 +18,10 @@ def _rationales(rollouts):
 @pytest.mark.parametrize("template_name", ["chatml", "llama3", "no_system"])
 @pytest.mark.parametrize("max_new_tokens", [0, 1, 12])
 @pytest.mark.parametrize("packed", ["1", "0"], ids=["onednn", "mkl"])  # grace_st.packed_linear on and off
-def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens, packed, monkeypatch):
-    monkeypatch.setenv("GRACE_ST_PACKED_LINEARS", packed)
+def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens, packed):
     tokenizer, model, rows, spans = make_prompts(template_name)
-    rollouts = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens)
+    options = DecodeOptions(packed_linears=packed == "1")
+    rollouts = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, options=options)
     reference, reference_rationales = two_pass_reference(
         model,
         rows,
@@ -28,6 +29,7 @@ def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens, packe
         max_new_tokens=max_new_tokens,
         eos_token_ids=[tokenizer.eos_token_id],
         pad_token_id=tokenizer.pad_token_id,
+        packed_linears=packed == "1",
     )
     assert _rationales(rollouts) == reference_rationales
     one_pass = masked_mean(rollouts.token_embeddings, rollouts.pooling_mask)
@@ -117,8 +119,8 @@ def test_dropping_finished_rows_changes_nothing(do_sample):
     # stop tokens that end rows 0 and 2 early, at different steps, so rows leave the batch
     stops = [tokenizer.eos_token_id, _rationales(free)[0][2], _rationales(free)[2][5]]
     kwargs = dict(eos=stops, **decoding)
-    dropped = one_pass_rollouts(model, tokenizer, rows, spans, 10, drop_finished=True, **kwargs)
-    kept = one_pass_rollouts(model, tokenizer, rows, spans, 10, drop_finished=False, **kwargs)
+    dropped = one_pass_rollouts(model, tokenizer, rows, spans, 10, options=DecodeOptions(drop_finished=True), **kwargs)
+    kept = one_pass_rollouts(model, tokenizer, rows, spans, 10, options=DecodeOptions(drop_finished=False), **kwargs)
     assert _rationales(dropped) == _rationales(kept)
     assert not dropped.truncated.all()
     assert torch.equal(dropped.pooling_mask, kept.pooling_mask) and torch.equal(dropped.stop_ids, kept.stop_ids)
@@ -131,7 +133,8 @@ def test_dropping_finished_rows_changes_nothing(do_sample):
 
 
 def test_shared_prefix_length_stops_at_the_first_difference_and_at_its_caps():
-    from grace_st.generation import left_pad, shared_prefix_length
+    from grace_st.decoding import shared_prefix_length
+    from grace_st.generation import left_pad
 
     ids, mask = left_pad([[5, 6, 7, 8, 9], [5, 6, 7, 1], [5, 6, 2, 3, 4, 4]], 0)
     assert shared_prefix_length(ids, mask, torch.tensor([4, 4, 4])) == 2  # rows part after 5, 6
@@ -150,7 +153,8 @@ def test_shared_prefix_length_stops_at_the_first_difference_and_at_its_caps():
 @pytest.mark.parametrize("hidden_layer", [-1, 1])
 @pytest.mark.parametrize("mixed", [False, True], ids=["one_instruction", "two_instructions"])
 def test_a_shared_instruction_prefix_computed_once_changes_nothing(max_new_tokens, hidden_layer, mixed):
-    from grace_st.generation import left_pad, shared_prefix_length
+    from grace_st.decoding import shared_prefix_length
+    from grace_st.generation import left_pad
     from grace_st.prompts import build_prompt_template, tokenize_texts
 
     tokenizer, model, rows, spans = make_prompts()
@@ -162,8 +166,10 @@ def test_a_shared_instruction_prefix_computed_once_changes_nothing(max_new_token
     shared = shared_prefix_length(ids, mask, torch.tensor(spans))
     assert 0 < shared < min(spans) if mixed else shared == min(spans)
     kwargs = dict(hidden_layer=hidden_layer, do_sample=True, seeds=[3, 1, 4, 1])
-    once = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, share_prefix=True, **kwargs)
-    per_row = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, share_prefix=False, **kwargs)
+    once = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, options=DecodeOptions(share_prefix=True), **kwargs)
+    per_row = one_pass_rollouts(
+        model, tokenizer, rows, spans, max_new_tokens, options=DecodeOptions(share_prefix=False), **kwargs
+    )
     assert torch.equal(once.rationale_ids, per_row.rationale_ids)
     assert torch.equal(once.pooling_mask, per_row.pooling_mask)
     real = once.attention_mask.bool()  # padding columns carry no state worth comparing
@@ -171,3 +177,23 @@ def test_a_shared_instruction_prefix_computed_once_changes_nothing(max_new_token
     prompt = slice(0, once.attention_mask.shape[1] - once.rationale_ids.shape[1])
     for rollouts in (once, per_row):
         assert (rollouts.token_embeddings[:, prompt][~real[:, prompt]] == 0).all()
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("max_new_tokens", [0, 10])
+def test_the_plain_loop_and_every_optimisation_agree(do_sample, max_new_tokens):
+    """DecodeOptions.plain() is textbook incremental decoding with a DynamicCache; the default turns on
+    all four optimisations of grace_st.decoding at once (rows finishing early, so some are dropped)."""
+    tokenizer, model, rows, spans = make_prompts()
+    decoding = dict(do_sample=do_sample, seeds=[5, 6, 7, 8] if do_sample else None)
+    free = one_pass_rollouts(model, tokenizer, rows, spans, 10, **decoding)
+    stops = [tokenizer.eos_token_id, _rationales(free)[1][1], _rationales(free)[3][4]]
+    plain = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, stops, options=DecodeOptions.plain(), **decoding)
+    fast = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, stops, options=DecodeOptions(), **decoding)
+    assert torch.equal(plain.rationale_ids, fast.rationale_ids)
+    assert torch.equal(plain.pooling_mask, fast.pooling_mask) and torch.equal(plain.stop_ids, fast.stop_ids)
+    assert torch.equal(plain.truncated, fast.truncated) and (max_new_tokens == 0 or not fast.truncated.all())
+    torch.testing.assert_close(
+        masked_mean(fast.token_embeddings, fast.pooling_mask), masked_mean(plain.token_embeddings, plain.pooling_mask),
+        atol=1e-5, rtol=1e-4,
+    )

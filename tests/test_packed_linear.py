@@ -8,7 +8,8 @@ import torch
 from conftest import make_prompts, one_pass_rollouts
 
 from grace_st import packed_linear
-from grace_st.generation import left_pad, preallocated_cache
+from grace_st.decoding import DecodeOptions, preallocated_cache
+from grace_st.generation import left_pad
 from grace_st.packed_linear import packed_linears, packing_enabled
 
 needs_packing = pytest.mark.skipif(not packing_enabled(), reason="this PyTorch has no oneDNN packed linear operators")
@@ -39,9 +40,9 @@ def test_packed_layers_match_pytorch_and_are_restored():
 def test_rollouts_with_packing_equal_rollouts_without(monkeypatch):
     tokenizer, model, rows, spans = make_prompts()
     packed = one_pass_rollouts(model, tokenizer, rows, spans, 8)
-    monkeypatch.setenv("GRACE_ST_PACKED_LINEARS", "0")
-    assert not packing_enabled()
-    plain = one_pass_rollouts(model, tokenizer, rows, spans, 8)
+    with torch.no_grad(), packed_linears(model, enabled=False):
+        assert _swapped(model) == []
+    plain = one_pass_rollouts(model, tokenizer, rows, spans, 8, options=DecodeOptions(packed_linears=False))
     assert torch.equal(packed.rationale_ids, plain.rationale_ids)
     torch.testing.assert_close(packed.token_embeddings, plain.token_embeddings, atol=1e-5, rtol=1e-5)
 

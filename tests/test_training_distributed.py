@@ -200,7 +200,7 @@ def test_fsdp_with_hf_rollouts_on_several_processes_is_refused():
 
     from accelerate.utils import DistributedType
     from grace_training.config import ConfigError, GRPOConfig
-    from grace_training.trainer import _check_sharding
+    from grace_training.processes import check_sharding as _check_sharding
 
     fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=8)
     with pytest.raises(ConfigError, match="rollout_backend: hf cannot run under FSDP"):

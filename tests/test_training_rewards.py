@@ -119,3 +119,18 @@ def test_negatives_cancel_in_paper_mode_only(mode, cancels):
     first = group_advantages(compute_rewards(Q, P, N, None, TRUNCATED, mode=mode)["final"])
     second = group_advantages(compute_rewards(Q, P, other_negatives, None, TRUNCATED, mode=mode)["final"])
     assert torch.allclose(first, second, atol=1e-6) is cancels
+
+
+def test_the_config_names_exactly_the_stages_keyword_arguments():
+    """GRPOConfig.rollout_settings / reward_settings feed asymmetric_rollouts and compute_rewards:
+    every key they give is a keyword of the stage, and every config-owned keyword is given."""
+    import inspect
+
+    from grace_training.config import GRPOConfig
+    from grace_training.rollout import asymmetric_rollouts
+
+    config = GRPOConfig()
+    per_call = {"step", "generate", "instance_offset", "all_queries", "all_positives", "own_index"}
+    for stage, settings in ((asymmetric_rollouts, config.rollout_settings()), (compute_rewards, config.reward_settings())):
+        keywords = {p.name for p in inspect.signature(stage).parameters.values() if p.kind is p.KEYWORD_ONLY}
+        assert set(settings) == keywords - per_call

@@ -8,7 +8,13 @@ import pytest
 import torch
 from conftest import CORPUS, make_st_model
 from grace_training.data import Triplet
-from grace_training.rollout import asymmetric_rollouts, embed_rollouts, hf_generate, tokenize_prompts
+from grace_training.rollout import (
+    RolloutRequest,
+    asymmetric_rollouts,
+    embed_rollouts,
+    hf_generate,
+    tokenize_prompts,
+)
 from grace_training.vllm_backend import VLLMRolloutEngine, vllm_available
 
 TRIPLETS = [
@@ -55,9 +61,9 @@ def test_a_step_makes_one_generation_call_with_each_roles_temperature(model):
 
     calls = []
 
-    def spy(prompts, spans, **kwargs):
-        calls.append(kwargs["temperature"])
-        return hf_generate(model[0], prompts, spans, **kwargs)
+    def spy(request):
+        calls.append(request.temperatures)
+        return hf_generate(model[0], request)
 
     r = rollouts(model, step=2, generate=spy)
     assert calls == [[0.5] * 2 + [0.5] * 3 + [1.0] * 6]  # queries, negatives, positives (K = 3)
@@ -88,7 +94,7 @@ def test_two_pass_embeddings_match_generation_states(model):
     encoder = model[0]
     prompts, spans = tokenize_prompts(encoder, [CORPUS[0], CORPUS[2]], "document")
     rationales, _, embeddings, _ = hf_generate(
-        encoder, prompts, spans, temperature=1.0, top_p=1.0, max_new_tokens=6, seeds=[1, 2]
+        encoder, RolloutRequest(prompts, spans, temperatures=1.0, top_p=1.0, max_new_tokens=6, seeds=[1, 2])
     )
     again = embed_rollouts(encoder, prompts, spans, rationales)
     torch.testing.assert_close(again, embeddings, atol=1e-5, rtol=1e-5)
@@ -132,7 +138,7 @@ def test_vllm_engine_contract_with_a_stand_in(model, monkeypatch):
     engine = VLLMRolloutEngine(encoder, llm=llm)
     prompts, spans = tokenize_prompts(encoder, [CORPUS[0], CORPUS[1]], "document")
     rationales, stops, embeddings, truncated = engine.generate(
-        prompts, spans, temperature=[0.7, 0.0], top_p=0.9, max_new_tokens=3, seeds=[1, 2]
+        RolloutRequest(prompts, spans, temperatures=[0.7, 0.0], top_p=0.9, max_new_tokens=3, seeds=[1, 2])
     )
     assert rationales == [[40, 41], [42, 43, 44]] and stops == [eos, -1] and truncated.tolist() == [False, True]
     # one request, a temperature a row: the greedy row gets no seed and no top-p
@@ -153,7 +159,7 @@ def test_vllm_engine_generates_on_gpu(tmp_path, model):  # pragma: no cover - ne
     engine = VLLMRolloutEngine(model[0], str(tmp_path), gpu_memory_utilization=0.2)
     prompts, spans = tokenize_prompts(model[0], [CORPUS[0]], "document")
     rationales, _, embeddings, _ = engine.generate(
-        prompts, spans, temperature=0.0, top_p=1.0, max_new_tokens=4, seeds=[0]
+        RolloutRequest(prompts, spans, temperatures=0.0, top_p=1.0, max_new_tokens=4, seeds=[0])
     )
     assert len(rationales) == 1 and embeddings.shape == (1, 32)
     engine.sync_from(model[0].model)

@@ -23,6 +23,9 @@ complete copy of the step sits where recovery keeps it.
 
 Loading checks what it can before touching the model (:func:`check_checkpoint`) and raises
 :class:`CheckpointError` naming the file for anything unreadable.
+
+Why one file of ~400 lines: writing, verifying, loading and rotating checkpoints are one atomicity
+contract (what is written in which order is what loading checks), kept in one place.
 """
 
 from __future__ import annotations

@@ -20,8 +20,7 @@ from typing import Any
 
 from .checkpoint import CheckpointError
 from .config import ConfigError, GRPOConfig, LaunchError, check_batches, check_environment, check_launch, locate
-from .data import load_data
-from .trainer import _cap_per_source
+from .data import cap_per_source, load_data
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,27 +62,10 @@ def plan(config: GRPOConfig, sample: int = 256) -> dict[str, Any]:
     import grace_st
     from grace_st.prompts import build_prompt_template, tokenize_texts
 
-    rows, issues = load_data(
-        config.train_data,
-        bad_rows=config.bad_rows,
-        data_dir=config.data_dir,
-        num_negatives=config.num_negatives,
-        seed=config.seed,
-        objective=config.objective,
-    )
+    rows, issues = load_data(config.train_data, objective=config.objective, **config.data_settings())
     # the real run refuses it at the same point, before the model; WORLD_SIZE is set under `accelerate launch`
     check_batches(config, len(rows), int(os.environ.get("WORLD_SIZE", "1")))
-    eval_rows, eval_issues = (
-        load_data(
-            config.eval_data,
-            bad_rows=config.bad_rows,
-            data_dir=config.data_dir,
-            num_negatives=config.num_negatives,
-            seed=config.seed,
-        )
-        if config.eval_data
-        else ([], [])
-    )
+    eval_rows, eval_issues = load_data(config.eval_data, **config.data_settings()) if config.eval_data else ([], [])
     model_path = config.model_name_or_path or grace_st.default_model_path(trained=False)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     instructions = _instructions(model_path)
@@ -119,7 +101,7 @@ def plan(config: GRPOConfig, sample: int = 256) -> dict[str, Any]:
         "instances": len(rows),
         "instances_by_source": sources,
         "bad_rows": len(issues) + len(eval_issues),
-        "eval_instances": len(_cap_per_source(eval_rows, config.eval_max_examples, config.seed)),
+        "eval_instances": len(cap_per_source(eval_rows, config.eval_max_examples, config.seed)),
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total,
         "rollouts_per_step": rollouts,

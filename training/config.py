@@ -3,6 +3,9 @@
 A YAML file holds the same keys (``training/configs/paper.yaml`` is the paper's run); the CLI
 overrides any key with ``key=value``. Paper values that differ between the paper's text and
 its reference code are noted where they are set.
+
+Why one file of ~530 lines: each key's type, default and range rule sit together (``RULES`` beside
+the dataclass), and the rules that tie keys together beside them, so a new key is added in one place.
 """
 
 from __future__ import annotations
@@ -46,6 +49,8 @@ class GRPOConfig:
     base_model: str | None = None  # Hub id named on model cards (default: model_name_or_path if a Hub id)
     query_task: str = "query"  # which of the encoder's instructions P(·) wraps queries in
     document_task: str = "document"  # ... positives and negatives; "default" for symmetric data
+    # The encoder's max_input_tokens and max_rationale_tokens under the names of the paper's code
+    # (the saved model encodes with them); YAML files keep these keys.
     max_prompt_tokens: int = 1024  # paper: prompt ≤ 1024 tokens
     max_response_tokens: int = 2048  # paper: rationale ≤ 2048 tokens in training
 
@@ -193,6 +198,23 @@ class GRPOConfig:
         import yaml
 
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
+
+    def data_settings(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`grace_training.data.load_data` this config sets."""
+        return {name: getattr(self, name) for name in ("bad_rows", "data_dir", "num_negatives", "seed")}
+
+    def rollout_settings(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`grace_training.rollout.asymmetric_rollouts` this config sets (Eq. 4)."""
+        names = ("num_rollouts", "num_negatives", "seed", "temperature_query", "temperature_negative",
+                 "temperature_positive", "top_p", "query_task", "document_task")
+        return {"max_new_tokens": self.max_response_tokens, **{name: getattr(self, name) for name in names}}
+
+    def reward_settings(self) -> dict[str, Any]:
+        """The keyword arguments of :func:`grace_training.rewards.compute_rewards` this config sets
+        (Eqs. 5–9, 13, 28)."""
+        names = ("objective", "lambda_consistency", "lambda_hard_negative", "tau", "gamma", "length_penalty_mode",
+                 "length_penalty_units")
+        return {"mode": self.reward_mode, **{name: getattr(self, name) for name in names}}
 
     def summary(self) -> dict[str, Any]:
         """The settings worth a line on a model card (flat, JSON-friendly)."""

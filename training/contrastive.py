@@ -63,7 +63,6 @@ def infonce_dataset(rows: list[Triplet]):
 
 def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] | None = None) -> Path:
     """Fine-tune with MNRL on ``config.train_data``; returns ``<output_dir>/final`` (a GRACE model directory)."""
-    from grace_st.model_cards import write_model_card
     from sentence_transformers import (
         SentenceTransformer,
         SentenceTransformerTrainer,
@@ -81,13 +80,7 @@ def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] |
         model = load_grace_model(config, "cuda" if torch.cuda.is_available() else "cpu")
     encoder = model[0]
     if train_data is None:
-        train_data, _ = load_data(
-            config.train_data,
-            bad_rows=config.bad_rows,
-            data_dir=config.data_dir,
-            num_negatives=config.num_negatives,
-            seed=config.seed,
-        )
+        train_data, _ = load_data(config.train_data, **config.data_settings())
     settings = {key: getattr(encoder, key) for key in ("instructions", "hidden_layer")}
     # Shares the LM object with `model`: training it trains the model that is saved below.
     trainable = PromptPoolingEncoder(
@@ -100,6 +93,22 @@ def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] |
     st = SentenceTransformer(modules=[trainable, Normalize()], device=str(next(encoder.model.parameters()).device))
     loss = MultipleNegativesRankingLoss(st, scale=1.0 / config.infonce_temperature)
     output = Path(config.output_dir)
+    arguments = _trainer_arguments(config, output)
+    known = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
+    args = SentenceTransformerTrainingArguments(**{k: v for k, v in arguments.items() if k in known})
+    trainer = SentenceTransformerTrainer(model=st, args=args, train_dataset=infonce_dataset(train_data), loss=loss)
+    trainer.train()
+
+    encoder.model.eval()
+    encoder.max_input_tokens = config.max_prompt_tokens
+    final = _save_final(model, config, output, args.per_device_train_batch_size, trainer.state.global_step)
+    logger.info("InfoNCE baseline: %d steps, saved to %s", trainer.state.global_step, final)
+    return final
+
+
+def _trainer_arguments(config: GRPOConfig, output: Path) -> dict:
+    """sentence-transformers training arguments for the baseline (constant rate, no checkpoints:
+    a run this size is redone, not resumed)."""
     arguments = {
         "output_dir": str(output / "trainer"),
         "num_train_epochs": config.epochs,
@@ -125,13 +134,13 @@ def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] |
     }
     if config.gradient_checkpointing:
         arguments["gradient_checkpointing"] = True
-    known = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
-    args = SentenceTransformerTrainingArguments(**{k: v for k, v in arguments.items() if k in known})
-    trainer = SentenceTransformerTrainer(model=st, args=args, train_dataset=infonce_dataset(train_data), loss=loss)
-    trainer.train()
+    return arguments
 
-    encoder.model.eval()
-    encoder.max_input_tokens = config.max_prompt_tokens
+
+def _save_final(model, config: GRPOConfig, output: Path, batch_size: int, steps: int) -> Path:
+    """``<output>/final``: the trained GRACE model and its card, written to a staging directory first."""
+    from grace_st.model_cards import write_model_card
+
     final, staging = output / "final", output / ".tmp-final"
     shutil.rmtree(staging, ignore_errors=True)
     model.save(str(staging), create_model_card=False)
@@ -143,13 +152,12 @@ def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] |
         training_config={
             "objective": "InfoNCE (MultipleNegativesRankingLoss), prompt pooling",
             "learning_rate": config.infonce_learning_rate,
-            "batch_size": args.per_device_train_batch_size,
+            "batch_size": batch_size,
             "temperature": config.infonce_temperature,
-            "steps": trainer.state.global_step,
+            "steps": steps,
         },
     )
     if final.exists():
         shutil.rmtree(final)
     os.replace(staging, final)
-    logger.info("InfoNCE baseline: %d steps, saved to %s", trainer.state.global_step, final)
     return final

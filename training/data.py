@@ -28,6 +28,10 @@ Source specs (dicts, one per source; ``path`` is relative to ``data_dir`` unless
 - ``{"type": "sts", "path": "stsb/dev.tsv"}`` (evaluation only): scored pairs, all kept.
 
 Common options: ``max_examples`` (a seeded sample), ``num_negatives``, ``miner``, ``name``.
+
+Why one file of ~390 lines: one loader per source kind (BEIR, scored pairs, MRPC, labelled texts, raw
+text, triplets), each turning :mod:`grace_st.data` records into triplets; they share mining and the
+bad-row policy.
 """
 
 from __future__ import annotations
@@ -41,17 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grace_st.data import (
-    DataFileError,
-    id_fraction,
-    read_beir,
-    read_labelled_pairs,
-    read_labelled_texts,
-    read_scored_pairs,
-    read_texts,
-    read_triplets,
-)
-from grace_st.data.formats import CLASSIFICATION_COLUMNS, beir_paths, is_text
+from grace_st.data import DataFileError, formats, id_fraction
 
 from .mining import mine_negatives
 
@@ -91,7 +85,7 @@ def _collect(issues: list[str]) -> Callable[[DataFileError], None]:
 
 
 def load_triplets_jsonl(path: Path, issues: list[str], name: str) -> list[Triplet]:
-    return [Triplet(t.query, t.positive, t.negatives, name) for t in read_triplets(path, _collect(issues))]
+    return [Triplet(t.query, t.positive, t.negatives, name) for t in formats.read_triplets(path, _collect(issues))]
 
 
 def load_beir(
@@ -110,7 +104,7 @@ def load_beir(
     ``query_fraction: [lo, hi]`` keeps the queries whose id hashes into [lo, hi), e.g.
     [0, 0.9] to train and [0.9, 1] to evaluate on held-back claims of the same split.
     """
-    folder_data = read_beir(folder, split, _collect(issues))
+    folder_data = formats.read_beir(folder, split, _collect(issues))
     corpus: dict[str, str] = {}
     for doc_id, record in folder_data.corpus.items():
         text = " ".join(part for part in (record.title, record.text) if part).strip()
@@ -120,7 +114,7 @@ def load_beir(
             issues.append(f"{folder / 'corpus.jsonl'}:{record.line}: document needs a non-empty title or text")
     queries: dict[str, str] = {}
     for query_id, record in folder_data.queries.items():
-        if is_text(record.text):
+        if formats.is_text(record.text):
             queries[query_id] = record.text
         else:
             issues.append(f"{folder / 'queries.jsonl'}:{record.line}: query needs non-empty 'text'")
@@ -180,8 +174,8 @@ def load_scored_pairs(
 ) -> list[tuple[str, str, float]]:
     roles = {"score": (score_column,), "sentence1": (columns[0],), "sentence2": (columns[1],)}
     out = []
-    for pair in read_scored_pairs(path, roles, _collect(issues)):
-        if not (is_text(pair.sentence1) and is_text(pair.sentence2)):
+    for pair in formats.read_scored_pairs(path, roles, _collect(issues)):
+        if not (formats.is_text(pair.sentence1) and formats.is_text(pair.sentence2)):
             issues.append(f"{path}:{pair.line}: empty sentence")
             continue
         out.append((pair.sentence1, pair.sentence2, pair.score))
@@ -216,9 +210,9 @@ def load_pairs(
 
 def load_mrpc(path: Path, issues: list[str], name: str, *, num_negatives: int, miner: str, seed: int) -> list[Triplet]:
     positives, partners, related = [], defaultdict(list), defaultdict(set)
-    for pair in read_labelled_pairs(path, on_error=_collect(issues)):
+    for pair in formats.read_labelled_pairs(path, on_error=_collect(issues)):
         a, b = pair.sentence1, pair.sentence2
-        if not (is_text(a) and is_text(b)):
+        if not (formats.is_text(a) and formats.is_text(b)):
             issues.append(f"{path}:{pair.line}: needs two non-empty strings")
             continue
         if pair.label == 1:
@@ -242,14 +236,14 @@ def load_labelled(
     text_column: str | None = None,
     label_column: str | None = None,
 ) -> list[Triplet]:
-    roles = dict(CLASSIFICATION_COLUMNS)
+    roles = dict(formats.CLASSIFICATION_COLUMNS)
     if text_column is not None:
         roles["text"] = (text_column,)
     if label_column is not None:
         roles["label"] = (label_column,)
     by_label: dict[str, list[str]] = defaultdict(list)
-    for item in read_labelled_texts(path, roles, _collect(issues)):
-        if not is_text(item.text):
+    for item in formats.read_labelled_texts(path, roles, _collect(issues)):
+        if not formats.is_text(item.text):
             issues.append(f"{path}:{item.line}: empty text")
             continue
         by_label[item.label].append(item.text)
@@ -265,7 +259,7 @@ def load_labelled(
 
 
 def load_texts(path: Path, issues: list[str], name: str, *, column: str = "text") -> list[Triplet]:
-    return [Triplet(text, text, (), name) for _, text in read_texts(path, column, _collect(issues))]
+    return [Triplet(text, text, (), name) for _, text in formats.read_texts(path, column, _collect(issues))]
 
 
 # -- entry points -------------------------------------------------------------------------------
@@ -295,7 +289,7 @@ def load_source(
         if not path.is_dir():
             raise FileNotFoundError(f"{path}: no such BEIR folder (check the data source path and data_dir)")
         split = spec.pop("split", "train")
-        for file in beir_paths(path, split):
+        for file in formats.beir_paths(path, split):
             _require_file(file)
         fraction = tuple(float(x) for x in spec.pop("query_fraction", (0.0, 1.0)))
         rows = load_beir(path, split, issues, name, **mining, query_fraction=fraction)
@@ -377,3 +371,16 @@ def load_data(
             raise ValueError(f"{len(issues)} bad data row(s) (bad_rows=error):\n  {shown}{more}")
         logger.warning("skipped %d bad data row(s):\n  %s%s", len(issues), shown, more)
     return rows, issues
+
+
+def cap_per_source(rows: list[Triplet], cap: int, seed: int) -> list[Triplet]:
+    """At most ``cap`` rows of each source (a seeded sample; 0: all), for quick evaluations."""
+    if not cap:
+        return rows
+    by_source: dict[str, list[Triplet]] = {}
+    for row in rows:
+        by_source.setdefault(row.source, []).append(row)
+    out = []
+    for items in by_source.values():
+        out.extend(items if len(items) <= cap else random.Random(seed).sample(items, cap))
+    return out

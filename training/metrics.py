@@ -1,4 +1,5 @@
-"""Per-step metrics to ``<output_dir>/metrics.jsonl`` and TensorBoard (``<output_dir>/tensorboard``)."""
+"""Per-step metrics (:func:`step_metrics`), written to ``<output_dir>/metrics.jsonl`` and TensorBoard
+(``<output_dir>/tensorboard``) by :class:`MetricsLogger`."""
 
 from __future__ import annotations
 
@@ -8,6 +9,12 @@ import math
 import os
 from pathlib import Path
 from typing import Any
+
+import torch
+
+from .grpo import advantage_shares
+from .processes import sum_over_processes
+from .rewards import reward_parts
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +69,74 @@ class MetricsLogger:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+def step_metrics(
+    rollouts, rewards, advantages, truncated, update, timings, *, config, epoch: float, accelerator
+) -> dict[str, float]:
+    """A GRPO step's metrics. ``rewards``, ``advantages`` and ``truncated`` (the positives', (B, K))
+    are the global batch's; the rollout and throughput numbers are this process's, which
+    :func:`grace_training.processes.reduce_metrics` combines. ``update`` is what
+    ``GRPOTrainer.update`` returned, ``timings`` the stages' seconds."""
+    positives = rollouts.positives
+    everything = [rollouts.queries, rollouts.negatives, positives]
+    generated = float(sum(r.lengths.sum() for r in everything)) + sum(
+        int((torch.tensor(r.stop_ids) >= 0).sum()) for r in everything if len(r)
+    )
+    # processes can hold different numbers of negatives: these ratios are of global sums
+    rows = sum(len(r) for r in everything)
+    negatives = rollouts.negatives
+    rows_all, truncated_all, negative_count, negative_tokens = sum_over_processes(
+    accelerator,
+        rows,
+        sum(int(r.truncated.sum()) for r in everything),
+        len(negatives),
+        float(negatives.lengths.sum()) if len(negatives) else 0.0,
+    )
+    metrics: dict[str, float] = {f"reward/{name}": value.float().mean().item() for name, value in rewards.items()}
+    metrics["reward/final_std_in_group"] = rewards["final"].std(dim=1, unbiased=False).mean().item()
+    # R_final's additive parts under this run's reward settings (Eq. 8 terms, the length penalty)
+    settings = config.reward_settings()
+    parts = reward_parts(
+        rewards, truncated, **{k: settings[k] for k in ("lambda_consistency", "lambda_hard_negative", "tau",
+                                                       "length_penalty_mode")}
+    )
+    metrics.update({f"advantage_share/{name}": value for name, value in advantage_shares(parts).items()})
+    metrics.update(
+        {
+            "advantage/mean": advantages.mean().item(),
+            "advantage/std": advantages.std(unbiased=False).item(),
+            "advantage/abs_mean": advantages.abs().mean().item(),
+            "advantage/min": advantages.min().item(),
+            "advantage/max": advantages.max().item(),
+            "rollout/positive_length_mean": positives.lengths.mean().item(),
+            "rollout/positive_length_max": positives.lengths.max().item(),
+            "rollout/query_length_mean": rollouts.queries.lengths.mean().item(),
+            "rollout/negative_length_mean": negative_tokens / max(negative_count, 1.0),
+            "rollout/prompt_length_mean": positives.prompt_lengths.mean().item(),
+            "rollout/truncation_rate": positives.truncated.float().mean().item(),
+            "rollout/truncation_rate_all": truncated_all / max(rows_all, 1.0),
+            "rollout/count": float(rows),
+            "loss": update["loss"],
+            "loss/policy": update["policy_loss"],
+            "loss/contrastive": update["contrastive_loss"],
+            "grad_norm": update["grad_norm"],
+            "clip_fraction": update["clip_fraction"],
+            "kl": update["kl"],
+            "lr": update["lr"],
+            "epoch": epoch,
+            "time/rollout_s": timings["rollout"],
+            "time/reward_s": timings["reward"],
+            "time/update_s": timings["update"],
+            "time/step_s": timings["step"],
+            "time/weight_sync_s": update["weight_sync_s"],  # into the vLLM engine (0 with hf)
+            "time/rollout_share": timings["rollout"] / max(timings["step"], 1e-9),
+            "throughput/generated_tokens": generated,
+            "throughput/generated_tokens_per_s": generated / max(timings["rollout"], 1e-9),
+            "throughput/tokens_per_s": (generated + update["update_tokens"]) / max(timings["step"], 1e-9),
+        }
+    )
+    return metrics
 
 
 def _plain(value: Any) -> Any:

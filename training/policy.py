@@ -31,3 +31,17 @@ def card_base_model(config: GRPOConfig) -> str | None:
     if Path(path).exists() or path.count("/") != 1 or path.startswith((".", "/", "~")):
         return None
     return path
+
+
+def add_lora_adapter(model, config: GRPOConfig):
+    """The policy as a PEFT LoRA adapter on a frozen base (rank, alpha, targets from the config)."""
+    from peft import LoraConfig, get_peft_model
+
+    lora = LoraConfig(
+        r=config.lora_r,
+        lora_alpha=config.lora_alpha,
+        lora_dropout=config.lora_dropout,
+        target_modules=config.lora_target_modules,
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(model, lora)

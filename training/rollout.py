@@ -7,8 +7,10 @@ instruction, L_sys), and with the HF backend the rationale and its hidden states
 code ``encode`` runs. A rollout's embedding is therefore the embedding ``encode`` would
 return for that rationale (``test_rollout_embedding_is_encode_embedding``).
 
-Backends return, per row, the rationale ids, the EOS id that ended it (−1 when cut) and the
-normalised embedding. The vLLM backend generates token ids only; its embeddings come from one
+A backend is a function of a :class:`RolloutRequest` (prompt ids, L_sys, a temperature and a
+seed a row) returning :class:`Generated`: per row, the rationale ids, the EOS id that ended it
+(−1 when cut), the normalised embedding and whether it hit the length limit. The vLLM
+backend generates token ids only; its embeddings come from one
 no-gradient forward pass of the trainer's policy over ``P(x) ⊕ r`` (:func:`embed_rollouts`),
 which is Eq. 2 exactly since the model is causal.
 
@@ -21,13 +23,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grace_st.generation import generate_rollouts, left_pad, per_row, pooled_embeddings
+from grace_st.generation import generate_rollouts, left_pad, per_row
 from grace_st.pooling import masked_mean
+from grace_st.second_pass import pooled_embeddings
 
 from .data import Triplet
 from .rollout_batch import RolloutBatch
@@ -85,24 +89,38 @@ def tokenize_prompts(encoder, texts: Sequence[str], task: str | None) -> tuple[l
 # -- backends --------------------------------------------------------------------------------------
 
 
-def hf_generate(
-    encoder,
-    prompt_ids: list[list[int]],
-    instruction_lengths: list[int],
-    *,
-    temperature: float | Sequence[float],
-    top_p: float,
-    max_new_tokens: int,
-    seeds: list[int],
-    batch_size: int = 64,
-) -> tuple[list[list[int]], list[int], Tensor, Tensor]:
+@dataclass
+class RolloutRequest:
+    """Rows to roll out: prompts ``P(x)`` (token ids) and their L_sys, one temperature for every
+    row or one a row (0: greedy), a sampling seed a row, and the shared top-p and length limit."""
+
+    prompt_ids: list[list[int]]
+    instruction_lengths: list[int]
+    temperatures: float | Sequence[float]
+    top_p: float
+    max_new_tokens: int
+    seeds: list[int]
+
+    def __post_init__(self) -> None:
+        self.temperatures = per_row(self.temperatures, len(self.prompt_ids))
+
+
+class Generated(NamedTuple):
+    """What every rollout backend returns, row by row as requested."""
+
+    rationale_ids: list[list[int]]  # EOS excluded
+    stop_ids: list[int]  # the EOS id that ended each rationale, -1 where the limit cut it
+    embeddings: Tensor  # (rows, H) Eq. 3, normalised, on the CPU
+    truncated: Tensor  # (rows,) bool: hit the length limit (Eq. 28)
+
+
+def hf_generate(encoder, request: RolloutRequest, batch_size: int = 64) -> Generated:
     """Rationales and embeddings with ``generate_rollouts`` + ``masked_mean``, as ``encode`` makes them.
 
-    ``temperature``: one for every row or one a row (0: greedy). Rows are generated in chunks of
-    similar prompt length (less padding); each row has its own generator, so chunking does not
-    change what is sampled.
+    Rows are generated in chunks of similar prompt length (less padding); each row has its own
+    generator, so chunking does not change what is sampled.
     """
-    temperatures = per_row(temperature, len(prompt_ids))
+    prompt_ids, temperatures, seeds = request.prompt_ids, request.temperatures, request.seeds
     model = encoder.model
     device = next(model.parameters()).device
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
@@ -117,15 +135,16 @@ def hf_generate(
             model,
             input_ids.to(device),
             attention_mask.to(device),
-            torch.tensor([instruction_lengths[i] for i in chunk], device=device),
-            max_new_tokens=max_new_tokens,
+            torch.tensor([request.instruction_lengths[i] for i in chunk], device=device),
+            max_new_tokens=request.max_new_tokens,
             eos_token_ids=encoder.eos_token_ids,
             pad_token_id=encoder.pad_token_id,
             do_sample=any(temperatures[i] > 0 for i in chunk),
             temperature=[temperatures[i] for i in chunk],
-            top_p=top_p,
+            top_p=request.top_p,
             seeds=[seeds[i] for i in chunk],
             hidden_layer=encoder.hidden_layer,
+            options=encoder.decode_options,
         )
         pooled = F.normalize(masked_mean(rollouts.token_embeddings, rollouts.pooling_mask), dim=-1).cpu()
         for row, i in enumerate(chunk):
@@ -135,7 +154,7 @@ def hf_generate(
             truncated[i] = bool(rollouts.truncated[row])
     hidden = encoder.get_embedding_dimension()
     stacked = torch.stack(embeddings) if embeddings else torch.zeros((0, hidden))
-    return rationales, stops, stacked, truncated
+    return Generated(rationales, stops, stacked, truncated)
 
 
 @torch.no_grad()
@@ -148,7 +167,7 @@ def embed_rollouts(
 ) -> Tensor:
     """h (Eq. 3) of given rationales by one forward pass over ``P(x) ⊕ r``, normalised (R, H).
 
-    For backends that return tokens only (vLLM): ``grace_st.generation.pooled_embeddings``, the
+    For backends that return tokens only (vLLM): ``grace_st.second_pass.pooled_embeddings``, the
     pass the encoder's own vLLM path pools with. Causal attention makes these the states the
     generating pass had.
     """
@@ -166,7 +185,7 @@ def embed_rollouts(
     return F.normalize(pooled.float(), dim=-1).cpu()
 
 
-GenerateFn = Callable[..., tuple[list[list[int]], list[int], Tensor, Tensor]]
+GenerateFn = Callable[[RolloutRequest], Generated]
 
 
 # -- Eq. 4 -----------------------------------------------------------------------------------------
@@ -195,65 +214,65 @@ def asymmetric_rollouts(
     All rows go to ``generate`` in one call, each with its role's temperature.
     ``instance_offset`` is the global index of this process's first instance (seeds).
     """
-    generate = generate or (lambda *a, **kw: hf_generate(encoder, *a, **kw))
-    roles: dict[str, dict] = {}
-
-    def add(role: str, texts: list[str], task, temperature: float, seeds: list[int]) -> None:
-        prompts, spans = tokenize_prompts(encoder, texts, task)
-        roles[role] = {"prompts": prompts, "spans": spans, "temperature": temperature, "seeds": seeds}
-
-    queries = [t.query for t in triplets]
-    add(
-        "query",
-        queries,
-        query_task,
-        temperature_query,
-        [rollout_seed(seed, step, "query", instance_offset + i) for i in range(len(triplets))],
-    )
+    generate = generate or (lambda request: hf_generate(encoder, request))
+    instances = range(instance_offset, instance_offset + len(triplets))
+    query = _Role.of(encoder, [t.query for t in triplets], query_task, temperature_query,
+                     [rollout_seed(seed, step, "query", i) for i in instances])
     owner, negatives, negative_seeds = [], [], []
-    for i, t in enumerate(triplets):
+    for i, t in zip(instances, triplets):
         for m, text in enumerate(t.negatives[:num_negatives]):
-            owner.append(i)
+            owner.append(i - instance_offset)
             negatives.append(text)
-            negative_seeds.append(rollout_seed(seed, step, "negative", instance_offset + i, m))
-    add("negative", negatives, document_task, temperature_negative, negative_seeds)
+            negative_seeds.append(rollout_seed(seed, step, "negative", i, m))
+    negative = _Role.of(encoder, negatives, document_task, temperature_negative, negative_seeds)
     # The K copies of a positive share a prompt; tokenize once, then replicate.
-    prompts, spans = tokenize_prompts(encoder, [t.positive for t in triplets], document_task)
-    roles["positive"] = {
-        "prompts": [p for p in prompts for _ in range(num_rollouts)],
-        "spans": [s for s in spans for _ in range(num_rollouts)],
-        "temperature": temperature_positive,
-        "seeds": [
-            rollout_seed(seed, step, "positive", instance_offset + i, k)
-            for i in range(len(triplets))
-            for k in range(num_rollouts)
-        ],
-    }
+    positive = _Role.of(encoder, [t.positive for t in triplets], document_task, temperature_positive, [])
+    positive.prompts = [p for p in positive.prompts for _ in range(num_rollouts)]
+    positive.spans = [s for s in positive.spans for _ in range(num_rollouts)]
+    positive.seeds = [rollout_seed(seed, step, "positive", i, k) for i in instances for k in range(num_rollouts)]
 
-    rows = [(name, i) for name, role in roles.items() for i in range(len(role["prompts"]))]
-    generated = ([], [], torch.zeros((0, encoder.get_embedding_dimension())), torch.zeros(0, dtype=torch.bool))
-    if rows:
-        generated = generate(
-            [roles[name]["prompts"][i] for name, i in rows],
-            [roles[name]["spans"][i] for name, i in rows],
-            temperature=[roles[name]["temperature"] for name, _ in rows],
-            top_p=top_p,
-            max_new_tokens=max_new_tokens,
-            seeds=[roles[name]["seeds"][i] for name, i in rows],
+    roles = (query, negative, positive)
+    request = RolloutRequest(
+        [p for role in roles for p in role.prompts],
+        [s for role in roles for s in role.spans],
+        temperatures=[role.temperature for role in roles for _ in role.prompts],
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        seeds=[seed for role in roles for seed in role.seeds],
+    )
+    if request.prompt_ids:
+        generated = generate(request)
+    else:
+        hidden = encoder.get_embedding_dimension()
+        generated = Generated([], [], torch.zeros((0, hidden)), torch.zeros(0, dtype=torch.bool))
+    batches, start = [], 0
+    for role in roles:
+        rows = slice(start, start + len(role.prompts))
+        batches.append(
+            RolloutBatch(
+                prompt_ids=role.prompts,
+                instruction_lengths=role.spans,
+                rationale_ids=generated.rationale_ids[rows],
+                stop_ids=generated.stop_ids[rows],
+                embeddings=generated.embeddings[rows],
+                truncated=generated.truncated[rows],
+                temperature=role.temperature,
+            )
         )
-    rationales, stops, embeddings, truncated = generated
-    results: dict[str, RolloutBatch] = {}
-    start = 0
-    for name, role in roles.items():
-        n = len(role["prompts"])
-        results[name] = RolloutBatch(
-            prompt_ids=role["prompts"],
-            instruction_lengths=role["spans"],
-            rationale_ids=rationales[start : start + n],
-            stop_ids=stops[start : start + n],
-            embeddings=embeddings[start : start + n],
-            truncated=truncated[start : start + n],
-            temperature=role["temperature"],
-        )
-        start += n
-    return TripletRollouts(results["query"], results["negative"], results["positive"], owner, num_rollouts)
+        start = rows.stop
+    return TripletRollouts(*batches, owner, num_rollouts)
+
+
+@dataclass
+class _Role:
+    """One role's rows of a step (Eq. 4): its prompts, L_sys, temperature and seeds."""
+
+    prompts: list[list[int]]
+    spans: list[int]
+    temperature: float
+    seeds: list[int]
+
+    @classmethod
+    def of(cls, encoder, texts: list[str], task: str | None, temperature: float, seeds: list[int]) -> _Role:
+        prompts, spans = tokenize_prompts(encoder, texts, task)
+        return cls(prompts, spans, temperature, seeds)

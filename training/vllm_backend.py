@@ -2,7 +2,7 @@
 
 The engine generates token ids only. Embeddings (Eq. 3) come from one no-gradient forward pass
 of the trainer's own policy over ``P(x) ⊕ r`` (:func:`grace_training.rollout.embed_rollouts`, which is
-``grace_st.generation.pooled_embeddings``, the pass the encoder's own vLLM path pools with),
+``grace_st.second_pass.pooled_embeddings``, the pass the encoder's own vLLM path pools with),
 so the pooled states are the trainer's, in the trainer's precision, through the same pooling
 code ``encode`` uses.
 
@@ -24,12 +24,13 @@ is built, and the trainer refuses ``rollout_backend="vllm"`` with a clear messag
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from .rollout import embed_rollouts
+from .rollout import Generated, RolloutRequest, embed_rollouts
 
 
 def vllm_available() -> bool:
@@ -41,7 +42,8 @@ def vllm_available() -> bool:
 
 
 class VLLMRolloutEngine:
-    """Rollouts with a colocated vLLM ``LLM``; same call contract as ``rollout.hf_generate``.
+    """Rollouts with a colocated vLLM ``LLM``; the contract of ``rollout.hf_generate`` (a
+    :class:`~grace_training.rollout.RolloutRequest` in, :class:`~grace_training.rollout.Generated` out).
 
     Args:
         encoder: the trainer's GenerativeEncoder (tokenizer, EOS ids, the policy for embeddings).
@@ -88,29 +90,22 @@ class VLLMRolloutEngine:
 
     # -- generation -----------------------------------------------------------------------------
 
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        instruction_lengths: list[int],
-        *,
-        temperature: float | Sequence[float],
-        top_p: float,
-        max_new_tokens: int,
-        seeds: list[int],
-    ) -> tuple[list[list[int]], list[int], Tensor, Tensor]:
+    def generate(self, request: RolloutRequest) -> Generated:
         """Rationales (one call for every row, a temperature each), then Eq. 3 embeddings from
         one no-gradient pass of the trainer's policy."""
         rationales, stops, truncated = self.generator.generate(
-            prompt_ids,
-            max_new_tokens=max_new_tokens,
+            request.prompt_ids,
+            max_new_tokens=request.max_new_tokens,
             eos_token_ids=self.encoder.eos_token_ids,
             do_sample=True,  # a row at temperature 0 is greedy
-            temperature=temperature,
-            top_p=top_p,
-            seeds=seeds,
+            temperature=request.temperatures,
+            top_p=request.top_p,
+            seeds=request.seeds,
         )
-        embeddings = embed_rollouts(self.encoder, prompt_ids, instruction_lengths, rationales, self.embed_batch_size)
-        return rationales, stops, embeddings, torch.tensor(truncated, dtype=torch.bool)
+        embeddings = embed_rollouts(
+            self.encoder, request.prompt_ids, request.instruction_lengths, rationales, self.embed_batch_size
+        )
+        return Generated(rationales, stops, embeddings, torch.tensor(truncated, dtype=torch.bool))
 
     # -- weight sync ----------------------------------------------------------------------------
 
@@ -143,6 +138,29 @@ class VLLMRolloutEngine:
             tensor = tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
             full[name] = tensor.detach()
         self.load_weights(full.items())
+
+
+def build_rollout_engine(encoder, st_model, config, accelerator) -> VLLMRolloutEngine:
+    """The trainer's vLLM engine, loaded from the run's starting model directory (saved to
+    ``<output_dir>/initial-model`` by the main process when the model came from elsewhere)."""
+    from .checkpoint import save_model_dir
+
+    path = config.model_name_or_path
+    if path is None or not Path(path).exists():
+        path = str(Path(config.output_dir) / "initial-model")
+        if accelerator.is_main_process:
+            save_model_dir(st_model, Path(path))
+        accelerator.wait_for_everyone()
+    return VLLMRolloutEngine(
+        encoder,
+        path,
+        gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+        tensor_parallel_size=config.vllm_tensor_parallel_size,
+        max_model_len=config.max_prompt_tokens + config.max_response_tokens + 1,
+        dtype="bfloat16" if config.bf16 else "auto",
+        seed=config.seed,
+        enable_sleep_mode=config.vllm_enable_sleep_mode,
+    )
 
 
 def _load_on_worker(worker, weights):

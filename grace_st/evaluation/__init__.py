@@ -13,30 +13,8 @@ Needs the ``mteb`` extra (``pip install grace-st[mteb]``).
 
 from __future__ import annotations
 
-from ..data.files import DataFileError
-from .local_tasks import (
-    LocalClassificationTask,
-    LocalPairClassificationTask,
-    LocalRetrievalTask,
-    LocalSTSTask,
-    classification_task,
-    pair_classification_task,
-    retrieval_task,
-    sts_task,
-)
+from . import local_tasks
+from .local_tasks import *  # noqa: F403 -- the task classes and builders, listed in local_tasks.__all__
 from .runner import default_cache_dir, format_table, run_evaluation
 
-__all__ = [
-    "DataFileError",
-    "LocalClassificationTask",
-    "LocalPairClassificationTask",
-    "LocalRetrievalTask",
-    "LocalSTSTask",
-    "classification_task",
-    "default_cache_dir",
-    "format_table",
-    "pair_classification_task",
-    "retrieval_task",
-    "run_evaluation",
-    "sts_task",
-]
+__all__ = [*local_tasks.__all__, "default_cache_dir", "format_table", "run_evaluation"]

@@ -14,6 +14,9 @@ Shared guarantees:
   rows, on any platform.
 - The metadata's dataset ``revision`` is a hash of the file contents and of the options, so
   mteb's result cache never mixes results computed on different data.
+
+Why one file of ~490 lines: four task classes with the metadata and sampling helpers they share; each
+class is mostly its documented constructor and a ``_read`` over :mod:`grace_st.data`.
 """
 
 from __future__ import annotations
@@ -75,15 +78,18 @@ def _metadata(
     *,
     name: str,
     task_type: str,
-    category: str,
     description: str,
-    paths: list[Path],
     source: Path,
-    eval_split: str,
     main_score: str,
     language: str,
     options: dict[str, Any],
+    paths: list[Path] | None = None,
+    category: str = "t2t",
+    eval_split: str = "test",
 ) -> TaskMetadata:
+    """mteb metadata for a task read from ``paths`` (default: ``[source]``); the dataset revision is
+    a fingerprint of those files and of ``options``, so results of other data are never reused."""
+    paths = [source] if paths is None else paths
     return TaskMetadata(
         name=_check_name(name),
         description=description,
@@ -102,6 +108,12 @@ def _metadata(
         sample_creation="found",
         bibtex_citation="",
     )
+
+
+def _pairs_split(pairs, column: str, values: list) -> DatasetDict:
+    """A ``test`` split of sentence pairs with one more column (the score or the label)."""
+    columns = {"sentence1": [p.sentence1 for p in pairs], "sentence2": [p.sentence2 for p in pairs], column: values}
+    return DatasetDict({"test": Dataset.from_dict(columns)})
 
 
 class _LocalTaskMixin:
@@ -166,11 +178,8 @@ class LocalSTSTask(_LocalTaskMixin, AbsTaskSTS):
         metadata = _metadata(
             name=name or _default_name(self.path, "sts"),
             task_type="STS",
-            category="t2t",
             description=f"Local STS pairs read from {self.path}.",
-            paths=[self.path],
             source=self.path,
-            eval_split="test",
             main_score="cosine_spearman",
             language=language,
             options={"limit": limit, "score_range": score_range},
@@ -188,17 +197,7 @@ class LocalSTSTask(_LocalTaskMixin, AbsTaskSTS):
         # Instance attributes shadow AbsTaskSTS's class defaults (0, 5) used by _normalize.
         self.min_score, self.max_score = low, high
         keep = [pairs[i] for i in sample_indices(len(pairs), self.limit)]
-        return DatasetDict(
-            {
-                "test": Dataset.from_dict(
-                    {
-                        "sentence1": [pair.sentence1 for pair in keep],
-                        "sentence2": [pair.sentence2 for pair in keep],
-                        "score": [pair.score for pair in keep],
-                    }
-                )
-            }
-        )
+        return _pairs_split(keep, "score", [pair.score for pair in keep])
 
 
 class LocalPairClassificationTask(_LocalTaskMixin, AbsTaskPairClassification):
@@ -224,11 +223,8 @@ class LocalPairClassificationTask(_LocalTaskMixin, AbsTaskPairClassification):
         metadata = _metadata(
             name=name or _default_name(self.path, "pairs"),
             task_type="PairClassification",
-            category="t2t",
             description=f"Local sentence pairs with 0/1 labels read from {self.path}.",
-            paths=[self.path],
             source=self.path,
-            eval_split="test",
             main_score="max_ap",
             language=language,
             options={"limit": limit},
@@ -242,17 +238,7 @@ class LocalPairClassificationTask(_LocalTaskMixin, AbsTaskPairClassification):
         keep = [pairs[i] for i in sample_indices(len(pairs), self.limit)]
         if len({pair.label for pair in keep}) < 2:
             logger.warning("%s: the evaluated pairs all have one label; average precision is degenerate", self.path)
-        return DatasetDict(
-            {
-                "test": Dataset.from_dict(
-                    {
-                        "sentence1": [pair.sentence1 for pair in keep],
-                        "sentence2": [pair.sentence2 for pair in keep],
-                        "labels": [pair.label for pair in keep],
-                    }
-                )
-            }
-        )
+        return _pairs_split(keep, "labels", [pair.label for pair in keep])
 
 
 class LocalClassificationTask(_LocalTaskMixin, AbsTaskClassification):
@@ -306,7 +292,6 @@ class LocalClassificationTask(_LocalTaskMixin, AbsTaskClassification):
             description=f"Local labelled texts read from {', '.join(str(p) for p in paths)}.",
             paths=paths,
             source=self.path,
-            eval_split="test",
             main_score="accuracy",
             language=language,
             options={

@@ -108,7 +108,12 @@ def run_evaluation(
     model_name, model_revision = meta.name, meta.revision
     cache_path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache = mteb.ResultCache(cache_path)
-    encode_kwargs = {"batch_size": batch_size, "show_progress_bar": show_progress_bar}
+    run = {
+        "encode_kwargs": {"batch_size": batch_size, "show_progress_bar": show_progress_bar},
+        "cache": cache,
+        "overwrite_strategy": overwrite_strategy,
+        "show_progress_bar": show_progress_bar,
+    }
 
     progress = tqdm(runnable, desc="Evaluating", unit="task", disable=not show_progress_bar)
     for task, failure in progress:
@@ -116,30 +121,8 @@ def run_evaluation(
             entries.append({**_empty_entry(failure["name"], None, None), "error": failure["error"]})
             continue
         progress.set_description(f"Evaluating {task.metadata.name}")
-        entry = _empty_entry(task.metadata.name, task.metadata.type, task.metadata.main_score)
-        try:
-            result = mteb.evaluate(
-                wrapped,
-                task,
-                encode_kwargs=dict(encode_kwargs),
-                cache=cache,
-                overwrite_strategy=overwrite_strategy,
-                co2_tracker=False,
-                show_progress_bar=show_progress_bar,
-                raise_error=True,
-            )
-        except Exception as error:  # noqa: BLE001 -- one failing task must not lose the others' results
-            entry["error"] = _error_text(error)
-        else:
-            model_name, model_revision = result.model_name, result.model_revision
-            if result.exceptions:
-                entry["error"] = "; ".join(e.exception for e in result.exceptions)
-            for task_result in result.task_results:
-                entry.update(
-                    main_score=_main_score(task_result),
-                    scores=_scores_by_split(task_result),
-                    evaluation_time=_clean(task_result.evaluation_time),
-                )
+        entry, named = _evaluate_task(wrapped, task, **run)
+        model_name, model_revision = named or (model_name, model_revision)
         entries.append(entry)
 
     encoder = model[0] if isinstance(model, SentenceTransformer) and len(model) else None
@@ -150,6 +133,36 @@ def run_evaluation(
         "encoder": _clean(encoder.get_config_dict()) if hasattr(encoder, "get_config_dict") else None,
         "tasks": entries,
     }
+
+
+def _evaluate_task(wrapped, task, *, encode_kwargs, cache, overwrite_strategy, show_progress_bar):
+    """One task's report entry, and the (name, revision) mteb filed it under (None when it failed)."""
+    import mteb
+
+    entry = _empty_entry(task.metadata.name, task.metadata.type, task.metadata.main_score)
+    try:
+        result = mteb.evaluate(
+            wrapped,
+            task,
+            encode_kwargs=dict(encode_kwargs),
+            cache=cache,
+            overwrite_strategy=overwrite_strategy,
+            co2_tracker=False,
+            show_progress_bar=show_progress_bar,
+            raise_error=True,
+        )
+    except Exception as error:  # noqa: BLE001 -- one failing task must not lose the others' results
+        entry["error"] = _error_text(error)
+        return entry, None
+    if result.exceptions:
+        entry["error"] = "; ".join(e.exception for e in result.exceptions)
+    for task_result in result.task_results:
+        entry.update(
+            main_score=_main_score(task_result),
+            scores=_scores_by_split(task_result),
+            evaluation_time=_clean(task_result.evaluation_time),
+        )
+    return entry, (result.model_name, result.model_revision)
 
 
 def _empty_entry(name: str, task_type: str | None, main_metric: str | None) -> dict[str, Any]:

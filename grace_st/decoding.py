@@ -1,0 +1,273 @@
+"""How the one-pass rollout feeds the policy: incremental decoding and its CPU optimisations.
+
+:func:`grace_st.generation.generate_rollouts` is the method (Eqs. 1–3); it asks an
+:class:`IncrementalDecoder` for the hidden states and next-token logits of the prompts, then of
+one token a row a step. Four optimisations live here, each switched by :class:`DecodeOptions`
+and none changing what is computed, only how fast (results differ by float32 rounding at most;
+``tests/test_generation.py`` checks each against the plain loop and the two-pass reference):
+
+- ``preallocated_cache``: KV buffers written in place (:func:`preallocated_cache`) instead of
+  transformers' ``DynamicCache``, which copies a layer's whole cache at every token;
+- ``share_prefix``: the instruction prefix every prompt shares is run once a batch
+  (:func:`shared_prefix_length`);
+- ``drop_finished``: rows whose rationale has ended leave the batch and the KV cache;
+- ``packed_linears``: linear layers on oneDNN-packed weights (:mod:`grace_st.packed_linear`).
+
+``benchmarks/decode_ablation.py`` measures what each buys. ``DecodeOptions.plain()`` turns all
+four off: textbook incremental decoding with a ``DynamicCache``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from .packed_linear import packed_linears
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Which decoding optimisations a rollout uses (all on by default; see the module docstring)."""
+
+    preallocated_cache: bool = True
+    share_prefix: bool = True  # takes effect with preallocated_cache: the layers known to take copied-in keys
+    drop_finished: bool = True
+    packed_linears: bool = True
+
+    @classmethod
+    def plain(cls) -> DecodeOptions:
+        return cls(preallocated_cache=False, share_prefix=False, drop_finished=False, packed_linears=False)
+
+
+def shared_prefix_length(input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor) -> int:
+    """How many leading tokens all left-padded prompts of a batch have in common, inside the
+    instruction span (in ``encode`` that is the whole system turn: one instruction a call).
+
+    Those positions hold the same ids at the same positions in every row, so (the model being
+    causal) the same keys, values and hidden states. Capped at the shortest instruction span
+    (L_sys: never pooled) and one short of the shortest prompt (each row's last prompt token is
+    still fed, for its next-token logits). 0 for a single row: there is nothing to share.
+    """
+    if input_ids.shape[0] < 2:
+        return 0
+    lengths = attention_mask.sum(1)
+    limit = min(int(instruction_lengths.min()), int(lengths.min()) - 1)
+    if limit < 1:
+        return 0
+    starts = input_ids.shape[1] - lengths
+    aligned = input_ids.gather(1, starts[:, None] + torch.arange(limit, device=input_ids.device)[None, :])
+    differs = (aligned != aligned[:1]).any(0)
+    return int(differs.nonzero()[0]) if differs.any() else limit
+
+
+class PreallocatedLayer(DynamicLayer):
+    """One full-attention layer of :func:`preallocated_cache`: keys and values written into
+    buffers of ``capacity`` positions, read back as a view of the filled ones."""
+
+    def __init__(self, capacity: int):
+        super().__init__()
+        self.capacity = capacity
+
+    def lazy_initialization(self, key_states: Tensor, value_states: Tensor, *args) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        batch, heads = key_states.shape[:2]
+        self._keys = key_states.new_empty((batch, heads, self.capacity, key_states.shape[-1]))
+        self._values = value_states.new_empty((batch, heads, self.capacity, value_states.shape[-1]))
+        self.length = 0
+        self.keys, self.values = self._keys[:, :, :0], self._values[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions cannot hold {end}")
+        self._keys[:, :, self.length : end] = key_states
+        self._values[:, :, self.length : end] = value_states
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def batch_select_indices(self, indices: Tensor) -> None:
+        if self.is_initialized:
+            self._keys, self._values = self._keys[indices], self._values[indices]
+            self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+
+
+def preallocated_cache(model, capacity: int):
+    """A KV cache whose full-attention layers are written in place into buffers of ``capacity``
+    positions, allocated once at prefill.
+
+    transformers' ``DynamicCache`` concatenates a layer's whole cache with each new token: at
+    batch 64 that is a fresh multi-megabyte allocation and copy per layer per step.
+    ``StaticCache`` avoids the copy but attends over its whole capacity every step. Here a step
+    writes one column and attends over a view of the filled columns only (0–5% faster end to end
+    on the 2-core CPU, ``benchmarks/decode_ablation.py``). Layers of other kinds (sliding
+    windows) keep transformers' own class.
+    """
+    cache = DynamicCache(config=model.config)
+    # A config transformers reads no layer types from leaves the layers to be made lazily: plain DynamicCache then.
+    cache.layers = [PreallocatedLayer(capacity) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+    return cache
+
+
+def _every_layer_preallocated(cache) -> bool:
+    """Only these layers are known to take a shared prefix's keys and values copied in."""
+    return bool(cache.layers) and all(type(layer) is PreallocatedLayer for layer in cache.layers)
+
+
+def decoder_states(decoder, hidden_layer: int, **inputs) -> Tensor:
+    """Hidden states of one pass of the decoder alone (it fills ``past_key_values`` when given one):
+    the LM head's logits over the whole vocabulary are not needed when nothing is generated."""
+    use_cache = inputs.get("past_key_values") is not None
+    if hidden_layer == -1:
+        return decoder(**inputs, use_cache=use_cache).last_hidden_state
+    return decoder(**inputs, use_cache=use_cache, output_hidden_states=True).hidden_states[hidden_layer]
+
+
+@contextlib.contextmanager
+def _final_hidden_states(model) -> Iterator[dict]:
+    """Capture the decoder's final (normed) hidden states without asking the model for every layer."""
+    captured: dict = {}
+
+    def hook(_module, _args, output):
+        captured["states"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+    handle = model.get_decoder().register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+class IncrementalDecoder:
+    """The policy run over a batch of left-padded prompts, then one token a row a step, keeping
+    the hidden states of every fed position (Eq. 2) and the next-token logits (Eq. 1).
+
+    ``rows`` are the batch rows still fed: all of them, until ``drop_finished`` takes finished
+    ones out. Logits are for ``rows``; hidden states come back for the whole batch (zeros for
+    rows no longer fed). Made by :func:`incremental_decoder`.
+    """
+
+    def __init__(self, model, captured: dict, hidden_layer: int, options: DecodeOptions):
+        self.model, self.captured, self.hidden_layer, self.options = model, captured, hidden_layer, options
+        self.kv_cache = None
+        self.batch = 0
+        self.rows: Tensor | None = None
+        self.mask: Tensor | None = None  # attention mask over the KV cache's columns, for ``rows``
+
+    def _forward(self, logits: bool = True, **inputs) -> tuple[Tensor, Tensor | None]:
+        """One forward pass: (hidden states of the fed tokens, next-token logits of each row's last one)."""
+        if not logits:
+            return decoder_states(self.model.get_decoder(), self.hidden_layer, **inputs), None
+        if self.hidden_layer == -1:
+            output = self.model(**inputs, logits_to_keep=1, use_cache=True)
+            states = self.captured["states"]
+        else:
+            output = self.model(**inputs, logits_to_keep=1, use_cache=True, output_hidden_states=True)
+            states = output.hidden_states[self.hidden_layer]
+        return states, output.logits[:, -1, :]
+
+    def prefill(
+        self, input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, max_new_tokens: int
+    ) -> tuple[Tensor, Tensor | None]:
+        """The prompt pass: hidden states in the prompts' left-padded layout (zeros on padding)
+        and the last position's logits (None when ``max_new_tokens`` is 0: the LM head is skipped)."""
+        batch, width = input_ids.shape
+        self.batch, self.rows = batch, torch.arange(batch, device=input_ids.device)
+        shared = 0
+        if self.options.share_prefix:
+            shared = shared_prefix_length(input_ids, attention_mask, instruction_lengths)
+        # With nothing to generate a KV cache is needed only to hold a shared prefix.
+        if max_new_tokens or shared:
+            if self.options.preallocated_cache:
+                self.kv_cache = preallocated_cache(self.model, width + max_new_tokens)
+            else:
+                self.kv_cache = DynamicCache(config=self.model.config)
+        if shared and not (self.options.preallocated_cache and _every_layer_preallocated(self.kv_cache)):
+            shared, self.kv_cache = 0, self.kv_cache if max_new_tokens else None
+        logits = max_new_tokens > 0
+        if shared:
+            states, last_logits, self.mask = self._prefill_shared(input_ids, attention_mask, shared, logits)
+        else:
+            self.mask = attention_mask
+            states, last_logits = self._forward(
+                logits, input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0), past_key_values=self.kv_cache,
+            )
+        return states.masked_fill(attention_mask[..., None] == 0, 0.0), last_logits
+
+    def _prefill_shared(
+        self, input_ids: Tensor, attention_mask: Tensor, shared: int, logits: bool
+    ) -> tuple[Tensor, Tensor | None, Tensor]:
+        """The prompt pass with the common prefix run once, on one row: its keys and values are
+        copied into every row of the cache and only the rest of each prompt is fed.
+
+        The cache then holds ``[prefix][padding][rest of prompt]``: padding in the middle is
+        masked like padding on the left, and positions come from the mask, so every real token
+        has the same position, keys and values as in one left-padded pass. At batch 64 with the
+        default instruction this skips 27 of ~41 prompt tokens a row (benchmarks/decode_ablation.py).
+        """
+        batch, width = input_ids.shape
+        starts = width - attention_mask.sum(1)
+        first = int(starts[0])
+        prefix_cache = DynamicCache(config=self.model.config)
+        prefix_states, _ = self._forward(
+            False, input_ids=input_ids[:1, first : first + shared], past_key_values=prefix_cache
+        )
+        for index, layer in enumerate(prefix_cache.layers):
+            keys, values = layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1)
+            self.kv_cache.update(keys, values, index)
+        # Column j of the rest is prompt column j + shared; it holds a real token from the row's start on.
+        rest_mask = (torch.arange(width - shared, device=input_ids.device)[None, :] >= starts[:, None]).long()
+        cache_mask = torch.cat([rest_mask.new_ones((batch, shared)), rest_mask], 1)
+        rest_states, last_logits = self._forward(
+            logits, input_ids=input_ids[:, shared:], attention_mask=cache_mask,
+            position_ids=(cache_mask.cumsum(-1)[:, shared:] - 1).clamp(min=0), past_key_values=self.kv_cache,
+        )
+        states = rest_states.new_zeros((batch, width, rest_states.shape[-1]))
+        states[:, shared:] = rest_states
+        prefix_columns = starts[:, None] + torch.arange(shared, device=input_ids.device)[None, :]
+        prefix_index = prefix_columns[..., None].expand(-1, -1, states.shape[-1])
+        states.scatter_(1, prefix_index, prefix_states.expand(batch, -1, -1))
+        return states, last_logits, cache_mask
+
+    def step(self, tokens: Tensor, alive: Tensor, pad_token_id: int) -> tuple[Tensor, Tensor]:
+        """Feed one token to each of ``rows`` (``alive``: its rationale goes on; the others get
+        padding, masked out). Returns the hidden states (B, 1, H) and the logits of ``rows``
+        after any finished ones were dropped."""
+        dead = int((~alive).sum())
+        # Finished rows leave once they are a quarter of those fed: dropping copies the KV cache
+        # (about one decode step's memory traffic), so it waits until enough rows go at once.
+        if self.options.drop_finished and dead and dead >= len(self.rows) // 4:
+            keep = alive.nonzero().squeeze(1)
+            self.kv_cache.batch_select_indices(keep)
+            self.rows, self.mask, tokens, alive = self.rows[keep], self.mask[keep], tokens[keep], alive[keep]
+        tokens = torch.where(alive, tokens, pad_token_id)
+        self.mask = torch.cat([self.mask, alive[:, None].long()], dim=1)
+        states, logits = self._forward(
+            input_ids=tokens[:, None], attention_mask=self.mask,
+            position_ids=self.mask.sum(1, keepdim=True) - 1, past_key_values=self.kv_cache,
+        )
+        batch_states = states.new_zeros((self.batch, 1, states.shape[-1]))
+        batch_states[self.rows] = states
+        return batch_states, logits
+
+
+@contextlib.contextmanager
+def incremental_decoder(
+    model, hidden_layer: int = -1, options: DecodeOptions | None = None
+) -> Iterator[IncrementalDecoder]:
+    """An :class:`IncrementalDecoder` for one batch, with packed linear layers on if ``options`` say so."""
+    options = options or DecodeOptions()
+    with packed_linears(model, enabled=options.packed_linears), _final_hidden_states(model) as captured:
+        yield IncrementalDecoder(model, captured, hidden_layer, options)

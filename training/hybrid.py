@@ -1,0 +1,98 @@
+"""The hybrid objective's InfoNCE term (beyond the paper; β · Eq. 3-pooled InfoNCE added to Eq. 11).
+
+The update pass already runs the policy over ``P(d⁺) ⊕ r`` with gradient for the log-probs;
+:func:`hybrid_contrastive_loss` pools those same hidden states and scores them with
+:func:`grace_training.grpo.pooled_contrastive_loss` against the step's queries, the instances'
+negatives and the other instances' positives. Queries and negatives are the rollouts' own
+embeddings (``contrastive_anchors: detached``) or pooled again with gradient
+(``recompute``, :func:`pooled_with_grad`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .config import GRPOConfig
+from .grpo import build_policy_batch, policy_pass, pooled_contrastive_loss
+from .processes import gather
+from .rollout import TripletRollouts
+from .rollout_batch import RolloutBatch
+
+
+def hybrid_candidates(rollouts: TripletRollouts, num_negatives: int, accelerator) -> tuple[torch.Tensor, ...]:
+    """The rollout embeddings the hybrid term scores against: (queries (B, H), positives
+    (B, K, H), negatives (B, M, H), negative mask (B, M)) of the global batch, on the device.
+    Several processes: gathered, in process order."""
+    grouped = rollouts.grouped(num_negatives)[:4]
+    return tuple(gather(accelerator, t).to(accelerator.device) for t in grouped)
+
+
+def pooled_with_grad(
+    policy_wrapped, policy, parts: tuple[RolloutBatch, ...], pad_token_id: int, hidden_layer: int, device
+) -> torch.Tensor:
+    """Eq. 3 embeddings of rollouts (queries, negatives) recomputed with gradient, in one pass, in order."""
+    batch = build_policy_batch(
+        [ids for part in parts for ids in part.prompt_ids],
+        [ids for part in parts for ids in part.rationale_ids],
+        [stop for part in parts for stop in part.stop_ids],
+        pad_token_id,
+        [length for part in parts for length in part.instruction_lengths],
+    )
+    batch = {k: v.to(device) for k, v in batch.items()}
+    # the temperature scales log-probs only, which are not used here
+    return policy_pass(policy_wrapped, batch, parts[0].temperature, pool_from=policy, hidden_layer=hidden_layer)[1]
+
+
+def hybrid_contrastive_loss(
+    candidates: tuple[torch.Tensor, ...],
+    rollouts: TripletRollouts,
+    chunk: list[int],
+    pooled: torch.Tensor,
+    config: GRPOConfig,
+    process_index: int,
+    recompute_anchors: Callable[[], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """The hybrid term for one chunk of positive rows (summed; the caller divides by B·K).
+
+    ``pooled`` are the chunk's positives pooled with gradient; every other embedding is the
+    rollout's from ``candidates`` (:func:`hybrid_candidates`: Eq. 3 under no_grad, the same
+    value before the optimiser step), except this process's queries and negatives when
+    ``recompute_anchors`` is given (``contrastive_anchors: recompute``): it returns them pooled
+    with gradient, queries first (:func:`pooled_with_grad`).
+    """
+    query, positives, negatives, mask = candidates
+    device = pooled.device
+    local, k = len(rollouts.queries), rollouts.num_rollouts
+    # Several processes: this process's rows sit at its offset and carry gradient; the
+    # others' act as another chunk's would (no gradient).
+    offset = process_index * local
+    batch = positives.shape[0]
+    index = torch.tensor([offset * k + row for row in chunk], device=device)
+    flat = positives.reshape(batch * k, -1).to(dtype=pooled.dtype).index_copy(0, index, pooled)
+    selected = torch.zeros(batch * k, dtype=torch.bool, device=device)
+    selected[index] = True
+    if recompute_anchors is not None:
+        # One forward for queries and negatives: every process runs the same number of passes
+        # (each DDP or FSDP forward is a collective), whether or not its instances have negatives.
+        fresh = recompute_anchors()
+        mine = torch.arange(offset, offset + local, device=device)
+        query = query.to(pooled.dtype).index_copy(0, mine, fresh[:local])
+        fresh = fresh[local:]
+        slots = rollouts.negative_slots(config.num_negatives)
+        if slots:
+            rows = [row for row, _, _ in slots]
+            targets = [(offset + owner) * config.num_negatives + slot for _, owner, slot in slots]
+            targets = torch.tensor(targets, device=device)
+            negatives = negatives.reshape(batch * config.num_negatives, -1).to(fresh.dtype)
+            negatives = negatives.index_copy(0, targets, fresh[rows])
+            negatives = negatives.reshape(batch, config.num_negatives, -1)
+    return pooled_contrastive_loss(
+        query,
+        flat.reshape(batch, k, -1),
+        negatives,
+        mask,
+        temperature=config.contrastive_temperature,
+        rows=selected.reshape(batch, k),
+    )
