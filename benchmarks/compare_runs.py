@@ -2,7 +2,8 @@
 after, before, after, ...): each row's best time over its rounds and the after/before ratio.
 
     python benchmarks/compare_runs.py decode_ablation \
-        --before results/design_split/decode_ablation_before_*.json --after results/design_split/decode_ablation_after_*.json
+        --before results/design_split/decode_ablation_before_*.json \
+        --after results/design_split/decode_ablation_after_*.json
     python benchmarks/compare_runs.py encode_throughput --before ... --after ... [--out summary.json]
 
 Reads the files ``decode_ablation.py`` and ``encode_throughput.py`` write; prints a table and,
@@ -58,7 +59,9 @@ def main() -> None:
         if key not in after:
             continue
         ratio = after[key] / before[key]
-        rows.append({"row": list(key), "before_texts_per_s": before[key], "after_texts_per_s": after[key], "ratio": ratio})
+        rows.append(
+            {"row": list(key), "before_texts_per_s": before[key], "after_texts_per_s": after[key], "ratio": ratio}
+        )
         print(f"{' / '.join(key):<40} {before[key]:>9.2f} {after[key]:>9.2f} {ratio:>12.3f}x")
     if args.out:
         Path(args.out).write_text(json.dumps({"kind": args.kind, "before": args.before, "after": args.after,
