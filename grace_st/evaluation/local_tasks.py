@@ -15,6 +15,10 @@ Shared guarantees:
 - The metadata's dataset ``revision`` is a hash of the file contents and of the options, so
   mteb's result cache never mixes results computed on different data.
 
+Every task also takes ``name``, its name in results (default ``<folder>-<file stem>``, or a BEIR
+folder's name), and ``language``, the BCP-47 language-script code for mteb's metadata (default
+``eng-Latn``).
+
 Why one file of ~490 lines: four task classes with the metadata and sampling helpers they share; each
 class is mostly its documented constructor and a ``_read`` over :mod:`grace_st.data`.
 """
@@ -154,12 +158,10 @@ class LocalSTSTask(_LocalTaskMixin, AbsTaskSTS):
     largest score in the whole file (before ``limit``), so normalised scores lie in [0, 1].
     Correlations (the main score is ``cosine_spearman``) do not depend on this choice.
 
-    Args:
+    Args (and ``name``, ``language``: see the module docstring):
         path: the file.
-        name: task name in results (default: ``<folder>-<file stem>``).
         limit: evaluate at most this many pairs, a deterministic sample.
         score_range: ``(min_score, max_score)`` instead of the file's observed range.
-        language: BCP-47 language-script code for mteb's metadata.
     """
 
     def __init__(
@@ -207,11 +209,9 @@ class LocalPairClassificationTask(_LocalTaskMixin, AbsTaskPairClassification):
     ``Quality #1 ID #2 ID #1 String #2 String``. Labels must be 0 or 1. The main score is
     ``max_ap``.
 
-    Args:
+    Args (and ``name``, ``language``: see the module docstring):
         path: the file.
-        name: task name in results (default: ``<folder>-<file stem>``).
         limit: evaluate at most this many pairs (at least 2), a deterministic sample.
-        language: BCP-47 language-script code for mteb's metadata.
     """
 
     def __init__(
@@ -252,15 +252,13 @@ class LocalClassificationTask(_LocalTaskMixin, AbsTaskClassification):
     with ``test_path``, that file is the test split. Labels are stored as ints, in the
     order of :attr:`label_names` (sorted).
 
-    Args:
+    Args (and ``name``, ``language``: see the module docstring):
         path: the (training) file.
-        name: task name in results (default: ``<folder>-<file stem>``).
         limit: at most this many test texts (a deterministic sample) and at most this many
             training texts (drawn round-robin over labels so every label keeps examples).
         test_path: a separate test file in the same format.
         test_size: fraction of each label's rows held out when there is no ``test_path``.
         samples_per_label, n_experiments: mteb's few-shot classifier settings.
-        language: BCP-47 language-script code for mteb's metadata.
     """
 
     def __init__(
@@ -381,16 +379,14 @@ class LocalRetrievalTask(_LocalTaskMixin, AbsTaskRetrieval):
     ``query-id corpus-id score``. Queries without a qrels line are not evaluated, as in mteb.
     The main score is ``ndcg_at_10``.
 
-    Args:
+    Args (and ``name``, ``language``: see the module docstring):
         beir_dir: the folder.
         split: which ``qrels/<split>.tsv`` to evaluate. ``None``: ``test`` if that file
             exists, otherwise the folder's only qrels file (SciFact's local copy has ``train``).
-        name: task name in results (default: the folder name).
         limit: evaluate at most this many queries, a deterministic sample; every document
             relevant to a kept query stays in the corpus.
         corpus_limit: keep at most this many documents: all documents relevant to the kept
             queries plus a deterministic sample of the others. ``None`` keeps the whole corpus.
-        language: BCP-47 language-script code for mteb's metadata.
     """
 
     def __init__(
