@@ -127,8 +127,9 @@ class VLLMRationaleGenerator:
             # what generate_rollouts reports: nothing generated, nothing truncated
             return GeneratedRationales([[] for _ in prompts], [-1] * len(prompts), [False] * len(prompts))
 
+        sampling_params = _sampling_params_class()
         params = [
-            _sampling_params(t, top_p, None if seeds is None else seeds[i], max_new_tokens, stop)
+            _sampling_params(sampling_params, t, top_p, None if seeds is None else seeds[i], max_new_tokens, stop)
             for i, t in enumerate(temperatures)
         ]
         outputs = self.llm.generate(
@@ -147,9 +148,11 @@ class VLLMRationaleGenerator:
         return result
 
 
-def _sampling_params(temperature: float, top_p: float, seed: int | None, max_new_tokens: int, stop: list[int]):
-    """One row's vLLM ``SamplingParams``."""
-    return _sampling_params_class()(
+def _sampling_params(
+    sampling_params, temperature: float, top_p: float, seed: int | None, max_new_tokens: int, stop: list[int]
+):
+    """One row's vLLM ``SamplingParams`` (``sampling_params`` is the class)."""
+    return sampling_params(
         n=1,
         # temperature 0 is vLLM's greedy decoding (top-p and the seed are then unused)
         temperature=temperature,

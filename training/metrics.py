@@ -95,11 +95,13 @@ def step_metrics(
     )
     metrics: dict[str, float] = {f"reward/{name}": value.float().mean().item() for name, value in rewards.items()}
     metrics["reward/final_std_in_group"] = rewards["final"].std(dim=1, unbiased=False).mean().item()
-    # R_final's additive parts under this run's reward settings (Eq. 8 terms, the length penalty)
-    settings = config.reward_settings()
     parts = reward_parts(
-        rewards, truncated, **{k: settings[k] for k in ("lambda_consistency", "lambda_hard_negative", "tau",
-                                                       "length_penalty_mode")}
+        rewards,
+        truncated,
+        lambda_consistency=config.lambda_consistency,
+        lambda_hard_negative=config.lambda_hard_negative,
+        tau=config.tau,
+        length_penalty_mode=config.length_penalty_mode,
     )
     metrics.update({f"advantage_share/{name}": value for name, value in advantage_shares(parts).items()})
     metrics.update(

@@ -225,11 +225,10 @@ def asymmetric_rollouts(
             negatives.append(text)
             negative_seeds.append(rollout_seed(seed, step, "negative", i, m))
     negative = _Role.of(encoder, negatives, document_task, temperature_negative, negative_seeds)
-    # The K copies of a positive share a prompt; tokenize once, then replicate.
-    positive = _Role.of(encoder, [t.positive for t in triplets], document_task, temperature_positive, [])
-    positive.prompts = [p for p in positive.prompts for _ in range(num_rollouts)]
-    positive.spans = [s for s in positive.spans for _ in range(num_rollouts)]
-    positive.seeds = [rollout_seed(seed, step, "positive", i, k) for i in instances for k in range(num_rollouts)]
+    positive_seeds = [rollout_seed(seed, step, "positive", i, k) for i in instances for k in range(num_rollouts)]
+    positive = _Role.of(
+        encoder, [t.positive for t in triplets], document_task, temperature_positive, positive_seeds, num_rollouts
+    )
 
     roles = (query, negative, positive)
     request = RolloutRequest(
@@ -238,7 +237,7 @@ def asymmetric_rollouts(
         temperatures=[role.temperature for role in roles for _ in role.prompts],
         top_p=top_p,
         max_new_tokens=max_new_tokens,
-        seeds=[seed for role in roles for seed in role.seeds],
+        seeds=[row_seed for role in roles for row_seed in role.seeds],
     )
     if request.prompt_ids:
         generated = generate(request)
@@ -273,6 +272,11 @@ class _Role:
     seeds: list[int]
 
     @classmethod
-    def of(cls, encoder, texts: list[str], task: str | None, temperature: float, seeds: list[int]) -> _Role:
+    def of(
+        cls, encoder, texts: list[str], task: str | None, temperature: float, seeds: list[int], copies: int = 1
+    ) -> _Role:
+        """``copies`` rows a text (the K rollouts of a positive share a prompt: tokenized once)."""
         prompts, spans = tokenize_prompts(encoder, texts, task)
+        prompts = [p for p in prompts for _ in range(copies)]
+        spans = [s for s in spans for _ in range(copies)]
         return cls(prompts, spans, temperature, seeds)
