@@ -127,9 +127,10 @@ def load_base_and_adapter(adapter_dir: str | os.PathLike, *, merge: bool = True,
     return model.merge_and_unload() if merge else model
 
 
-def save_adapter(model, output_path: str) -> None:
+def save_adapter(model, output_path: str, state_dict: dict | None = None) -> None:
     """A PEFT model's adapter alone, in PEFT's format (safetensors); its config names a base that
-    can be found again (a directory, made absolute, or a Hub id)."""
+    can be found again (a directory, made absolute, or a Hub id). ``state_dict``: the model's full
+    weights when the in-memory ones are shards (PEFT picks the adapter's out of it)."""
     config = model.peft_config["default"]
     base = config.base_model_name_or_path
     hub_id = isinstance(base, str) and base.count("/") == 1 and not os.path.exists(base)
@@ -140,6 +141,6 @@ def save_adapter(model, output_path: str) -> None:
         )
     if os.path.isdir(base):
         config.base_model_name_or_path = os.path.abspath(base)
-    model.save_pretrained(output_path, safe_serialization=True)
+    model.save_pretrained(output_path, safe_serialization=True, state_dict=state_dict)
     if not os.path.isfile(os.path.join(output_path, ADAPTER_CONFIG)):
         raise RuntimeError(f"PEFT wrote no {ADAPTER_CONFIG} in {output_path}")

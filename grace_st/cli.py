@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 from .prompts import text_problem
-from .settings import RULES
+from .settings import SETTINGS
 
 
 def _positive_int(text: str) -> int:
@@ -71,9 +71,7 @@ def _encoder_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _encoder_settings(args: argparse.Namespace) -> dict:
-    # Every setting has an option except these three: the instructions have their own, the
-    # other two describe saved weights, not a way to encode.
-    names = [name for name in RULES if name not in ("instructions", "weights_revision", "merge_adapter")]
+    names = [name for name, setting in SETTINGS.items() if setting.cli_option]
     settings = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     instructions = {
         key: value

@@ -30,6 +30,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .packed_linear import packed_linears
 
+
 @dataclass(frozen=True)
 class DecodeOptions:
     """Which decoding optimisations a rollout uses (all on by default; see the module docstring)."""

@@ -8,7 +8,7 @@ trained as a LoRA adapter saves the adapter instead (PEFT's ``adapter_config.jso
 ``adapter_model.safetensors``, naming its base): see :mod:`grace_st.adapter`.
 ``modules.json`` names the installed package's class, ``grace_st.encoder.GenerativeEncoder``.
 
-Why one file of ~620 lines: a sentence-transformers module is one class (settings, preprocess,
+Why one file of ~650 lines: a sentence-transformers module is one class (settings, preprocess,
 forward with one output builder, save/load), and its docstrings carry the user-facing contract.
 What is not the module's own job has a file of its own: the method's decoding loop
 (:mod:`grace_st.generation`) and its speed-ups (:mod:`grace_st.decoding`), the second pass for
@@ -20,9 +20,10 @@ adapters (:mod:`grace_st.adapter`), settings and their checks (:mod:`grace_st.se
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -44,7 +45,7 @@ from .prompts import (
     tokenize_texts,
 )
 from .second_pass import pooled_embeddings
-from .settings import RULES, check_settings, for_prompt_type, plain, read_settings_file
+from .settings import SETTINGS, check_settings, for_prompt_type, plain, read_settings_file
 
 try:  # sentence-transformers 6.x
     from sentence_transformers.base.modules import InputModule
@@ -63,6 +64,26 @@ def _hub_kwargs(token, cache_folder, revision, local_files_only, trust_remote_co
     if subfolder:
         kwargs["subfolder"] = subfolder
     return kwargs
+
+
+def _model_and_tokenizer(
+    model_name_or_path: str | None, model, tokenizer, merge_adapter: bool, model_kwargs, tokenizer_kwargs
+):
+    """The given causal LM and tokenizer, or both loaded from ``model_name_or_path`` (a base with its
+    saved LoRA adapter, when the folder holds one)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if (model is None) != (tokenizer is None):
+        raise ValueError("Pass both `model` and `tokenizer`, or neither and a `model_name_or_path`.")
+    if model is not None:
+        return model, tokenizer
+    if model_name_or_path is None:
+        raise ValueError("GenerativeEncoder needs a `model_name_or_path`, or a `model` and a `tokenizer`.")
+    if is_adapter_dir(model_name_or_path):
+        model = load_base_and_adapter(model_name_or_path, merge=merge_adapter, model_kwargs=model_kwargs)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **(model_kwargs or {}))
+    return model, AutoTokenizer.from_pretrained(model_name_or_path, **(tokenizer_kwargs or {}))
 
 
 class GenerativeEncoder(InputModule):
@@ -96,7 +117,7 @@ class GenerativeEncoder(InputModule):
     """
 
     config_file_name = "grace_config.json"
-    config_keys = list(RULES)  # every checked setting is saved, and nothing else
+    config_keys = list(SETTINGS)  # every checked setting is saved, and nothing else
     forward_kwargs = {"task"}
     save_in_root = True
     # Prompt names the calling libraries use, and the prompt type each one means:
@@ -124,8 +145,6 @@ class GenerativeEncoder(InputModule):
         tokenizer_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         if isinstance(instructions, Mapping):
             instructions = {**DEFAULT_INSTRUCTIONS, **instructions}
         settings = {
@@ -142,28 +161,20 @@ class GenerativeEncoder(InputModule):
             "merge_adapter": merge_adapter,
         }
         check_settings(settings)  # before the weights load: a bad value costs no time
-        if (model is None) != (tokenizer is None):
-            raise ValueError("Pass both `model` and `tokenizer`, or neither and a `model_name_or_path`.")
-        if model is None:
-            if model_name_or_path is None:
-                raise ValueError("GenerativeEncoder needs a `model_name_or_path`, or a `model` and a `tokenizer`.")
-            if is_adapter_dir(model_name_or_path):
-                model = load_base_and_adapter(model_name_or_path, merge=merge_adapter, model_kwargs=model_kwargs)
-            else:
-                model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **(model_kwargs or {}))
-            tokenizer = AutoTokenizer.from_pretrained(model_name_or_path, **(tokenizer_kwargs or {}))
-        self.model = model
-        self.tokenizer = tokenizer
+        self.model, self.tokenizer = _model_and_tokenizer(
+            model_name_or_path, model, tokenizer, merge_adapter, model_kwargs, tokenizer_kwargs
+        )
         for name, value in plain(settings).items():
             setattr(self, name, value)
         # What evaluation libraries call this model when it has no Hub id (see describe_for_mteb).
-        name = model_name_or_path or getattr(model, "name_or_path", "") or "grace-model"
+        name = model_name_or_path or getattr(self.model, "name_or_path", "") or "grace-model"
         self.model_id = mteb_identity.model_id(name)
         self._described: tuple[str | None, str | None] = (None, None)
         self._rationale_cache: CacheBinding | None = None
         self._fingerprint: tuple[tuple, str] | None = None  # (parameter versions, weights fingerprint)
         self._source_path = model_name_or_path if model_name_or_path and os.path.isdir(model_name_or_path) else None
         self._vllm = None
+        self._weights_to_save: dict[str, Tensor] | None = None  # see saving_weights
         # How rollouts feed the model (grace_st.decoding): speed only, so not a saved setting.
         self.decode_options = DecodeOptions()
         self._templates: dict[str, PromptTemplate] = {}
@@ -179,7 +190,7 @@ class GenerativeEncoder(InputModule):
         """Validate the run-time settings (:func:`grace_st.settings.check_settings`); called on
         construction, after load and before every batch, so a setting changed on the instance
         is checked before it is used."""
-        values = {name: getattr(self, name) for name in RULES}
+        values = {name: getattr(self, name) for name in SETTINGS}
         check_settings(values, num_layers=self.model.config.get_text_config().num_hidden_layers)
         for name, value in plain(values).items():
             if name != "instructions":
@@ -435,7 +446,7 @@ class GenerativeEncoder(InputModule):
             return self.pool(features, self.rollout(features))
         budget, repeats = self._plan(features)
         prompts = [row[mask.bool()].tolist() for row, mask in zip(features["input_ids"], features["attention_mask"])]
-        rationales, _, truncated = self._vllm.generate(
+        generated = self._vllm.generate(
             prompts,
             max_new_tokens=budget,
             eos_token_ids=self.eos_token_ids,
@@ -444,6 +455,7 @@ class GenerativeEncoder(InputModule):
             top_p=self.top_p,
             seeds=features["rationale_seeds"].tolist() if "rationale_seeds" in features else None,
         )
+        rationales = generated.rationale_ids
         pooled = pooled_embeddings(
             self.model, prompts, features["instruction_lengths"], rationales, self.pad_token_id, self.hidden_layer
         )
@@ -452,7 +464,7 @@ class GenerativeEncoder(InputModule):
             features,
             pooled.view(len(grouped), repeats, -1).mean(1),
             pad_rationales(grouped, repeats),
-            torch.tensor(truncated).view(len(grouped), repeats),
+            torch.tensor(generated.truncated).view(len(grouped), repeats),
         )
 
     def rollout(self, features: dict[str, Tensor]) -> Rollouts:
@@ -520,14 +532,26 @@ class GenerativeEncoder(InputModule):
 
     # -- persistence ---------------------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def saving_weights(self, state_dict: dict[str, Tensor]) -> Iterator[GenerativeEncoder]:
+        """Within this block, :meth:`save` writes ``state_dict`` as the LM's weights instead of the
+        ones in memory: the full weights gathered from a sharded (FSDP) policy, whose own
+        parameters are shards. A context, not an argument, because ``SentenceTransformer.save``
+        calls ``save`` with no way to pass one through."""
+        self._weights_to_save = state_dict
+        try:
+            yield self
+        finally:
+            self._weights_to_save = None
+
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         if not safe_serialization:
             raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
         self.weights_revision = self.weights_key()[:16]
         if is_peft_model(self.model):
-            save_adapter(self.model, output_path)
+            save_adapter(self.model, output_path, state_dict=self._weights_to_save)
         else:
-            self.model.save_pretrained(output_path)
+            self.model.save_pretrained(output_path, state_dict=self._weights_to_save)
         self.tokenizer.save_pretrained(output_path)
         self.save_config(output_path)
 

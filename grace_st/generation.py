@@ -18,11 +18,23 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from .decoding import DecodeOptions, incremental_decoder
+
+
+class Rationales(NamedTuple):
+    """The rationale contract: what every generator gives, one row a prompt, in order. The HF
+    one-pass rollout (:meth:`Rollouts.rationales`) and vLLM
+    (:meth:`grace_st.vllm_backend.VLLMRationaleGenerator.generate`) both return it, and encode and
+    training read it the same way whichever made it."""
+
+    rationale_ids: list[list[int]]  # the rationale r (Eq. 1), its EOS excluded
+    stop_ids: list[int]  # the EOS id that ended it (part of the action scored in Eq. 11); -1 if none
+    truncated: list[bool]  # hit the length limit without an EOS (Eq. 28)
 
 
 @dataclass
@@ -39,6 +51,11 @@ class Rollouts:
     rationale_ids: Tensor  # (B, G) rationale token ids, -1 after the rationale ends
     truncated: Tensor  # (B,) hit the length limit without EOS (Eq. 28's length penalty)
     stop_ids: Tensor  # (B,) the EOS token that ended each rationale, -1 where none did
+
+    def rationales(self) -> Rationales:
+        """The rationales alone, in the contract every generator meets."""
+        ids = [[t for t in row if t >= 0] for row in self.rationale_ids.tolist()]
+        return Rationales(ids, [int(t) for t in self.stop_ids.tolist()], [bool(t) for t in self.truncated.tolist()])
 
 
 def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
@@ -99,6 +116,14 @@ def _sample(logits: Tensor, temperature: Tensor, top_p: float, generators: list[
     return torch.where(greedy, logits.argmax(-1), sampled) if greedy.any() else sampled
 
 
+def _choose(logits: Tensor, rows: Tensor, do_sample: bool, temperatures: Tensor, top_p: float, generators) -> Tensor:
+    """Eq. 1 for the rows still fed: r_k ~ pi(. | P(x) + r_<k), or the argmax when greedy."""
+    if not do_sample:
+        return logits.argmax(-1)
+    row_generators = None if generators is None else [generators[i] for i in rows.tolist()]
+    return _sample(logits, temperatures[rows], top_p, row_generators)
+
+
 @torch.no_grad()
 def generate_rollouts(
     model,
@@ -116,22 +141,16 @@ def generate_rollouts(
     hidden_layer: int = -1,
     options: DecodeOptions | None = None,
 ) -> Rollouts:
-    """Generate a rationale for each left-padded prompt and keep its hidden states (Eqs. 1–2),
-    with the positions Eq. 3 pools.
+    """A rationale for each left-padded prompt, its hidden states (Eqs. 1–2) and the positions Eq. 3 pools.
 
-    Greedy unless ``do_sample``; ``temperature`` is one for every row or one a row (a row at 0
-    is greedy), so rows of several temperatures (a training step's queries, negatives and
-    positives) share one call. With ``seeds`` (one a row) sampling is reproducible per text.
-    ``options`` picks the decoding optimisations (:class:`grace_st.decoding.DecodeOptions`, all
-    on by default); they change results only by floating-point rounding.
-    """
-    device = input_ids.device
-    batch = input_ids.shape[0]
+    Greedy unless ``do_sample``; ``temperature`` is one for every row or one a row (0: greedy), so a
+    training step's queries, negatives and positives share one call; ``seeds`` (one a row) make
+    sampling reproducible per text. ``options``: the decoding optimisations
+    (:class:`grace_st.decoding.DecodeOptions`, all on by default; they change only rounding)."""
+    device, batch = input_ids.device, input_ids.shape[0]
     eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
     temperatures = torch.tensor(per_row(temperature, batch), dtype=torch.float32, device=device)
-    generators = None
-    if do_sample and seeds is not None:
-        generators = [torch.Generator().manual_seed(int(s)) for s in seeds]
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if do_sample and seeds is not None else None
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     stop_ids = torch.full((batch,), -1, dtype=torch.long, device=device)
     tokens: list[Tensor] = []  # one (B,) column a step: the rationale token, -1 once the row's rationale ended
@@ -142,11 +161,7 @@ def generate_rollouts(
         all_states = [states]  # Eq. 2 over P(x)
         for _ in range(max_new_tokens):
             rows = decoder.rows  # the rows still fed; logits are theirs
-            if do_sample:  # Eq. 1: r_k ~ pi(. | P(x) + r_<k)
-                row_generators = None if generators is None else [generators[i] for i in rows.tolist()]
-                token = _sample(logits, temperatures[rows], top_p, row_generators)
-            else:
-                token = logits.argmax(-1)
+            token = _choose(logits, rows, do_sample, temperatures, top_p, generators)  # Eq. 1
             stopping = ~finished[rows] & torch.isin(token, eos)
             stop_ids[rows[stopping]] = token[stopping]
             finished[rows[stopping]] = True

@@ -59,6 +59,14 @@ def _download_hint(repo_id: str, revision: str | None, cache_dir: str | os.PathL
     return f"download it once where the Hub can be reached (`{command}`) and load it again, or {switch}"
 
 
+def _missing(path: str, needs: Sequence[str | tuple[str, ...]]) -> list[str]:
+    """The ``needs`` that ``path`` lacks, each as an error names it (a tuple: any one of its files)."""
+    alternatives = [(need,) if isinstance(need, str) else tuple(need) for need in needs]
+    return [
+        " or ".join(names) for names in alternatives if not any(os.path.exists(os.path.join(path, n)) for n in names)
+    ]
+
+
 def hub_snapshot(
     repo_id: str,
     revision: str | None = None,
@@ -107,11 +115,7 @@ def hub_snapshot(
             f"{who} is not in the Hugging Face cache (looked in {cache}) and downloads are off ({why}): "
             + _download_hint(repo_id, asked, cache_dir, switch)
         ) from error
-    missing = [
-        " or ".join(need) if isinstance(need, tuple) else need
-        for need in needs
-        if not any(os.path.exists(os.path.join(path, name)) for name in ((need,) if isinstance(need, str) else need))
-    ]
+    missing = _missing(path, needs)
     if missing and offline:
         raise FileNotFoundError(
             f"{who}: its snapshot in the Hugging Face cache ({path}) lacks {', '.join(missing)}, "

@@ -13,6 +13,7 @@ import math
 import numbers
 import os
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -53,37 +54,43 @@ def prompt_types(*values: Any) -> set[str]:
     return {"default"}.union(*(set(v) for v in values if isinstance(v, Mapping)))
 
 
-# name -> (what it must be, the test). Combination rules live in check_settings below.
-RULES: dict[str, tuple[str, Callable[[Any], bool]]] = {
-    "instructions": ("a mapping of prompt type to instruction text", _is_instructions),
-    "max_rationale_tokens": (
-        "an int >= 0, or a mapping of prompt type to one with a 'default' entry",
-        _per_prompt_type(0),
+@dataclass(frozen=True)
+class Setting:
+    """One saved setting of the GenerativeEncoder: what it must be, and where else it counts. The
+    table below is the one source of the settings: ``config_keys`` (what is saved), the rationale
+    cache key and the CLI's options are read from it."""
+
+    requirement: str  # what it must be, as an error says it
+    valid: Callable[[Any], bool]
+    decides_rationale: bool  # keys the rationale cache (instructions enter through the prompt's token ids)
+    cli_option: bool  # ``grace-st`` has a ``--option`` for it (the instructions have three of their own)
+
+
+_HOW = {"decides_rationale": True, "cli_option": True}  # a setting of how a text is encoded
+_WHAT = {"decides_rationale": False, "cli_option": False}  # instructions, or a fact about the saved weights
+
+# Combination rules live in check_settings below.
+SETTINGS: dict[str, Setting] = {
+    "instructions": Setting("a mapping of prompt type to instruction text", _is_instructions, **_WHAT),
+    "max_rationale_tokens": Setting(
+        "an int >= 0, or a mapping of prompt type to one with a 'default' entry", _per_prompt_type(0), **_HOW
     ),
-    "max_input_tokens": ("an int >= 1", lambda v: _is_int(v) and v >= 1),
-    "do_sample": ("true or false (a bool)", lambda v: isinstance(v, bool)),
-    "temperature": ("a finite number >= 0", lambda v: _is_number(v) and v >= 0),
-    "top_p": ("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1),
-    "seed": ("an int or null", lambda v: v is None or _is_int(v)),
-    "num_rationales": ("an int >= 1, or a mapping of prompt type to one with a 'default' entry", _per_prompt_type(1)),
-    "hidden_layer": ("an int (-1: the last layer)", _is_int),
-    "weights_revision": ("a string or null", lambda v: v is None or isinstance(v, str)),
-    "merge_adapter": ("true or false (a bool)", lambda v: isinstance(v, bool)),
+    "max_input_tokens": Setting("an int >= 1", lambda v: _is_int(v) and v >= 1, **_HOW),
+    "do_sample": Setting("true or false (a bool)", lambda v: isinstance(v, bool), **_HOW),
+    "temperature": Setting("a finite number >= 0", lambda v: _is_number(v) and v >= 0, **_HOW),
+    "top_p": Setting("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1, **_HOW),
+    "seed": Setting("an int or null", lambda v: v is None or _is_int(v), **_HOW),
+    "num_rationales": Setting(
+        "an int >= 1, or a mapping of prompt type to one with a 'default' entry", _per_prompt_type(1), **_HOW
+    ),
+    "hidden_layer": Setting("an int (-1: the last layer)", _is_int, **_HOW),
+    "weights_revision": Setting("a string or null", lambda v: v is None or isinstance(v, str), **_WHAT),
+    "merge_adapter": Setting("true or false (a bool)", lambda v: isinstance(v, bool), **_WHAT),
 }
 
-
-# The settings that decide a rationale and the embedding pooled over it (instructions enter
-# through the prompt's token ids): the rationale cache keys its entries by these.
-RATIONALE_SETTINGS = (
-    "max_rationale_tokens",
-    "max_input_tokens",
-    "do_sample",
-    "temperature",
-    "top_p",
-    "seed",
-    "num_rationales",
-    "hidden_layer",
-)
+# The settings that decide a rationale and the embedding pooled over it: the rationale cache keys
+# its entries by these.
+RATIONALE_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.decides_rationale)
 
 
 def _where(source: str | None) -> str:
@@ -92,15 +99,15 @@ def _where(source: str | None) -> str:
 
 def check_settings(values: Mapping[str, Any], *, num_layers: int | None = None, source: str | None = None) -> None:
     """Raise ``ValueError`` naming the first setting in ``values`` of the wrong type or range,
-    or the first broken combination. ``values`` may hold any subset of :data:`RULES`;
+    or the first broken combination. ``values`` may hold any subset of :data:`SETTINGS`;
     ``num_layers`` bounds ``hidden_layer``; ``source`` (a file) prefixes the message."""
     where = _where(source)
     for name, value in values.items():
-        if name not in RULES:
-            raise ValueError(f"{where}unknown setting {name!r}; the settings are {', '.join(RULES)}")
-        requirement, valid = RULES[name]
-        if not valid(value):
-            raise ValueError(f"{where}{name} must be {requirement}, got {value!r} ({type(value).__name__})")
+        if name not in SETTINGS:
+            raise ValueError(f"{where}unknown setting {name!r}; the settings are {', '.join(SETTINGS)}")
+        setting = SETTINGS[name]
+        if not setting.valid(value):
+            raise ValueError(f"{where}{name} must be {setting.requirement}, got {value!r} ({type(value).__name__})")
     get = values.get
     if "instructions" in values and "default" not in values["instructions"]:
         raise ValueError(f"{where}instructions must contain a 'default' entry")

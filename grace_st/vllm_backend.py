@@ -5,9 +5,10 @@ states that are pooled (Eqs. 2–3), which is how the reference implementation s
 Under greedy decoding the rationales are the HF backend's (:func:`grace_st.generation.generate_rollouts`)
 and so are the embeddings, up to floating point.
 
-- :class:`VLLMRationaleGenerator`: token-id prompts in; rationale token ids (EOS and anything
-  after it excluded), the EOS id that ended each (−1 where none did) and truncation flags
-  (Eq. 28) out. The encoder's vLLM path and the trainer's vLLM rollouts
+- :class:`VLLMRationaleGenerator`: token-id prompts in; :class:`grace_st.generation.Rationales`
+  out, the contract the HF rollout meets too: rationale token ids (EOS and anything after it
+  excluded), the EOS id that ended each (−1 where none did) and truncation flags (Eq. 28). The
+  encoder's vLLM path and the trainer's vLLM rollouts
   (``grace_training.vllm_backend``) both generate through it.
 - :func:`pooled_embeddings` (from :mod:`grace_st.second_pass`): the HF pass and Eq. 3 pooling
   over given rationales.
@@ -18,22 +19,14 @@ and so are the embeddings, up to floating point.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
-from .generation import per_row
+from .generation import Rationales, per_row
 from .second_pass import pooled_embeddings
 
-__all__ = ["INSTALL_HINT", "GeneratedRationales", "VLLMRationaleGenerator", "pooled_embeddings"]
+__all__ = ["INSTALL_HINT", "VLLMRationaleGenerator", "pooled_embeddings"]
 
 INSTALL_HINT = 'pip install "grace-st[vllm]"'
-
-
-class GeneratedRationales(NamedTuple):
-    """What :meth:`VLLMRationaleGenerator.generate` returns, one entry a prompt, in order."""
-
-    rationale_ids: list[list[int]]  # the rationale r (Eq. 1), its EOS excluded
-    stop_ids: list[int]  # the EOS id that ended it (part of the action scored in Eq. 11); -1 if none
-    truncated: list[bool]  # hit the length limit without an EOS (Eq. 28)
 
 
 def _sampling_params_class():
@@ -99,7 +92,7 @@ class VLLMRationaleGenerator:
         temperature: float | Sequence[float] = 1.0,
         top_p: float = 1.0,
         seeds: Sequence[int] | None = None,
-    ) -> GeneratedRationales:
+    ) -> Rationales:
         """Each prompt's rationale token ids, the EOS id that ended it, and whether it was truncated.
 
         A rationale ends before the first of ``eos_token_ids`` (not included) and stops only
@@ -122,10 +115,10 @@ class VLLMRationaleGenerator:
         if any(not row for row in prompts):
             raise ValueError("an empty prompt: every prompt holds at least the chat template's tokens")
         if not prompts:
-            return GeneratedRationales([], [], [])
+            return Rationales([], [], [])
         if max_new_tokens == 0:
             # what generate_rollouts reports: nothing generated, nothing truncated
-            return GeneratedRationales([[] for _ in prompts], [-1] * len(prompts), [False] * len(prompts))
+            return Rationales([[] for _ in prompts], [-1] * len(prompts), [False] * len(prompts))
 
         sampling_params = _sampling_params_class()
         params = [
@@ -139,7 +132,7 @@ class VLLMRationaleGenerator:
         )
         if len(outputs) != len(prompts):
             raise RuntimeError(f"vLLM returned {len(outputs)} outputs for {len(prompts)} prompts")
-        result = GeneratedRationales([], [], [])
+        result = Rationales([], [], [])
         for index, output in enumerate(outputs):
             ids, stop_id, truncated = _read_completion(index, output.outputs[0], set(stop))
             result.rationale_ids.append(ids)
@@ -180,4 +173,3 @@ def _read_completion(index: int, completion, stop: set[int]) -> tuple[list[int],
     if reason == "length":
         return tokens, -1, True
     raise RuntimeError(f"vLLM ended prompt {index} with finish_reason={reason!r}")
-

@@ -54,3 +54,21 @@ def test_build_from_a_causal_lm(tmp_path, tokenizer, capsys):
     card = (out / "README.md").read_text()
     assert card.startswith("---\nlibrary_name: sentence-transformers\npipeline_tag: sentence-similarity")
     assert f"base_model: {lm}" in card and "trust_remote_code=True" in card and "`max_rationale_tokens` | `3`" in card
+
+
+def test_the_settings_table_feeds_config_keys_the_cache_key_and_the_cli():
+    """One source: every saved setting is in grace_st.settings.SETTINGS, the rationale cache keys by
+    the ones it marks, and each one it marks as a CLI option is an option of `encode` and `build`."""
+    from grace_st import GenerativeEncoder
+    from grace_st.cache import REQUIRED_SETTINGS
+    from grace_st.cli import build_parser
+    from grace_st.settings import RATIONALE_SETTINGS, SETTINGS
+
+    assert GenerativeEncoder.config_keys == list(SETTINGS)
+    assert [name for name in REQUIRED_SETTINGS if name in SETTINGS] == list(RATIONALE_SETTINGS)
+    assert set(RATIONALE_SETTINGS) == {n for n, s in SETTINGS.items() if s.decides_rationale}
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for command in ("encode", "build"):
+        options = {action.dest for action in commands[command]._actions}
+        assert {n for n, s in SETTINGS.items() if s.cli_option} <= options, command
+        assert not {n for n, s in SETTINGS.items() if not s.cli_option} & options, command

@@ -207,3 +207,47 @@ def test_objectives_and_modes_run(tmp_path, overrides):
 def test_too_little_data_and_uneven_batches_are_refused(tmp_path):
     with pytest.raises(ValueError, match="fewer than one batch"):
         GRPOTrainer(config(tmp_path, batch_size=16), model=make_st_model(), train_data=DATA)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_save_model_dir_writes_the_gathered_weights_given_not_the_ones_in_memory(tmp_path, lora):
+    """FSDP holds shards: the trainer gathers the full state dict and the saved directory must hold
+    those weights. Stand-in here: a state dict with every weight changed; the model in memory keeps
+    its own, and a later save writes those again."""
+    from grace_training.checkpoint import save_model_dir
+    from safetensors.torch import load_file
+
+    if lora:
+        from test_adapter import adapter_model
+
+        st_model, _ = adapter_model(tmp_path)
+    else:
+        st_model = make_st_model()
+    policy = st_model[0].model
+    own = {name: tensor.clone() for name, tensor in policy.state_dict().items()}
+    gathered = {name: tensor + 0.5 if tensor.is_floating_point() else tensor for name, tensor in own.items()}
+    save_model_dir(st_model, tmp_path / "gathered", dict(gathered))  # a copy: transformers empties it
+    save_model_dir(st_model, tmp_path / "own")
+    for name, tensor in policy.state_dict().items():
+        assert torch.equal(tensor, own[name]), name
+    texts = ["A man is playing a guitar."]
+    loaded = {
+        kind: SentenceTransformer(str(tmp_path / kind), trust_remote_code=True, device="cpu")
+        for kind in ("gathered", "own")
+    }
+    assert torch.allclose(
+        torch.as_tensor(loaded["own"].encode(texts)), torch.as_tensor(st_model.encode(texts)), atol=1e-5
+    )
+    assert not torch.allclose(
+        torch.as_tensor(loaded["gathered"].encode(texts)), torch.as_tensor(st_model.encode(texts)), atol=1e-3
+    )
+    if lora:  # only the adapter's weights are written (PEFT drops the adapter's name), the gathered ones
+        written = load_file(str(tmp_path / "gathered" / "adapter_model.safetensors"))
+        assert written and all("lora_" in name for name in written)
+        expected = {name: gathered[name.replace(".weight", ".default.weight")] for name in written}
+    else:
+        written = load_file(str(tmp_path / "gathered" / "model.safetensors"))
+        expected = {name: gathered[name] for name in written if name in gathered}
+        assert len(expected) >= len(written) - 1  # all but a tied lm_head
+    for name, tensor in expected.items():
+        assert torch.equal(written[name], tensor), name

@@ -10,7 +10,7 @@ import pytest
 import torch
 from conftest import PROMPT_TEXTS, make_model, make_prompts, make_tokenizer, one_pass_rollouts
 
-from grace_st.generation import generate_rollouts
+from grace_st.generation import Rationales, generate_rollouts
 from grace_st.second_pass import two_pass_reference
 from grace_st.vllm_backend import INSTALL_HINT, VLLMRationaleGenerator, pooled_embeddings
 
@@ -137,8 +137,11 @@ def test_generator_stops_and_truncates_like_the_hf_backend(fake_vllm, extra_eos)
         "gpu_memory_utilization": 0.3,
         "seed": 7,
     }
-    rationales, stops, truncated = generator.generate(rows, max_new_tokens=10, eos_token_ids=eos)
+    generated = generator.generate(rows, max_new_tokens=10, eos_token_ids=eos)
+    rationales, stops, truncated = generated
     assert rationales == [[t for t in row if t >= 0] for row in hf.rationale_ids.tolist()]
+    # one rationale contract: the HF rollout's is the same value, of the same type
+    assert generated == hf.rationales() and type(generated) is type(hf.rationales()) is Rationales
     assert truncated == hf.truncated.tolist()
     assert stops == hf.stop_ids.tolist()  # which EOS ended each rationale, -1 where none did
     assert extra_eos == (not all(truncated))

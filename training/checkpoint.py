@@ -24,7 +24,7 @@ complete copy of the step sits where recovery keeps it.
 Loading checks what it can before touching the model (:func:`check_checkpoint`) and raises
 :class:`CheckpointError` naming the file for anything unreadable.
 
-Why one file of ~400 lines: writing, verifying, loading and rotating checkpoints are one atomicity
+Why one file of ~430 lines: writing, verifying, loading and rotating checkpoints are one atomicity
 contract (what is written in which order is what loading checks), kept in one place.
 """
 
@@ -128,17 +128,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_model_dir(st_model, directory: Path, state_dict: dict | None = None) -> None:
     """The GRACE model directory. ``state_dict``: full weights gathered from a sharded policy."""
-    encoder = st_model[0]
     # The card is ours (grace_st.model_cards), written after; sentence-transformers' own is slow.
     if state_dict is None:
         st_model.save(str(directory), create_model_card=False)
         return
-    original = encoder.model.save_pretrained
-    encoder.model.save_pretrained = lambda path, **kw: original(path, state_dict=state_dict, **kw)
-    try:
+    with st_model[0].saving_weights(state_dict):
         st_model.save(str(directory), create_model_card=False)
-    finally:
-        del encoder.model.save_pretrained  # drop the instance attribute, the method shows again
 
 
 def write_checkpoint(
@@ -377,6 +372,39 @@ def set_aside_corrupt(checkpoint: Path) -> Path:
         suffix += 1
     os.replace(checkpoint, target)
     return target
+
+
+def load_newest_loadable(output_dir: str | Path, load, accelerator) -> tuple[Path | None, dict[str, Any] | None]:
+    """``(path, load(path))`` for the newest checkpoint in ``output_dir`` that ``load`` takes, or
+    ``(None, None)`` when there is none. Each newer one that raises :class:`CheckpointError` is
+    logged with its reason and set aside (:func:`set_aside_corrupt`) once a loadable one is found;
+    none loadable raises :class:`CheckpointError` listing every reason. With several processes,
+    every one calls this; only the main one renames."""
+    candidates = [path for _, path in reversed(list_checkpoints(output_dir))]
+    if not candidates:
+        return None, None
+    skipped: list[tuple[Path, CheckpointError]] = []
+    for path in candidates:
+        try:
+            state = load(path)
+        except CheckpointError as error:
+            logger.warning("--resume: skipping %s: %s", path, error)
+            skipped.append((path, error))
+            continue
+        if skipped:
+            accelerator.wait_for_everyone()  # no process may still be reading them
+            if accelerator.is_main_process:
+                for corrupt, _ in skipped:
+                    target = set_aside_corrupt(corrupt)
+                    logger.warning(
+                        "--resume: renamed %s to %s (kept for a look, out of rotation)", corrupt.name, target.name
+                    )
+            accelerator.wait_for_everyone()
+            names = ", ".join(p.name for p, _ in skipped)
+            logger.warning("--resume: took %s, the newest loadable checkpoint; skipped %s", path, names)
+        return path, state
+    reasons = "; ".join(str(error) for _, error in skipped)
+    raise CheckpointError(f"--resume: no loadable checkpoint in {output_dir} ({reasons})")
 
 
 def _is_tied(policy, name: str) -> bool:

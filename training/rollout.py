@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grace_st.generation import generate_rollouts, left_pad, per_row
+from grace_st.generation import Rationales, generate_rollouts, left_pad, per_row
 from grace_st.pooling import masked_mean
 from grace_st.second_pass import pooled_embeddings
 
@@ -106,12 +106,18 @@ class RolloutRequest:
 
 
 class Generated(NamedTuple):
-    """What every rollout backend returns, row by row as requested."""
+    """What every rollout backend returns, row by row as requested: the generator's
+    :class:`grace_st.generation.Rationales` and each row's embedding."""
 
     rationale_ids: list[list[int]]  # EOS excluded
     stop_ids: list[int]  # the EOS id that ended each rationale, -1 where the limit cut it
     embeddings: Tensor  # (rows, H) Eq. 3, normalised, on the CPU
     truncated: Tensor  # (rows,) bool: hit the length limit (Eq. 28)
+
+    @classmethod
+    def of(cls, rationales: Rationales, embeddings: Tensor) -> Generated:
+        ids, stops, truncated = rationales
+        return cls(ids, stops, embeddings, torch.tensor(truncated, dtype=torch.bool))
 
 
 def hf_generate(encoder, request: RolloutRequest, batch_size: int = 64) -> Generated:
@@ -124,10 +130,8 @@ def hf_generate(encoder, request: RolloutRequest, batch_size: int = 64) -> Gener
     model = encoder.model
     device = next(model.parameters()).device
     order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    rationales: list[list[int]] = [[] for _ in prompt_ids]
-    stops = [-1] * len(prompt_ids)
+    rationales = Rationales([[] for _ in prompt_ids], [-1] * len(prompt_ids), [False] * len(prompt_ids))
     embeddings: list[Tensor | None] = [None] * len(prompt_ids)
-    truncated = torch.zeros(len(prompt_ids), dtype=torch.bool)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         input_ids, attention_mask = left_pad([prompt_ids[i] for i in chunk], encoder.pad_token_id)
@@ -147,14 +151,14 @@ def hf_generate(encoder, request: RolloutRequest, batch_size: int = 64) -> Gener
             options=encoder.decode_options,
         )
         pooled = F.normalize(masked_mean(rollouts.token_embeddings, rollouts.pooling_mask), dim=-1).cpu()
+        made = rollouts.rationales()
         for row, i in enumerate(chunk):
-            rationales[i] = [t for t in rollouts.rationale_ids[row].tolist() if t >= 0]
-            stops[i] = int(rollouts.stop_ids[row])
+            for field, values in zip(rationales, made):
+                field[i] = values[row]
             embeddings[i] = pooled[row]
-            truncated[i] = bool(rollouts.truncated[row])
     hidden = encoder.get_embedding_dimension()
     stacked = torch.stack(embeddings) if embeddings else torch.zeros((0, hidden))
-    return Generated(rationales, stops, stacked, truncated)
+    return Generated.of(rationales, stacked)
 
 
 @torch.no_grad()
@@ -189,6 +193,41 @@ GenerateFn = Callable[[RolloutRequest], Generated]
 
 
 # -- Eq. 4 -----------------------------------------------------------------------------------------
+
+
+def _roll_out(
+    encoder, roles: Sequence[_Role], generate: GenerateFn, top_p: float, max_new_tokens: int
+) -> list[RolloutBatch]:
+    """Every role's rows in one ``generate`` call, each at its role's temperature; split back by role."""
+    request = RolloutRequest(
+        [p for role in roles for p in role.prompts],
+        [s for role in roles for s in role.spans],
+        temperatures=[role.temperature for role in roles for _ in role.prompts],
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        seeds=[row_seed for role in roles for row_seed in role.seeds],
+    )
+    if request.prompt_ids:
+        generated = generate(request)
+    else:
+        hidden = encoder.get_embedding_dimension()
+        generated = Generated([], [], torch.zeros((0, hidden)), torch.zeros(0, dtype=torch.bool))
+    batches, start = [], 0
+    for role in roles:
+        rows = slice(start, start + len(role.prompts))
+        batches.append(
+            RolloutBatch(
+                prompt_ids=role.prompts,
+                instruction_lengths=role.spans,
+                rationale_ids=generated.rationale_ids[rows],
+                stop_ids=generated.stop_ids[rows],
+                embeddings=generated.embeddings[rows],
+                truncated=generated.truncated[rows],
+                temperature=role.temperature,
+            )
+        )
+        start = rows.stop
+    return batches
 
 
 def asymmetric_rollouts(
@@ -230,35 +269,7 @@ def asymmetric_rollouts(
         encoder, [t.positive for t in triplets], document_task, temperature_positive, positive_seeds, num_rollouts
     )
 
-    roles = (query, negative, positive)
-    request = RolloutRequest(
-        [p for role in roles for p in role.prompts],
-        [s for role in roles for s in role.spans],
-        temperatures=[role.temperature for role in roles for _ in role.prompts],
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        seeds=[row_seed for role in roles for row_seed in role.seeds],
-    )
-    if request.prompt_ids:
-        generated = generate(request)
-    else:
-        hidden = encoder.get_embedding_dimension()
-        generated = Generated([], [], torch.zeros((0, hidden)), torch.zeros(0, dtype=torch.bool))
-    batches, start = [], 0
-    for role in roles:
-        rows = slice(start, start + len(role.prompts))
-        batches.append(
-            RolloutBatch(
-                prompt_ids=role.prompts,
-                instruction_lengths=role.spans,
-                rationale_ids=generated.rationale_ids[rows],
-                stop_ids=generated.stop_ids[rows],
-                embeddings=generated.embeddings[rows],
-                truncated=generated.truncated[rows],
-                temperature=role.temperature,
-            )
-        )
-        start = rows.stop
+    batches = _roll_out(encoder, (query, negative, positive), generate, top_p, max_new_tokens)
     return TripletRollouts(*batches, owner, num_rollouts)
 
 

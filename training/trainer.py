@@ -12,12 +12,12 @@ Read :meth:`GRPOTrainer.train` top to bottom; each stage is a method a test can 
   ``contrastive_beta`` > 0 (the hybrid objective; β = 0 is the paper's GRACE);
 - :meth:`~GRPOTrainer.save_checkpoint` / :meth:`~GRPOTrainer.resume`.
 
-Why one file of ~650 lines: the class owns the run's state (accelerator, policy, optimizer, data
+Why one file of ~620 lines: the class owns the run's state (accelerator, policy, optimizer, data
 order, checkpoints), and its stages are methods so that a test can call each one alone. What needs
 none of that state lives beside it: Eq. 11 and the log-probs in :mod:`.grpo`, the rewards in
 :mod:`.rewards`, the hybrid term in :mod:`.hybrid`, rollouts in :mod:`.rollout`, gathering over
 processes in :mod:`.processes`, the step's metrics in :mod:`.metrics`, the checkpoint format in
-:mod:`.checkpoint`.
+:mod:`.checkpoint` (with the choice of which checkpoint a resume takes).
 
 Processes: ``accelerate`` runs it as one process, several CPU processes over gloo (DDP, tested
 equal to one process), or several GPUs (DDP or FSDP2); see docs/training.md. The global batch is
@@ -39,13 +39,11 @@ from typing import Any
 import torch
 
 from .checkpoint import (
-    CheckpointError,
-    list_checkpoints,
     load_checkpoint,
+    load_newest_loadable,
     remove_incomplete,
     rotate_checkpoints,
     save_model_dir,
-    set_aside_corrupt,
     write_checkpoint,
 )
 from .config import GRPOConfig, check_batches, check_environment, check_launch
@@ -107,29 +105,10 @@ class GRPOTrainer:
         self.total_steps = config.max_steps if config.max_steps > 0 else config.epochs * self.steps_per_epoch
         self._orders: dict[int, list[int]] = {}
 
-        # -- model --------------------------------------------------------------------------
+        # -- model, then optimisation -------------------------------------------------------
         set_seed(config.seed)
-        self.st_model = model if model is not None else load_grace_model(config, str(self.accelerator.device))
-        self.encoder = self.st_model[0]
-        # The saved model encodes with the prompt and rationale budget it was trained with.
-        self.encoder.max_input_tokens = config.max_prompt_tokens
-        self.encoder.max_rationale_tokens = config.max_response_tokens
-        if config.finetune == "lora":
-            self.encoder.model = add_lora_adapter(self.encoder.model, config)
-        self.policy = self.encoder.model
-        if config.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
-
-        # -- optimisation -------------------------------------------------------------------
-        # KL reference: with LoRA the base is the adapter disabled (no second copy in memory).
-        self.reference = None
-        if config.kl_coef > 0 and config.finetune == "full":
-            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        optimizer = build_optimizer(self.policy, config)
-        # The scheduler is stepped once per training step here, not through accelerate (which
-        # would step it once per process).
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config, self.total_steps))
-        self.policy_wrapped, self.optimizer = self.accelerator.prepare(self.policy, optimizer)
+        self._load_policy(model)
+        self._build_optimisation()
 
         # -- rollout backend ----------------------------------------------------------------
         self.engine = None
@@ -146,6 +125,35 @@ class GRPOTrainer:
         self.last_scores: dict[str, float] = {}
         self.last_example: dict[str, str] | None = None
         self.base_model = card_base_model(config)
+
+    def _load_policy(self, model) -> None:
+        """The GRACE model (given, or loaded per the config), set to the budgets it trains with, and the
+        policy: its LM, with a LoRA adapter unless ``finetune="full"``."""
+        config = self.config
+        self.st_model = model if model is not None else load_grace_model(config, str(self.accelerator.device))
+        self.encoder = self.st_model[0]
+        # The saved model encodes with the prompt and rationale budget it was trained with.
+        self.encoder.max_input_tokens = config.max_prompt_tokens
+        self.encoder.max_rationale_tokens = config.max_response_tokens
+        if config.finetune == "lora":
+            self.encoder.model = add_lora_adapter(self.encoder.model, config)
+        self.policy = self.encoder.model
+        if config.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable()
+
+    def _build_optimisation(self) -> None:
+        """The KL reference (full fine-tuning only), the optimizer and the schedule; the policy prepared
+        by accelerate."""
+        config = self.config
+        # KL reference: with LoRA the base is the adapter disabled (no second copy in memory).
+        self.reference = None
+        if config.kl_coef > 0 and config.finetune == "full":
+            self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
+        optimizer = build_optimizer(self.policy, config)
+        # The scheduler is stepped once per training step here, not through accelerate (which
+        # would step it once per process).
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config, self.total_steps))
+        self.policy_wrapped, self.optimizer = self.accelerator.prepare(self.policy, optimizer)
 
     def _data(self, train_data, eval_data) -> tuple[list[Triplet], list[Triplet]]:
         """The training triplets, and the evaluation ones capped per source (``eval_max_examples``)."""
@@ -562,7 +570,7 @@ class GRPOTrainer:
             path = Path(checkpoint)
             state = self._load_checkpoint(path)
         else:
-            path, state = self._load_newest_loadable()
+            path, state = load_newest_loadable(self.config.output_dir, self._load_checkpoint, self.accelerator)
             if path is None:
                 logger.warning("--resume: no checkpoint in %s, starting from step 0", self.config.output_dir)
                 return 0
@@ -585,38 +593,6 @@ class GRPOTrainer:
                 self.steps_per_epoch,
             )
         return state
-
-    def _load_newest_loadable(self) -> tuple[Path | None, dict[str, Any] | None]:
-        output_dir = self.config.output_dir
-        candidates = [path for _, path in reversed(list_checkpoints(output_dir))]
-        if not candidates:
-            return None, None
-        skipped: list[tuple[Path, CheckpointError]] = []
-        for path in candidates:
-            try:
-                state = self._load_checkpoint(path)
-            except CheckpointError as error:
-                logger.warning("--resume: skipping %s: %s", path, error)
-                skipped.append((path, error))
-                continue
-            if skipped:
-                self._set_aside(skipped)
-                logger.warning(
-                    "--resume: took %s, the newest loadable checkpoint; skipped %s",
-                    path,
-                    ", ".join(p.name for p, _ in skipped),
-                )
-            return path, state
-        reasons = "; ".join(str(error) for _, error in skipped)
-        raise CheckpointError(f"--resume: no loadable checkpoint in {output_dir} ({reasons})")
-
-    def _set_aside(self, skipped: list[tuple[Path, CheckpointError]]) -> None:
-        self.accelerator.wait_for_everyone()  # no process may still be reading them
-        if self.accelerator.is_main_process:
-            for path, _ in skipped:
-                target = set_aside_corrupt(path)
-                logger.warning("--resume: renamed %s to %s (kept for a look, out of rotation)", path.name, target.name)
-        self.accelerator.wait_for_everyone()
 
 
 def build_optimizer(policy, config: GRPOConfig) -> torch.optim.Optimizer:

@@ -27,7 +27,6 @@ import os
 from collections.abc import Iterable
 from pathlib import Path
 
-import torch
 from torch import Tensor
 
 from .rollout import Generated, RolloutRequest, embed_rollouts
@@ -93,7 +92,7 @@ class VLLMRolloutEngine:
     def generate(self, request: RolloutRequest) -> Generated:
         """Rationales (one call for every row, a temperature each), then Eq. 3 embeddings from
         one no-gradient pass of the trainer's policy."""
-        rationales, stops, truncated = self.generator.generate(
+        rationales = self.generator.generate(
             request.prompt_ids,
             max_new_tokens=request.max_new_tokens,
             eos_token_ids=self.encoder.eos_token_ids,
@@ -103,9 +102,13 @@ class VLLMRolloutEngine:
             seeds=request.seeds,
         )
         embeddings = embed_rollouts(
-            self.encoder, request.prompt_ids, request.instruction_lengths, rationales, self.embed_batch_size
+            self.encoder,
+            request.prompt_ids,
+            request.instruction_lengths,
+            rationales.rationale_ids,
+            self.embed_batch_size,
         )
-        return Generated(rationales, stops, embeddings, torch.tensor(truncated, dtype=torch.bool))
+        return Generated.of(rationales, embeddings)
 
     # -- weight sync ----------------------------------------------------------------------------
 

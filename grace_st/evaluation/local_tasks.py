@@ -19,7 +19,7 @@ Every task also takes ``name``, its name in results (default ``<folder>-<file st
 folder's name), and ``language``, the BCP-47 language-script code for mteb's metadata (default
 ``eng-Latn``).
 
-Why one file of ~490 lines: four task classes with the metadata and sampling helpers they share; each
+Why one file of ~480 lines: four task classes with the metadata and sampling helpers they share; each
 class is mostly its documented constructor and a ``_read`` over :mod:`grace_st.data`.
 """
 
@@ -30,7 +30,7 @@ import os
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from datasets import Dataset, DatasetDict
 from mteb.abstasks.classification import AbsTaskClassification
@@ -78,32 +78,48 @@ def _check_limit(limit: int | None, minimum: int = 1) -> int | None:
     return limit
 
 
+class _Kind(NamedTuple):
+    """What one local task class is, in mteb's terms."""
+
+    task_type: str
+    category: str
+    main_score: str
+    default_name: str  # the name when neither ``name`` nor the path gives one
+    reads: str  # what the description says it reads
+
+
+_STS = _Kind("STS", "t2t", "cosine_spearman", "sts", "STS pairs")
+_PAIRS = _Kind("PairClassification", "t2t", "max_ap", "pairs", "sentence pairs with 0/1 labels")
+_CLASSIFICATION = _Kind("Classification", "t2c", "accuracy", "classification", "labelled texts")
+_RETRIEVAL = _Kind("Retrieval", "t2t", "ndcg_at_10", "retrieval", "BEIR retrieval data")
+
+
 def _metadata(
-    *,
-    name: str,
-    task_type: str,
-    description: str,
+    kind: _Kind,
     source: Path,
-    main_score: str,
+    name: str | None,
     language: str,
     options: dict[str, Any],
     paths: list[Path] | None = None,
-    category: str = "t2t",
+    where: str | None = None,
     eval_split: str = "test",
 ) -> TaskMetadata:
-    """mteb metadata for a task read from ``paths`` (default: ``[source]``); the dataset revision is
-    a fingerprint of those files and of ``options``, so results of other data are never reused."""
+    """mteb metadata for a task of ``kind`` read from ``paths`` (default: ``[source]``); the dataset
+    revision is a fingerprint of those files and of ``options``, so results of other data are never
+    reused. ``where`` is how the description names the source (default: its path)."""
     paths = [source] if paths is None else paths
+    name = name or _default_name(source, kind.default_name)
+    description = f"Local {kind.reads} read from {where or source}."
     return TaskMetadata(
         name=_check_name(name),
         description=description,
         dataset={"path": str(source.resolve()), "revision": fingerprint(paths, **options)},
-        type=task_type,
-        category=category,
+        type=kind.task_type,
+        category=kind.category,
         modalities=["text"],
         eval_splits=[eval_split],
         eval_langs=[language],
-        main_score=main_score,
+        main_score=kind.main_score,
         domains=[],
         task_subtypes=[],
         license="not specified",
@@ -177,16 +193,8 @@ class LocalSTSTask(_LocalTaskMixin, AbsTaskSTS):
         self.score_range = score_range
         if score_range is not None and not score_range[0] < score_range[1]:
             raise ValueError(f"score_range must be (min, max) with min < max, got {score_range!r}")
-        metadata = _metadata(
-            name=name or _default_name(self.path, "sts"),
-            task_type="STS",
-            description=f"Local STS pairs read from {self.path}.",
-            source=self.path,
-            main_score="cosine_spearman",
-            language=language,
-            options={"limit": limit, "score_range": score_range},
-        )
-        super().__init__(metadata)
+        options = {"limit": limit, "score_range": score_range}
+        super().__init__(_metadata(_STS, self.path, name, language, options))
 
     def _read(self) -> DatasetDict:
         pairs = read_scored_pairs(self.path)
@@ -220,16 +228,7 @@ class LocalPairClassificationTask(_LocalTaskMixin, AbsTaskPairClassification):
         self.path = Path(path)
         # mteb treats a one-row pair dataset as its v1 layout (one row of lists): need >= 2.
         self.limit = _check_limit(limit, minimum=2)
-        metadata = _metadata(
-            name=name or _default_name(self.path, "pairs"),
-            task_type="PairClassification",
-            description=f"Local sentence pairs with 0/1 labels read from {self.path}.",
-            source=self.path,
-            main_score="max_ap",
-            language=language,
-            options={"limit": limit},
-        )
-        super().__init__(metadata)
+        super().__init__(_metadata(_PAIRS, self.path, name, language, {"limit": limit}))
 
     def _read(self) -> DatasetDict:
         pairs = read_labelled_pairs(self.path)
@@ -283,23 +282,14 @@ class LocalClassificationTask(_LocalTaskMixin, AbsTaskClassification):
         self.n_experiments = n_experiments
         self.label_names: list[str] = []
         paths = [self.path] + ([self.test_path] if self.test_path else [])
-        metadata = _metadata(
-            name=name or _default_name(self.path, "classification"),
-            task_type="Classification",
-            category="t2c",
-            description=f"Local labelled texts read from {', '.join(str(p) for p in paths)}.",
-            paths=paths,
-            source=self.path,
-            main_score="accuracy",
-            language=language,
-            options={
-                "limit": limit,
-                "test_size": None if test_path else test_size,
-                "samples_per_label": samples_per_label,
-                "n_experiments": n_experiments,
-            },
-        )
-        super().__init__(metadata)
+        options = {
+            "limit": limit,
+            "test_size": None if test_path else test_size,
+            "samples_per_label": samples_per_label,
+            "n_experiments": n_experiments,
+        }
+        where = ", ".join(str(p) for p in paths)
+        super().__init__(_metadata(_CLASSIFICATION, self.path, name, language, options, paths=paths, where=where))
 
     def _read_labelled(self, path: Path) -> list[tuple[int, str, str]]:
         items = [(item.line, item.text, item.label) for item in read_labelled_texts(path)]
@@ -412,16 +402,14 @@ class LocalRetrievalTask(_LocalTaskMixin, AbsTaskRetrieval):
             found = ", ".join(available) or "none"
             raise FileNotFoundError(f"{self.qrels_path}: not found; qrels splits in this folder: {found}")
         metadata = _metadata(
-            name=name or _default_name(self.beir_dir, "retrieval"),
-            task_type="Retrieval",
-            category="t2t",
-            description=f"Local BEIR retrieval data read from {self.beir_dir} (qrels split {split!r}).",
+            _RETRIEVAL,
+            self.beir_dir,
+            name,
+            language,
+            {"split": split, "limit": limit, "corpus_limit": corpus_limit},
             paths=[self.corpus_path, self.queries_path, self.qrels_path],
-            source=self.beir_dir,
+            where=f"{self.beir_dir} (qrels split {split!r})",
             eval_split=split,
-            main_score="ndcg_at_10",
-            language=language,
-            options={"split": split, "limit": limit, "corpus_limit": corpus_limit},
         )
         super().__init__(metadata)
 

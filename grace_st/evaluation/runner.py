@@ -57,6 +57,25 @@ def _error_text(error: BaseException) -> str:
     return text if text.startswith(f"{kind}:") else f"{kind}: {text}".rstrip(": ")
 
 
+def _runnable(tasks: Sequence, task_names: Sequence[str]) -> list[tuple[Any, dict | None]]:
+    """(task, None) for each task object, data loaded (a malformed local file fails here, before any
+    generation), then for each registered name: (task, None), or (None, failure) when mteb does not
+    know it."""
+    import mteb
+
+    runnable = [(task, None) for task in tasks]
+    for task in tasks:
+        task.load_data()
+    for name in task_names:
+        try:
+            runnable.append((mteb.get_task(name), None))
+        except Exception as error:  # noqa: BLE001 -- an unknown name or a failed lookup is reported, not fatal
+            runnable.append((None, {"name": name, "error": _error_text(error)}))
+    if not runnable:
+        raise ValueError("nothing to evaluate: give local tasks or registered task names")
+    return runnable
+
+
 def run_evaluation(
     model,
     tasks: Sequence = (),
@@ -69,10 +88,9 @@ def run_evaluation(
 ) -> dict[str, Any]:
     """Evaluate ``model`` on mteb task objects (e.g. the local tasks) and registered task names.
 
-    Every local task's data is loaded first, so a malformed file raises before any encoding.
-    Each task then runs in its own ``mteb.evaluate`` call: a task that fails (a registered
-    task whose data cannot be downloaded offline, an unknown name) is reported with its
-    reason and the other tasks' results are kept.
+    Local data is loaded first (a malformed file raises before any encoding); then each task runs
+    in its own ``mteb.evaluate`` call, so one that fails (an unknown name, a registered task whose
+    data cannot be downloaded offline) is reported with its reason and the others' results kept.
 
     ``overwrite_strategy="always"`` by default because mteb keys its cache by model name and
     revision, which a locally changed model does not change: mteb's default
@@ -89,28 +107,14 @@ def run_evaluation(
     from sentence_transformers import SentenceTransformer
     from tqdm.auto import tqdm
 
-    tasks = list(tasks)
-    for task in tasks:  # fail fast on malformed local files, before any generation
-        task.load_data()
-
+    runnable = _runnable(tasks, task_names)
     entries: list[dict[str, Any]] = []
-    runnable = [(task, None) for task in tasks]
-    for name in task_names:
-        try:
-            runnable.append((mteb.get_task(name), None))
-        except Exception as error:  # noqa: BLE001 -- an unknown name or a failed lookup is reported, not fatal
-            runnable.append((None, {"name": name, "error": _error_text(error)}))
-    if not runnable:
-        raise ValueError("nothing to evaluate: give local tasks or registered task names")
-
     wrapped = SentenceTransformerEncoderWrapper(model) if isinstance(model, SentenceTransformer) else model
-    meta = wrapped.mteb_model_meta
-    model_name, model_revision = meta.name, meta.revision
+    model_name, model_revision = wrapped.mteb_model_meta.name, wrapped.mteb_model_meta.revision
     cache_path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cache = mteb.ResultCache(cache_path)
     run = {
         "encode_kwargs": {"batch_size": batch_size, "show_progress_bar": show_progress_bar},
-        "cache": cache,
+        "cache": mteb.ResultCache(cache_path),
         "overwrite_strategy": overwrite_strategy,
         "show_progress_bar": show_progress_bar,
     }
