@@ -11,13 +11,23 @@ held-back claims against >= 1,000 documents). Points:
                 i.e. exactly what a user sets: {"query": q, "document": d, "default": q}
 
 Each point encodes its texts afresh and records seconds and texts/s in the same run (so the
-asymmetric rows' per-document cost can be set beside the prompt-only G = 0 row's). Output: a JSON
+asymmetric rows' per-document cost can be set beside the prompt-only G = 0 row's).
+
+  --scifact-grid  SciFact only, every side encoded once: the corpus once per document setting,
+                the claims once per query setting, and every (query, document) pair scored from
+                those. The symmetric points are the grid's diagonal, the asymmetric grid the rest
+                (query budgets x document budgets, greedy; and sampled claims against greedy
+                documents). A document's embedding depends only on its own budget, so this is the
+                same numbers as encoding each pair afresh, at a sixth of the cost on 1,000 documents.
+
+Output: a JSON
 file (rewritten after every point: a killed run keeps what it finished), a markdown table and a
 PNG (quality vs texts/s, one line per task and decoding mode).
 
     python benchmarks/budget_curve.py                                  # the trained default
     python benchmarks/budget_curve.py --sts 100 --scifact-corpus 1000 --budgets 0 16 32 --samples 1
     python benchmarks/budget_curve.py --model runs/x/checkpoint-00000100 --out benchmarks/results/curve_x.json
+    python benchmarks/budget_curve.py --scifact-grid --samples 1 3 --out benchmarks/results/budget_curve_scifact.json
 """
 
 from __future__ import annotations
@@ -26,6 +36,8 @@ import argparse
 import json
 import sys
 from pathlib import Path
+
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import dev_eval
@@ -48,7 +60,9 @@ def load_tasks(sts: int, queries: int, corpus: int) -> dict:
 def score(model, tasks: dict, names: tuple[str, ...], batch_size: int) -> tuple[dict, dict]:
     encode = dev_eval.Encoder(model, batch_size)
     scores = {
-        name: dev_eval.scifact_score(encode, tasks[name]) if name == "SciFact" else dev_eval.sts_score(encode, tasks[name])
+        name: dev_eval.scifact_score(encode, tasks[name])
+        if name == "SciFact"
+        else dev_eval.sts_score(encode, tasks[name])
         for name in names
     }
     per_kind = {kind: encode.seconds_by_kind[kind] / encode.texts_by_kind[kind] for kind in encode.texts_by_kind}
@@ -138,15 +152,17 @@ def plot(report: dict, path: Path) -> None:
             axis.plot(x, y, marker=marker, label=f"{task}, {mode}")
             for r, xi, yi in zip(rows, x, y):
                 axis.annotate(f"G{r['budget']}", (xi, yi), fontsize=7, textcoords="offset points", xytext=(3, 3))
-        asymmetric = [r for r in report["points"] if r["mode"] == "asymmetric" and task in r["scores"]]
+        # the asymmetric points with documents embedded prompt-only (the grid's other cells are in its table)
+        asymmetric = [
+            r
+            for r in report["points"]
+            if r["mode"] == "asymmetric" and task in r["scores"] and r["budget"]["document"] == 0
+        ]
         if asymmetric:
-            axis.scatter(
-                [task_rate(report, r, task) for r in asymmetric],
-                [r["scores"][task] for r in asymmetric],
-                marker="*",
-                s=80,
-                label=f"{task}, queries q / documents d",
-            )
+            x = [task_rate(report, r, task) for r in asymmetric]
+            y = [r["scores"][task] for r in asymmetric]
+            # documents dominate the cost, so these sit at one x: which query budget is which is in the table
+            axis.scatter(x, y, marker="*", s=80, label=f"{task}, queries at any budget / documents 0")
     axis.set_xscale("log")
     axis.set_xlabel("texts per second of that task's texts (log; this machine, same run)")
     axis.set_ylabel("score (Spearman / nDCG@10)")
@@ -165,7 +181,11 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--scifact-budgets", nargs="*", type=int, default=None, help="symmetric budgets SciFact is scored at (default: all)"
+        "--scifact-budgets",
+        nargs="*",
+        type=int,
+        default=None,
+        help="symmetric budgets SciFact is scored at (default: all)",
     )
     parser.add_argument("--query-budgets", nargs="*", type=int, default=[16, 32, 64, 128])
     parser.add_argument("--document-budgets", nargs="*", type=int, default=[0])
@@ -175,9 +195,19 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default=str(RESULTS / "budget_curve.json"))
+    parser.add_argument("--scifact-grid", action="store_true", help="SciFact only, each side encoded once a setting")
+    parser.add_argument("--sampled-budgets", nargs="*", type=int, default=[32], help="--scifact-grid's sampled budgets")
+    parser.add_argument(
+        "--combine", nargs="+", metavar="JSON", help="only write --out (JSON, table, PNG) from these reports' points"
+    )
     parser.add_argument("--replot", action="store_true", help="only rewrite the table and PNG from --out")
     args = parser.parse_args()
     out = Path(args.out)
+    if args.combine:
+        report = combine([json.loads(Path(f).read_text(encoding="utf-8")) for f in args.combine])
+        dev_eval.write_json(report, str(out))
+        write_outputs(report, out)
+        return
     if args.replot:
         write_outputs(json.loads(out.read_text(encoding="utf-8")), out)
         return
@@ -207,6 +237,11 @@ def main() -> None:
         "command": " ".join(sys.argv),
         "points": [],
     }
+    if args.scifact_grid:
+        report["documents"] = {}
+        scifact_grid(model, tasks["SciFact"], args, report, out)
+        write_outputs(report, out)
+        return
     for point in points(args):
         apply(encoder, point, args.temperature, args.seed)
         scores, cost = score(model, tasks, point["tasks"], args.batch_size)
@@ -229,9 +264,126 @@ def main() -> None:
     write_outputs(report, out)
 
 
+def sides(args) -> list[dict]:
+    """The settings one side of SciFact (claims or documents) is encoded at: greedy at every budget,
+    cheapest first, then seeded sampling at --sampled-budgets."""
+    greedy = [{"mode": "greedy", "budget": b, "samples": 1} for b in sorted(args.budgets)]
+    sampled = [
+        {"mode": f"sampled x{n}", "budget": b, "samples": n}
+        for b in sorted(args.sampled_budgets)
+        if b > 0
+        for n in args.samples
+    ]
+    return greedy + sampled
+
+
+def side_label(side: dict) -> str:
+    return f"{side['budget']}" + ("" if side["mode"] == "greedy" else f" {side['mode']}")
+
+
+def encode_side(model, side: dict, texts: list[str], kind: str, args) -> tuple[np.ndarray, float]:
+    """One side of SciFact at one setting: the embeddings and the seconds per text, this run."""
+    apply(model[0], side, args.temperature, args.seed)
+    encode = dev_eval.Encoder(model, args.batch_size)
+    embeddings = encode(texts, kind)
+    return embeddings, encode.seconds / len(texts)
+
+
+def grid_row(query: dict, document: dict, score: float, per: dict, report: dict) -> dict:
+    """One (query setting, document setting) pair in the report's point shape."""
+    symmetric = query == document
+    sizes = report["sizes"]
+    seconds = sizes["scifact_queries"] * per["query"] + sizes["scifact_corpus"] * per["document"]
+    texts = sizes["scifact_queries"] + sizes["scifact_corpus"]
+    return {
+        "label": label(query) if symmetric else f"queries {side_label(query)}, documents {side_label(document)}",
+        "mode": query["mode"] if symmetric else "asymmetric",
+        "budget": query["budget"]
+        if symmetric
+        else {"query": query["budget"], "document": document["budget"], "default": query["budget"]},
+        "query": query,
+        "document": document,
+        "samples": query["samples"],
+        "scores": {"SciFact": score},
+        "cost": {"seconds": seconds, "texts": texts, "texts_per_s": texts / seconds, "seconds_per_text": per},
+    }
+
+
+def scifact_grid(model, task, args, report: dict, out: Path) -> None:
+    """SciFact over (query setting) x (document setting), each side encoded once (see --scifact-grid).
+
+    Claims first (72 texts a setting, cheap), then the corpus one setting at a time; after each
+    corpus pass every pair it completes is scored and the JSON rewritten, so a killed run keeps
+    every finished document budget. Pairs scored: the diagonal (the symmetric points), every
+    greedy query budget against every greedy document budget, and each sampled query setting
+    against greedy documents.
+    """
+    queries, corpus, qrels = task
+    query_ids, doc_ids = list(queries), list(corpus)
+    relevant = [qrels[q] for q in query_ids]
+    settings = sides(args)
+    # the first encode of a process pays one-off costs (kernels, allocator); keep them out of the timings
+    encode_side(model, settings[0], [corpus[d] for d in doc_ids[: args.batch_size]], "document", args)
+    claims = {}
+    for side in settings:
+        claims[side_label(side)] = encode_side(model, side, [queries[q] for q in query_ids], "query", args)
+        print(f"claims at {side_label(side)}: {claims[side_label(side)][1]:.3f} s each", flush=True)
+    for document in settings:
+        doc_embeddings, per_document = encode_side(model, document, [corpus[d] for d in doc_ids], "document", args)
+        report["documents"][side_label(document)] = per_document
+        pairs = [q for q in settings if q == document or document["mode"] == "greedy"]
+        for query in pairs:
+            query_embeddings, per_query = claims[side_label(query)]
+            similarity = query_embeddings @ doc_embeddings.T
+            # each claim's own nDCG@10 too: two cells' difference can then be tested claim by claim (paired)
+            by_claim = [
+                dev_eval.ndcg_at_10(similarity[i : i + 1], doc_ids, relevant[i : i + 1]) for i in range(len(relevant))
+            ]
+            per = {"query": per_query, "document": per_document}
+            row = grid_row(query, document, float(np.mean(by_claim)), per, report)
+            report["points"].append({**row, "per_claim": by_claim})
+        print(f"documents at {side_label(document)}: {per_document:.3f} s each", flush=True)
+        dev_eval.write_json(report, str(out))
+
+
+def grid_table(report: dict) -> str:
+    """nDCG@10 with claims at each query setting (rows) against documents at each greedy budget."""
+    rows = {}
+    for point in report["points"]:
+        query, document = point.get("query"), point.get("document")
+        if query is None or document["mode"] != "greedy":
+            continue
+        rows.setdefault(side_label(query), {})[document["budget"]] = point["scores"]["SciFact"]
+    documents = sorted({b for cells in rows.values() for b in cells})
+    lines = [
+        "| claims at \\ documents at | " + " | ".join(f"G={b}" for b in documents) + " |",
+        "|---|" + "---|" * len(documents),
+        "| s per document | " + " | ".join(f"{report['documents'][str(b)]:.3f}" for b in documents) + " |",
+    ]
+    for query, cells in rows.items():
+        lines.append(f"| {query} | " + " | ".join(f"{cells[b]:.4f}" if b in cells else "" for b in documents) + " |")
+    return "\n".join(lines)
+
+
+def combine(reports: list[dict]) -> dict:
+    """One report of several runs' points, in order (say, the STS curve of one run and the SciFact grid
+    of another). Each point keeps the cost measured in its own run, so read speeds as ratios within
+    one line of the plot, not across lines."""
+    sizes = {}
+    for report in reports:
+        sizes.update(report["sizes"])
+    combined = {**reports[0], "sizes": sizes, "points": [p for r in reports for p in r["points"]]}
+    combined["combined_from"] = [r.get("command", "") for r in reports]
+    documents = {k: v for r in reports for k, v in r.get("documents", {}).items()}
+    if documents:
+        combined["documents"] = documents
+    return combined
+
+
 def write_outputs(report: dict, out: Path) -> None:
-    print(table(report))
-    out.with_suffix(".md").write_text(table(report) + "\n", encoding="utf-8")
+    text = table(report) + ("\n\n" + grid_table(report) if "documents" in report else "")
+    print(text)
+    out.with_suffix(".md").write_text(text + "\n", encoding="utf-8")
     plot(report, out.with_suffix(".png"))
     print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
 
