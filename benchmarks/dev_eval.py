@@ -45,7 +45,6 @@ import argparse
 import json
 import math
 import os
-import random
 import sys
 import time
 from collections import Counter
@@ -53,30 +52,32 @@ from pathlib import Path
 
 import numpy as np
 
-from grace_st.data import id_fraction, read_beir, read_labelled_pairs, read_labelled_texts, read_scored_pairs
+from grace_st.data import (
+    SCOREBOARD_SEED,
+    id_fraction,
+    read_beir,
+    read_labelled_pairs,
+    read_labelled_texts,
+    read_scored_pairs,
+    scoreboard_sample,
+)
 
 # GRACE_ST_DATA points elsewhere (e.g. a copy carried to a GPU machine)
 DATA = Path(os.environ.get("GRACE_ST_DATA", Path(__file__).resolve().parents[1].parent / "shared" / "data"))
-SEED = 20260101
+SEED = SCOREBOARD_SEED
 HELD_BACK = 0.9  # training's SciFact source keeps query_fraction [0.0, 0.9]; dev_eval the rest
 
 
 # -- data ------------------------------------------------------------------------------------
 
 
-def _sample(items: list, count: int, salt: str) -> list:
-    if len(items) <= count:
-        return list(items)
-    return random.Random(f"{SEED}:{salt}").sample(items, count)
-
-
 def sts_pairs(path: Path, count: int) -> tuple[list[str], list[str], np.ndarray]:
-    pairs = _sample(read_scored_pairs(path), count, path.name)
+    pairs = scoreboard_sample(read_scored_pairs(path), count, path.name)
     return [p.sentence1 for p in pairs], [p.sentence2 for p in pairs], np.array([p.score for p in pairs])
 
 
 def mrpc_pairs(path: Path, count: int) -> tuple[list[str], list[str], np.ndarray]:
-    pairs = _sample(read_labelled_pairs(path), count, path.name)
+    pairs = scoreboard_sample(read_labelled_pairs(path), count, path.name)
     return [p.sentence1 for p in pairs], [p.sentence2 for p in pairs], np.array([p.label for p in pairs])
 
 
@@ -94,9 +95,9 @@ def scifact(root: Path, queries: int, corpus: int) -> tuple[dict, dict, dict[str
     documents = {d: f"{record.title}. {record.text}".strip() for d, record in folder.corpus.items()}
     held_back = held_back_claims(q for q in qrels if qrels[q])
     if queries > 0:
-        held_back = sorted(_sample(held_back, queries, "scifact-queries"))
+        held_back = sorted(scoreboard_sample(held_back, queries, "scifact-queries"))
     relevant = sorted({d for q in held_back for d in qrels[q]})
-    others = _sample(sorted(set(documents) - set(relevant)), max(0, corpus - len(relevant)), "scifact-corpus")
+    others = scoreboard_sample(sorted(set(documents) - set(relevant)), max(0, corpus - len(relevant)), "scifact-corpus")
     return (
         {q: claims[q] for q in held_back},
         {d: documents[d] for d in relevant + others},
@@ -105,7 +106,7 @@ def scifact(root: Path, queries: int, corpus: int) -> tuple[dict, dict, dict[str
 
 
 def banking77(path: Path, train: int, test: int) -> tuple[list[str], list[str], list[str], list[str]]:
-    rows = _sample(read_labelled_texts(path), train + test, "banking77")
+    rows = scoreboard_sample(read_labelled_texts(path), train + test, "banking77")
     return (
         [r.text for r in rows[:train]],
         [r.label for r in rows[:train]],

@@ -44,11 +44,25 @@ def report(run: Path, window: int) -> str:
         rollout = sum(r["time/rollout_s"] for r in steps)
         lines += ["", f"{total / 60:.1f} min of steps, {total / len(steps):.1f} s/step, {100 * rollout / total:.0f}% generating"]
     if evals:
-        keys = sorted({k for r in evals for k in r if k.startswith("eval/")})
-        lines += ["", "| step | " + " | ".join(k[5:] for k in keys) + " |", "|---|" + "---|" * len(keys)]
+        keys = sorted({k for r in evals for k in r if k.startswith("eval/") and not k.endswith(("/margin",))})
+        cpu = cpu_hours(steps)
+        lines += ["", "| step | CPU h | " + " | ".join(k[5:] for k in keys) + " |", "|---|---|" + "---|" * len(keys)]
         for r in evals:
-            lines.append(f"| {r['step']} | " + " | ".join(f"{r[k]:.4f}" if k in r else "" for k in keys) + " |")
+            hours = f"{cpu.get(r['step'], 0.0):.2f}" if cpu else ""
+            lines.append(f"| {r['step']} | {hours} | " + " | ".join(f"{r[k]:.4f}" if k in r else "" for k in keys) + " |")
     return "\n".join(lines)
+
+
+def cpu_hours(steps: list[dict]) -> dict[int, float]:
+    """CPU hours spent by the end of each step (``time/step_cpu_s``, the processes' CPU time; runs
+    that predate it have none). Evaluations are not counted: they are the same for every recipe."""
+    if not steps or "time/step_cpu_s" not in steps[0]:
+        return {}
+    total, hours = 0.0, {0: 0.0}
+    for row in steps:
+        total += row["time/step_cpu_s"]
+        hours[row["step"]] = total / 3600
+    return hours
 
 
 def main() -> None:

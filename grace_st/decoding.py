@@ -2,7 +2,7 @@
 
 :func:`grace_st.generation.generate_rollouts` is the method (Eqs. 1–3); it asks an
 :class:`IncrementalDecoder` for the hidden states and next-token logits of the prompts, then of
-one token a row a step. Four optimisations live here, each switched by :class:`DecodeOptions`
+one token a row a step. Five optimisations live here, each switched by :class:`DecodeOptions`
 and none changing what is computed, only how fast (results differ by float32 rounding at most;
 ``tests/test_generation.py`` checks each against the plain loop and the two-pass reference):
 
@@ -11,10 +11,12 @@ and none changing what is computed, only how fast (results differ by float32 rou
 - ``share_prefix``: the instruction prefix every prompt shares is run once a batch
   (:func:`shared_prefix_length`);
 - ``drop_finished``: rows whose rationale has ended leave the batch and the KV cache;
-- ``packed_linears``: linear layers on oneDNN-packed weights (:mod:`grace_st.packed_linear`).
+- ``packed_linears``: linear layers on oneDNN-packed weights (:mod:`grace_st.packed_linear`);
+- ``dedupe_prompts``: identical prompts in a batch (the K rollouts of one positive in training)
+  are prefilled once and their keys and values copied to every row that shares them.
 
 ``benchmarks/decode_ablation.py`` measures what each buys. ``DecodeOptions.plain()`` turns all
-four off: textbook incremental decoding with a ``DynamicCache``.
+five off: textbook incremental decoding with a ``DynamicCache``.
 """
 
 from __future__ import annotations
@@ -39,10 +41,14 @@ class DecodeOptions:
     share_prefix: bool = True  # takes effect with preallocated_cache: the layers known to take copied-in keys
     drop_finished: bool = True
     packed_linears: bool = True
+    dedupe_prompts: bool = True
 
     @classmethod
     def plain(cls) -> DecodeOptions:
-        return cls(preallocated_cache=False, share_prefix=False, drop_finished=False, packed_linears=False)
+        return cls(
+            preallocated_cache=False, share_prefix=False, drop_finished=False, packed_linears=False,
+            dedupe_prompts=False,
+        )
 
 
 def shared_prefix_length(input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor) -> int:
@@ -182,7 +188,29 @@ class IncrementalDecoder:
         self, input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, max_new_tokens: int
     ) -> tuple[Tensor, Tensor | None]:
         """The prompt pass: hidden states in the prompts' left-padded layout (zeros on padding)
-        and the last position's logits (None when ``max_new_tokens`` is 0: the LM head is skipped)."""
+        and the last position's logits (None when ``max_new_tokens`` is 0: the LM head is skipped).
+
+        With ``dedupe_prompts``, rows holding the same prompt are prefilled once: the pass runs on
+        the distinct rows and its states, logits, mask and KV cache rows are then copied to every
+        row (each row still samples its own rationale from there)."""
+        if self.options.dedupe_prompts and input_ids.shape[0] > 1:
+            distinct, index = torch.unique(torch.cat([input_ids, attention_mask], 1), dim=0, return_inverse=True)
+            if distinct.shape[0] < input_ids.shape[0]:
+                first = torch.full((distinct.shape[0],), input_ids.shape[0], dtype=torch.long, device=index.device)
+                first = first.scatter_reduce(0, index, torch.arange(len(index), device=index.device), "amin")
+                states, logits = self._prefill(
+                    input_ids[first], attention_mask[first], instruction_lengths[first], max_new_tokens
+                )
+                if self.kv_cache is not None:
+                    self.kv_cache.batch_select_indices(index)
+                self.batch, self.rows = len(index), torch.arange(len(index), device=index.device)
+                self.mask = self.mask[index]
+                return states[index], None if logits is None else logits[index]
+        return self._prefill(input_ids, attention_mask, instruction_lengths, max_new_tokens)
+
+    def _prefill(
+        self, input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, max_new_tokens: int
+    ) -> tuple[Tensor, Tensor | None]:
         batch, width = input_ids.shape
         self.batch, self.rows = batch, torch.arange(batch, device=input_ids.device)
         shared = 0

@@ -29,7 +29,7 @@ def _is_instructions(value: Any) -> bool:
     return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
-def _per_prompt_type(low: int) -> Callable[[Any], bool]:
+def per_prompt_type(low: int) -> Callable[[Any], bool]:
     """An int >= ``low``, or a mapping of prompt type to one, with a ``"default"`` entry."""
 
     def valid(value: Any) -> bool:
@@ -73,7 +73,7 @@ _WHAT = {"decides_rationale": False, "cli_option": False}  # instructions, or a 
 SETTINGS: dict[str, Setting] = {
     "instructions": Setting("a mapping of prompt type to instruction text", _is_instructions, **_WHAT),
     "max_rationale_tokens": Setting(
-        "an int >= 0, or a mapping of prompt type to one with a 'default' entry", _per_prompt_type(0), **_HOW
+        "an int >= 0, or a mapping of prompt type to one with a 'default' entry", per_prompt_type(0), **_HOW
     ),
     "max_input_tokens": Setting("an int >= 1", lambda v: _is_int(v) and v >= 1, **_HOW),
     "do_sample": Setting("true or false (a bool)", lambda v: isinstance(v, bool), **_HOW),
@@ -81,7 +81,7 @@ SETTINGS: dict[str, Setting] = {
     "top_p": Setting("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1, **_HOW),
     "seed": Setting("an int or null", lambda v: v is None or _is_int(v), **_HOW),
     "num_rationales": Setting(
-        "an int >= 1, or a mapping of prompt type to one with a 'default' entry", _per_prompt_type(1), **_HOW
+        "an int >= 1, or a mapping of prompt type to one with a 'default' entry", per_prompt_type(1), **_HOW
     ),
     "hidden_layer": Setting("an int (-1: the last layer)", _is_int, **_HOW),
     "weights_revision": Setting("a string or null", lambda v: v is None or isinstance(v, str), **_WHAT),

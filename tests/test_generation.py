@@ -197,3 +197,23 @@ def test_the_plain_loop_and_every_optimisation_agree(do_sample, max_new_tokens):
         masked_mean(fast.token_embeddings, fast.pooling_mask), masked_mean(plain.token_embeddings, plain.pooling_mask),
         atol=1e-5, rtol=1e-4,
     )
+
+
+@pytest.mark.parametrize("max_new_tokens", [0, 8])
+@pytest.mark.parametrize("preallocated", [False, True])
+def test_repeated_prompts_prefilled_once_change_nothing(max_new_tokens, preallocated):
+    """The K rollouts of one positive repeat its prompt: prefilled once and copied, each row still
+    samples its own rationale, exactly as when every row is prefilled."""
+    tokenizer, model, rows, spans = make_prompts()
+    rows, spans = [rows[0], rows[2], rows[0], rows[2], rows[0], rows[3]], [spans[0]] * 6
+    kwargs = dict(do_sample=True, seeds=[1, 2, 3, 4, 5, 6])
+    options = dict(preallocated_cache=preallocated, share_prefix=preallocated)
+    once = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens,
+                             options=DecodeOptions(dedupe_prompts=True, **options), **kwargs)
+    each = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens,
+                             options=DecodeOptions(dedupe_prompts=False, **options), **kwargs)
+    assert torch.equal(once.rationale_ids, each.rationale_ids) and torch.equal(once.stop_ids, each.stop_ids)
+    assert torch.equal(once.pooling_mask, each.pooling_mask)
+    torch.testing.assert_close(once.token_embeddings, each.token_embeddings, atol=1e-5, rtol=1e-4)
+    if max_new_tokens:  # different seeds, one prompt: the copies write different rationales
+        assert len({tuple(r) for r in _rationales(once)[0::2]}) > 1

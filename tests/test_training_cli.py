@@ -53,9 +53,24 @@ def test_train_then_resume(setup, tmp_path, capsys):
     assert (out / "config.yaml").is_file() and (out / "checkpoint-00000002" / "modules.json").is_file()
 
 
+def _record_prompt_types(monkeypatch) -> list:
+    """The prompt type of every batch the InfoNCE baseline's encoder preprocesses."""
+    from grace_training.contrastive import PromptPoolingEncoder
+
+    tasks = []
+    original = PromptPoolingEncoder.preprocess
+
+    def record(self, texts, prompt=None, task=None, **kwargs):
+        tasks.append(task)
+        return original(self, texts, prompt=prompt, task=task, **kwargs)
+
+    monkeypatch.setattr(PromptPoolingEncoder, "preprocess", record)
+    return tasks
+
+
 def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
     pytest.importorskip("datasets")
-    from grace_training.contrastive import PromptPoolingEncoder, train_infonce
+    from grace_training.contrastive import train_infonce
 
     model = make_st_model()
     before = {k: v.clone() for k, v in model[0].model.state_dict().items()}
@@ -68,14 +83,7 @@ def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
         report_to=["jsonl"],
         infonce_learning_rate=1e-3,
     )
-    tasks = []
-    original = PromptPoolingEncoder.preprocess
-
-    def record(self, texts, prompt=None, task=None, **kwargs):
-        tasks.append(task)
-        return original(self, texts, prompt=prompt, task=task, **kwargs)
-
-    monkeypatch.setattr(PromptPoolingEncoder, "preprocess", record)
+    tasks = _record_prompt_types(monkeypatch)
     path = train_infonce(cfg, model=model, train_data=data)
     assert {"query", "document"} <= set(tasks)  # queries and documents get their own instructions
     changed = [k for k, v in model[0].model.state_dict().items() if not v.equal(before[k])]
@@ -83,3 +91,23 @@ def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
     loaded = SentenceTransformer(str(path), trust_remote_code=True, device="cpu")
     assert type(loaded[0]).__name__ == "GenerativeEncoder" and loaded.encode(["x"]).shape == (1, 32)
     assert "InfoNCE" in (path / "README.md").read_text()
+
+
+def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, monkeypatch):
+    """The yardstick on the [scale] data: a batch a source by weight, symmetric sources under "default"."""
+    pytest.importorskip("datasets")
+    from grace_training.contrastive import infonce_datasets, train_infonce
+
+    pairs = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "sts", symmetric=True) for i in range(8)]
+    retrieval = [Triplet(CORPUS[i + 1], CORPUS[i], (CORPUS[i + 3],), "beir") for i in range(8)]
+    specs = [{"type": "pairs", "path": "sts.tsv", "name": "sts", "weight": 3.0},
+             {"type": "beir", "path": "beir", "name": "beir", "weight": 1.0}]
+    cfg = GRPOConfig(batch_size=2, max_steps=4, max_prompt_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"],
+                     infonce_learning_rate=1e-3, batch_sampling="by_source", train_data=specs)
+    datasets, routes = infonce_datasets(pairs + retrieval, cfg, 2)
+    assert {name: len(d) for name, d in datasets.items()} == {"sts": 6, "beir": 2}  # 8 triplets, 3 : 1
+    assert routes == {"sts": dict.fromkeys(("anchor", "positive", "negative"), "default"),
+                      "beir": {"anchor": "query", "positive": "document", "negative": "document"}}
+    tasks = _record_prompt_types(monkeypatch)
+    train_infonce(cfg, model=make_st_model(), train_data=pairs + retrieval)
+    assert set(tasks) == {"default", "query", "document"}

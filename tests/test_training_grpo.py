@@ -96,3 +96,42 @@ def test_token_level_aggregation_splits_into_chunks():
     whole, _ = grpo_loss(lp, lp - 0.1, adv, mask)
     parts = sum(grpo_loss(lp[i::2], lp[i::2] - 0.1, adv[i::2], mask[i::2], num_tokens=mask.sum())[0] for i in (0, 1))
     torch.testing.assert_close(whole, parts)
+
+
+def test_a_prompt_shared_by_k_rollouts_runs_once_with_the_same_loss_and_gradients():
+    """The update pass over the K rollouts of a positive: each distinct prompt is run once and its
+    keys and values expanded; log-probs, pooled states and LoRA gradients equal the full pass's."""
+    from peft import LoraConfig, get_peft_model
+
+    from grace_training.grpo import policy_pass
+
+    tokenizer = make_tokenizer()
+    model = get_peft_model(make_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(1)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.1)
+    prompts = [[3, 20, 21, 22, 23]] * 3 + [[3, 30]] * 2 + [[3, 40, 41]]
+    rationales = [[40, 41, 42], [50], [51, 52, 53, 54], [60, 61], [], [70]]
+    stops = [tokenizer.eos_token_id, -1, tokenizer.eos_token_id, -1, tokenizer.eos_token_id, -1]
+    advantages = torch.tensor([0.3, -0.1, -0.2, 0.5, 0.0, -0.5])
+
+    def run(share: bool):
+        model.zero_grad()
+        batch = build_policy_batch(prompts, rationales, stops, tokenizer.pad_token_id, [1] * 6, share_prompts=share)
+        assert ("prompt_index" in batch) == share
+        log_probs, pooled = policy_pass(model, batch, 0.7, pool_from=model)
+        loss, _ = grpo_loss(log_probs, log_probs.detach(), advantages, batch["completion_mask"])
+        (loss + pooled.pow(2).sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        return log_probs.detach(), pooled.detach(), grads
+
+    full, shared = run(False), run(True)
+    assert build_policy_batch(prompts, rationales, stops, 0, share_prompts=True)["prompt_rows"].tolist() == [0, 3, 5]
+    torch.testing.assert_close(shared[0], full[0], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(shared[1], full[1], atol=1e-5, rtol=1e-4)
+    assert full[2] and full[2].keys() == shared[2].keys() and all("lora_" in n for n in full[2])
+    for name, grad in full[2].items():
+        torch.testing.assert_close(shared[2][name], grad, atol=1e-4, rtol=1e-3)
+    # distinct prompts only: nothing to share, the plain pass
+    assert "prompt_index" not in build_policy_batch([[1], [2]], [[3], [4]], [-1, -1], 0, share_prompts=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import make_st_model
@@ -209,3 +211,36 @@ def test_lora_run_checkpoints_an_adapter_that_loads_and_resumes(tmp_path):
     again = {k: v for k, v in second.policy.state_dict().items() if "lora_" in k}
     for key, value in straight.items():
         torch.testing.assert_close(again[key], value, atol=1e-6, rtol=1e-5)
+
+
+# -- budgets by prompt type ([scale]): training what ships ----------------------------------------
+
+SHIPPED = {"default": 5, "query": 5, "document": 0}
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")
+def test_recompute_prompts_trains_the_prompt_only_documents_and_nothing_else(tmp_path):
+    """Under the shipped budgets a retrieval step rolls out queries; ``recompute_prompts`` pools its
+    prompt-only documents again with gradient. Where no row is prompt-only it equals ``detached``."""
+    grads = {}
+    for budgets in (SHIPPED, 5):
+        for anchors in ("detached", "recompute_prompts"):
+            cfg = config(tmp_path / f"{anchors}{budgets == 5}", contrastive_beta=1.0, contrastive_anchors=anchors,
+                         max_response_tokens=budgets)
+            trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
+            rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+            assert (rollouts.queries.budgets == [0, 0]) == (budgets == SHIPPED)
+            grads[anchors, budgets == 5] = gradients(trainer, rollouts, torch.zeros(6))
+    for name, grad in grads["detached", True].items():
+        torch.testing.assert_close(grads["recompute_prompts", True][name], grad)
+    assert any(not torch.allclose(grads["recompute_prompts", False][n], g) for n, g in grads["detached", False].items())
+
+
+def test_a_run_with_budgets_by_prompt_type_saves_the_model_that_encodes_with_them(tmp_path):
+    cfg = config(tmp_path, contrastive_beta=1.0, max_response_tokens=SHIPPED, max_steps=1, batch_sampling="by_source")
+    trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
+    trainer.train()
+    saved = SentenceTransformer(str(tmp_path / "run" / "checkpoint-00000001"), trust_remote_code=True)
+    assert saved[0].max_rationale_tokens == SHIPPED
+    metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert metrics["rollout/positive_length_mean"] > 0  # the queries were rolled out

@@ -163,3 +163,63 @@ def test_vllm_engine_generates_on_gpu(tmp_path, model):  # pragma: no cover - ne
     )
     assert len(rationales) == 1 and embeddings.shape == (1, 32)
     engine.sync_from(model[0].model)
+
+
+# -- budgets by prompt type: each side trained as encode embeds it (issue [scale], item 5) ------------
+
+SHIPPED_BUDGETS = {"default": 6, "query": 6, "document": 0}
+
+
+def test_documents_at_budget_zero_roll_out_the_query_side(model):
+    """Retrieval with prompt-only documents: the query is rolled out K times, the positive document
+    (no rationale) is the anchor, negatives get no rationale; one generate call a budget."""
+    from grace_training.rollout import hf_generate
+
+    calls = []
+
+    def spy(request):
+        calls.append((request.max_new_tokens, len(request.prompt_ids)))
+        return hf_generate(model[0], request)
+
+    r = rollouts(model, max_new_tokens=SHIPPED_BUDGETS, generate=spy)
+    assert calls == [(6, 6), (0, 5)]  # K = 3 query rollouts of 2 instances; 2 anchors + 3 negatives
+    query_prompts, _ = tokenize_prompts(model[0], [t.query for t in TRIPLETS], "query")
+    document_prompts, _ = tokenize_prompts(model[0], [t.positive for t in TRIPLETS], "document")
+    assert r.positives.prompt_ids == [p for p in query_prompts for _ in range(3)]
+    assert r.queries.prompt_ids == document_prompts
+    assert all(ids == [] for ids in r.queries.rationale_ids + r.negatives.rationale_ids)
+    assert any(ids for ids in r.positives.rationale_ids)
+    # the anchors' embeddings are what encode_document returns under the shipped budgets
+    encoder = model[0]
+    encoder.max_rationale_tokens = SHIPPED_BUDGETS
+    try:
+        documents = model.encode_document([t.positive for t in TRIPLETS], convert_to_tensor=True)
+    finally:
+        encoder.max_rationale_tokens = 6
+    torch.testing.assert_close(r.queries.embeddings, documents.cpu(), atol=1e-5, rtol=1e-5)
+
+
+def test_documents_with_a_budget_and_symmetric_pairs_keep_the_paper_roles(model):
+    from grace_training.rollout import instance_roles
+
+    plain = rollouts(model)
+    same = rollouts(model, max_new_tokens={"default": 6})
+    assert same.positives.rationale_ids == plain.positives.rationale_ids
+    assert same.queries.prompt_ids == plain.queries.prompt_ids
+    pair = Triplet("a cat sat", "a cat was sitting", ("stocks fell",), symmetric=True)
+    assert instance_roles(pair, SHIPPED_BUDGETS, "query", "document") == (
+        ("a cat sat", "default"), ("a cat was sitting", "default"), "default"
+    )
+    retrieval = Triplet("which cat?", "a cat sat", ())
+    assert instance_roles(retrieval, SHIPPED_BUDGETS, "query", "document")[1] == ("which cat?", "query")
+    assert instance_roles(retrieval, 6, "query", "document")[1] == ("a cat sat", "document")
+
+
+def test_a_symmetric_rollout_is_the_default_prompt_encode_embedding(model):
+    pairs = [Triplet(t.query, t.positive, t.negatives, symmetric=True) for t in TRIPLETS]
+    r = asymmetric_rollouts(
+        model[0], pairs, num_rollouts=2, num_negatives=1, step=0, seed=1, max_new_tokens=SHIPPED_BUDGETS,
+        temperature_query=0.0, temperature_negative=0.0, temperature_positive=1.0,
+    )
+    encoded = model.encode([t.query for t in pairs], convert_to_tensor=True)  # the "default" prompt type
+    torch.testing.assert_close(r.queries.embeddings, encoded.cpu(), atol=1e-5, rtol=1e-5)

@@ -108,9 +108,9 @@ def plan(config: GRPOConfig, sample: int = 256) -> dict[str, Any]:
         "positive_rollouts_per_step": b * k,
         "mean_prompt_tokens": {"query": round(query_len, 1), "document": round(doc_len, 1)},
         "prompt_tokens_per_step": round(b * (query_len + negatives_per * doc_len + k * doc_len)),
-        "max_generated_tokens_per_step": round(rollouts * config.max_response_tokens),
-        "max_trained_tokens_per_step": round(b * k * (doc_len + config.max_response_tokens + 1)),
-        "max_generated_tokens_total": round(rollouts * config.max_response_tokens * total),
+        "max_generated_tokens_per_step": round(rollouts * config.longest_response),
+        "max_trained_tokens_per_step": round(b * k * (doc_len + config.longest_response + 1)),
+        "max_generated_tokens_total": round(rollouts * config.longest_response * total),
         "checkpoints": len({*range(config.save_steps, total, config.save_steps or total + 1), total}),
     }
 

@@ -21,6 +21,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from grace_st.settings import per_prompt_type
+
+from .sampling import SAMPLINGS
 from .validation import NON_EMPTY, ConfigError, Rule, above, at_least, between, check_value, coerce, one_of, subset_of
 
 REWARD_MODES = ("paper", "per_rollout")
@@ -30,7 +33,7 @@ LENGTH_PENALTY_MODES = ("add", "replace", "off")
 LENGTH_PENALTY_UNITS = ("scaled", "reward")
 REWARD_SCALING = ("none", "group")
 FINETUNE_MODES = ("full", "lora")
-CONTRASTIVE_ANCHORS = ("detached", "recompute")
+CONTRASTIVE_ANCHORS = ("detached", "recompute", "recompute_prompts")
 BAD_ROWS = ("skip", "error")
 LR_SCHEDULERS = ("constant", "linear")
 
@@ -52,7 +55,11 @@ class GRPOConfig:
     # The encoder's max_input_tokens and max_rationale_tokens under the names of the paper's code
     # (the saved model encodes with them); YAML files keep these keys.
     max_prompt_tokens: int = 1024  # paper: prompt ≤ 1024 tokens
-    max_response_tokens: int = 2048  # paper: rationale ≤ 2048 tokens in training
+    # paper: rationale ≤ 2048 tokens in training. Or budgets by prompt type, as the encoder's
+    # max_rationale_tokens takes them (e.g. {default: 32, query: 32, document: 0}): each side is
+    # trained at the budget it is encoded with, and a retrieval source whose documents get 0 rolls
+    # out its queries (rollout.py)
+    max_response_tokens: int | dict[str, int] = 2048
 
     # -- data -------------------------------------------------------------------------------
     objective: str = "supervised"  # "unsupervised": raw text, Eqs. 12–13
@@ -60,6 +67,9 @@ class GRPOConfig:
     train_data: list[dict[str, Any]] = field(default_factory=list)
     eval_data: list[dict[str, Any]] = field(default_factory=list)
     num_negatives: int = 1  # negatives per triplet used in Eq. 5 (extra ones are dropped)
+    # "shuffled": one permutation of all triplets an epoch; "by_source": each step's batch from one
+    # source, drawn by the sources' ``weight`` (sampling.py)
+    batch_sampling: str = "shuffled"
     bad_rows: str = "skip"  # "skip": report (file, line) and go on; "error": refuse before training
 
     # -- rollouts (Eq. 4) -------------------------------------------------------------------
@@ -90,7 +100,10 @@ class GRPOConfig:
     # -- hybrid objective (beyond the paper): β · InfoNCE on the pooled states of the update pass --
     contrastive_beta: float = 0.0  # β; 0 is the paper's GRACE exactly
     contrastive_temperature: float = 0.05
-    contrastive_anchors: str = "detached"  # queries and negatives: rollout embeddings, or recomputed with gradient
+    # queries and negatives: the rollouts' embeddings ("detached"), recomputed with gradient ("recompute"),
+    # or recomputed only where embedded from the prompt alone, budget 0 ("recompute_prompts": the
+    # documents of a retrieval source under the shipped budgets, so their embedding is trained too)
+    contrastive_anchors: str = "detached"
 
     # -- what is trained ----------------------------------------------------------------------
     finetune: str = "full"  # "lora": a PEFT LoRA adapter on a frozen base (KL reference = adapter disabled)
@@ -112,6 +125,9 @@ class GRPOConfig:
     clip_epsilon: float = 0.2
     kl_coef: float = 0.0  # > 0: KL to the initial model (k3 estimator), keeps a frozen copy
     gradient_accumulation_steps: int = 1  # the positive rollouts of a step are split in this many chunks
+    # The update pass runs the prompt the K rollouts of a positive share once, its keys and values
+    # expanded to the K rows (the same loss and gradients; off with gradient checkpointing, which drops the KV cache)
+    share_prompt_pass: bool = True
 
     # -- loop -------------------------------------------------------------------------------
     batch_size: int = 64  # B triplets per step, over all processes
@@ -209,6 +225,12 @@ class GRPOConfig:
                  "temperature_positive", "top_p", "query_task", "document_task")
         return {"max_new_tokens": self.max_response_tokens, **{name: getattr(self, name) for name in names}}
 
+    @property
+    def longest_response(self) -> int:
+        """The largest rationale budget of any prompt type (KV sizes, token estimates)."""
+        budgets = self.max_response_tokens
+        return max(budgets.values()) if isinstance(budgets, dict) else budgets
+
     def reward_settings(self) -> dict[str, Any]:
         """The keyword arguments of :func:`grace_training.rewards.compute_rewards` this config sets
         (Eqs. 5–9, 13, 28)."""
@@ -275,12 +297,19 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "query_task": (NON_EMPTY,),
     "document_task": (NON_EMPTY,),
     "max_prompt_tokens": (AT_LEAST_ONE,),
-    "max_response_tokens": (AT_LEAST_ONE,),  # GRPO needs a rationale
+    "max_response_tokens": (
+        Rule(
+            lambda v: v >= 1 if not isinstance(v, dict) else per_prompt_type(0)(v) and max(v.values()) >= 1,
+            "be an integer >= 1, or a mapping of prompt type to an integer >= 0 with a 'default' entry and one >= 1"
+            " (GRPO needs a rationale)",
+        ),
+    ),
     "objective": (one_of(OBJECTIVES),),
     "data_dir": (NON_EMPTY,),
     "train_data": (),  # each source is checked by _check_source; empty is refused where data is loaded
     "eval_data": (),
     "num_negatives": (NON_NEGATIVE,),
+    "batch_sampling": (one_of(SAMPLINGS),),
     "bad_rows": (one_of(BAD_ROWS),),
     "num_rollouts": (AT_LEAST_ONE,),
     "temperature_positive": (NON_NEGATIVE,),  # 0 is greedy
@@ -321,6 +350,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "clip_epsilon": (POSITIVE,),
     "kl_coef": (NON_NEGATIVE,),
     "gradient_accumulation_steps": (AT_LEAST_ONE,),
+    "share_prompt_pass": (),
     "batch_size": (AT_LEAST_ONE,),
     "epochs": (NON_NEGATIVE,),  # 0 only with max_steps > 0 (a combination rule)
     "max_steps": (at_least(-1),),  # -1 or 0: run the epochs

@@ -25,9 +25,10 @@ from grace_st.generation import prompt_pooling_mask
 from grace_st.pooling import masked_mean
 
 from .config import GRPOConfig
-from .data import Triplet, load_data
+from .data import Triplet, load_data, source_weights
 from .grpo import position_ids_from_mask
 from .policy import card_base_model, load_grace_model
+from .sampling import BatchSchedule
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,37 @@ def infonce_dataset(rows: list[Triplet]):
     if rows and all(r.negatives for r in rows):
         columns["negative"] = [r.negatives[0] for r in rows]
     return Dataset.from_dict(columns)
+
+
+def infonce_datasets(rows: list[Triplet], config: GRPOConfig, batch_size: int):
+    """The training set(s) and their router mapping (each column's prompt type).
+
+    One dataset, queries and documents routed to ``query_task`` / ``document_task``, as the
+    paper's baseline; or, when a source is ``symmetric`` or ``batch_sampling`` is ``by_source``,
+    one dataset a source (sentence-transformers draws each batch from one of them, as GRPO's
+    ``by_source`` does), symmetric sources routed to ``"default"``. Under ``by_source`` each
+    source's dataset holds its share of the run's triplets by weight, drawn from the same
+    per-source streams as GRPO's batches (:class:`~grace_training.sampling.BatchSchedule`).
+    """
+    from datasets import DatasetDict
+
+    retrieval = {"anchor": config.query_task, "positive": config.document_task, "negative": config.document_task}
+    if config.batch_sampling != "by_source" and not any(r.symmetric for r in rows):
+        return infonce_dataset(rows), retrieval
+    weights = source_weights(config.train_data, rows, config.data_dir) if config.train_data else None
+    schedule = BatchSchedule([r.source for r in rows], batch_size, config.seed, config.batch_sampling, weights)
+    total = config.max_steps * batch_size if config.max_steps > 0 else len(rows) * max(config.epochs, 1)
+    datasets, routes = {}, {}
+    for name, members in schedule.members.items():
+        if config.batch_sampling == "by_source":
+            share = sum(schedule.weights[i] for i, n in enumerate(schedule.names) if n == name) / sum(schedule.weights)
+            members = schedule.take(name, max(batch_size, round(total * share))) if share else []
+        if not members:
+            continue
+        key = name.replace("/", "__")  # a dataset name, not a path
+        datasets[key] = infonce_dataset([rows[i] for i in members])
+        routes[key] = dict.fromkeys(retrieval, "default") if rows[members[0]].symmetric else retrieval
+    return DatasetDict(datasets), routes
 
 
 def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] | None = None) -> Path:
@@ -94,9 +126,12 @@ def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] |
     loss = MultipleNegativesRankingLoss(st, scale=1.0 / config.infonce_temperature)
     output = Path(config.output_dir)
     arguments = _trainer_arguments(config, output)
+    dataset, arguments["router_mapping"] = infonce_datasets(
+        train_data, config, arguments["per_device_train_batch_size"]
+    )
     known = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
     args = SentenceTransformerTrainingArguments(**{k: v for k, v in arguments.items() if k in known})
-    trainer = SentenceTransformerTrainer(model=st, args=args, train_dataset=infonce_dataset(train_data), loss=loss)
+    trainer = SentenceTransformerTrainer(model=st, args=args, train_dataset=dataset, loss=loss)
     trainer.train()
 
     encoder.model.eval()
@@ -126,11 +161,6 @@ def _trainer_arguments(config: GRPOConfig, output: Path) -> dict:
         "logging_steps": config.logging_steps,
         "report_to": [r for r in config.report_to if r == "tensorboard"] or "none",
         "dataloader_drop_last": True,
-        "router_mapping": {
-            "anchor": config.query_task,
-            "positive": config.document_task,
-            "negative": config.document_task,
-        },
     }
     if config.gradient_checkpointing:
         arguments["gradient_checkpointing"] = True

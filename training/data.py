@@ -11,7 +11,7 @@ row can never stop a run midway.
 Source specs (dicts, one per source; ``path`` is relative to ``data_dir`` unless absolute):
 
 - ``{"type": "triplets", "path": "x.jsonl"}``: ``{"query", "positive", "negatives": [...]}``
-  per line (``"negative": "..."`` also accepted).
+  per line (``"negative": "..."`` also accepted; ``.jsonl.gz`` read through gzip, e.g. WikiQA).
 - ``{"type": "beir", "path": "scifact", "split": "train"}``: ``corpus.jsonl``, ``queries.jsonl``,
   ``qrels/<split>.tsv``; one triplet per relevant (query, document); negatives mined from the
   corpus (``miner``: "bm25" or "random"), never a document relevant to that query.
@@ -20,14 +20,19 @@ Source specs (dicts, one per source; ``path`` is relative to ``data_dir`` unless
   positives; negatives are the anchor's partners scored ≤ ``negative_threshold`` (when set),
   then mined from the file's sentences.
 - ``{"type": "mrpc", "path": "mrpc/train.tsv"}``: paraphrases (Quality 1) are positives; a
-  sentence's non-paraphrase partner (Quality 0) is its first negative, then mined ones.
+  sentence's non-paraphrase partner (Quality 0) is its first negative, then mined ones. Any
+  labelled-pair file: a table or JSON lines (``twitter_url/pairs.jsonl.gz``, whose
+  non-paraphrases share the paraphrase's topic: hard negatives).
 - ``{"type": "labelled", "path": "banking77/train.csv"}``: CSV ``text,category``; two texts of
   one label form a positive pair, negatives are mined among other labels.
 - ``{"type": "text", "path": "x.txt"}``: raw texts (``.txt`` one a line, ``.jsonl`` with
   ``"text"``, ``.tsv``/``.csv`` with ``column``) for the unsupervised objective.
 - ``{"type": "sts", "path": "stsb/dev.tsv"}`` (evaluation only): scored pairs, all kept.
 
-Common options: ``max_examples`` (a seeded sample), ``num_negatives``, ``miner``, ``name``.
+Common options: ``max_examples`` (a seeded sample), ``num_negatives``, ``miner``, ``name``;
+``symmetric: true`` (both sides the same kind of text, e.g. STS pairs: every role takes the
+encoder's ``"default"`` prompt type, as ``encode`` embeds such text), ``weight`` (how often a
+step draws its batch from this source under ``batch_sampling: by_source``; default: its size).
 
 Why one file of ~390 lines: one loader per source kind (BEIR, scored pairs, MRPC, labelled texts, raw
 text, triplets), each turning :mod:`grace_st.data` records into triplets; they share mining and the
@@ -36,6 +41,7 @@ bad-row policy.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
@@ -45,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from grace_st.data import DataFileError, formats, id_fraction
+from grace_st.data import DataFileError, formats, id_fraction, scoreboard_sample
 
 from .mining import mine_negatives
 
@@ -67,6 +73,7 @@ class Triplet:
     negatives: tuple[str, ...] = ()
     source: str = ""
     score: float | None = None
+    symmetric: bool = False  # both sides are the same kind of text: every role takes the "default" prompt type
 
 
 def resolve_path(path: str, data_dir: str | None) -> Path:
@@ -235,14 +242,23 @@ def load_labelled(
     seed: int,
     text_column: str | None = None,
     label_column: str | None = None,
+    hold_out_scoreboard: int = 0,
 ) -> list[Triplet]:
+    """Two texts of one label form a positive pair. ``hold_out_scoreboard: N`` leaves out the N
+    rows the development scoreboard samples from this file (``dev_eval.py``'s Banking77 kNN sets,
+    N = train + test texts: 800 for ``--banking-train 500 --banking-test 300``), so that score
+    stays one of texts training never saw."""
     roles = dict(formats.CLASSIFICATION_COLUMNS)
     if text_column is not None:
         roles["text"] = (text_column,)
     if label_column is not None:
         roles["label"] = (label_column,)
+    items = formats.read_labelled_texts(path, roles, _collect(issues))
+    if hold_out_scoreboard:
+        held = {item.line for item in scoreboard_sample(items, int(hold_out_scoreboard), path.parent.name)}
+        items = [item for item in items if item.line not in held]
     by_label: dict[str, list[str]] = defaultdict(list)
-    for item in formats.read_labelled_texts(path, roles, _collect(issues)):
+    for item in items:
         if not formats.is_text(item.text):
             issues.append(f"{path}:{item.line}: empty text")
             continue
@@ -273,8 +289,13 @@ def load_source(
     kind = spec.pop("type")
     if kind not in SOURCE_TYPES:
         raise ValueError(f"unknown data source type {kind!r}; one of {SOURCE_TYPES}")
+    name = source_name({"type": kind, **spec}, data_dir)
     path = resolve_path(spec.pop("path"), data_dir)
-    name = spec.pop("name", path.name if kind == "beir" else f"{path.parent.name}/{path.stem}")
+    spec.pop("name", None)
+    spec.pop("weight", None)  # read by source_weights: how often the run draws a batch of this source
+    symmetric = spec.pop("symmetric", False)
+    if not isinstance(symmetric, bool):
+        raise ValueError(f"{name}: 'symmetric' must be true or false, got {symmetric!r}")
     max_examples = spec.pop("max_examples", None)
     mining = {
         "num_negatives": int(spec.pop("num_negatives", num_negatives)),
@@ -317,7 +338,33 @@ def load_source(
         raise ValueError(f"unknown option(s) for a {kind!r} source: {', '.join(sorted(spec))}")
     if max_examples is not None and len(rows) > int(max_examples):
         rows = random.Random(seed).sample(rows, int(max_examples))
+    if symmetric:
+        rows = [dataclasses.replace(row, symmetric=True) for row in rows]
     return rows
+
+
+def source_name(spec: dict[str, Any], data_dir: str | None = None) -> str:
+    """The name a source's triplets carry (``Triplet.source``): ``name``, else from its path."""
+    if "name" in spec:
+        return str(spec["name"])
+    path = resolve_path(spec["path"], data_dir)
+    stem = path.name.removesuffix(".gz")
+    return path.name if spec["type"] == "beir" else f"{path.parent.name}/{Path(stem).stem}"
+
+
+def source_weights(specs: list[dict[str, Any]], rows: Sequence[Triplet], data_dir: str | None = None) -> dict[str, float]:
+    """Each source's sampling weight: its spec's ``weight``, else its number of triplets (proportional)."""
+    sizes: dict[str, int] = defaultdict(int)
+    for row in rows:
+        sizes[row.source] += 1
+    weights = {}
+    for spec in specs:
+        name = source_name(spec, data_dir)
+        weight = spec.get("weight", sizes[name])
+        if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not weight >= 0:
+            raise ValueError(f"{name}: 'weight' must be a number >= 0, got {weight!r}")
+        weights[name] = float(weight)
+    return weights
 
 
 def _require_file(path: Path) -> None:

@@ -3,6 +3,10 @@
 - triplet sources: ``accuracy`` (sim(q, d⁺) > every sim(q, d⁻)), mean ``margin``, and in-set
   retrieval over all the set's positives (``recall@1``, ``mrr``);
 - ``sts`` sources: Spearman correlation of cosine similarity with the gold score.
+
+Each text is embedded with the prompt type ``encode`` would give it: scored pairs and
+``symmetric`` sources with ``"default"``, retrieval sources' queries and documents with the
+query and document types (so each at its budget when budgets differ by type).
 """
 
 from __future__ import annotations
@@ -65,15 +69,16 @@ def evaluate(
     scores: dict[str, float] = {}
     try:
         for source, items in by_source.items():
-            if items[0].score is not None:  # scored pairs (STS): symmetric, one instruction
-                left = encode_texts(st_model, [r.query for r in items], document_task, batch_size)
-                right = encode_texts(st_model, [r.positive for r in items], document_task, batch_size)
+            if items[0].score is not None:  # scored pairs (STS): symmetric, as encode embeds them
+                left = encode_texts(st_model, [r.query for r in items], "default", batch_size)
+                right = encode_texts(st_model, [r.positive for r in items], "default", batch_size)
                 scores[f"eval/{source}/spearman"] = spearman((left * right).sum(-1).tolist(), [r.score for r in items])
                 continue
-            query = encode_texts(st_model, [r.query for r in items], query_task, batch_size)
-            positive = encode_texts(st_model, [r.positive for r in items], document_task, batch_size)
+            tasks = ("default", "default") if items[0].symmetric else (query_task, document_task)
+            query = encode_texts(st_model, [r.query for r in items], tasks[0], batch_size)
+            positive = encode_texts(st_model, [r.positive for r in items], tasks[1], batch_size)
             flat = [n for r in items for n in r.negatives]
-            encoded = encode_texts(st_model, flat, document_task, batch_size)
+            encoded = encode_texts(st_model, flat, tasks[1], batch_size)
             negatives, start = [], 0
             for r in items:
                 negatives.append(encoded[start : start + len(r.negatives)])

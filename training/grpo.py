@@ -34,13 +34,17 @@ def build_policy_batch(
     stop_ids: Sequence[int],
     pad_token_id: int,
     instruction_lengths: Sequence[int] | None = None,
+    share_prompts: bool = False,
 ) -> dict[str, Tensor]:
     """Left-padded prompts ⊕ right-padded completions (rationale, then its EOS when it has one).
 
     Returns ``input_ids`` and ``attention_mask`` (R, N + G), ``completion_mask`` (R, G) over the
     tokens the policy chose, and ``prompt_width`` N. With ``instruction_lengths`` (L_sys of each
     prompt) also ``pooling_mask`` (R, N + G): the positions Eq. 3 pools in ``encode``, t > L_sys
-    and the rationale, never the EOS token nor padding.
+    and the rationale, never the EOS token nor padding. With ``share_prompts``, when some rows
+    share a prompt (the K rollouts of one positive), also ``prompt_rows`` (U,): the first row of
+    each distinct prompt, and ``prompt_index`` (R,): each row's entry in it; :func:`policy_pass`
+    then runs each distinct prompt once.
     """
     rows = len(prompt_ids)
     width = max((len(p) for p in prompt_ids), default=0)
@@ -70,6 +74,13 @@ def build_policy_batch(
             rationale[i, : len(ids)] = True
         prompt = prompt_pooling_mask(attention_mask[:, :width], spans) & attention_mask[:, :width].bool()
         batch["pooling_mask"] = torch.cat([prompt, rationale], dim=1)
+    if share_prompts:
+        distinct: dict[tuple[int, ...], int] = {}
+        index = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
+        if len(distinct) < rows:
+            first = {slot: row for row, slot in reversed(list(enumerate(index)))}
+            batch["prompt_rows"] = torch.tensor([first[slot] for slot in range(len(distinct))], dtype=torch.long)
+            batch["prompt_index"] = torch.tensor(index, dtype=torch.long)
     return batch
 
 
@@ -100,26 +111,75 @@ def policy_pass(
     hook = contextlib.nullcontext()
     if pool_from is not None and hidden_layer == -1:
         hook = _capture_decoder_output(pool_from, captured)
+    wants_states = pool_from is not None and hidden_layer != -1
     with hook:
-        output = model(
-            input_ids=batch["input_ids"],
-            attention_mask=batch["attention_mask"],
-            position_ids=position_ids_from_mask(batch["attention_mask"]),
-            logits_to_keep=generated + 1,
-            use_cache=False,
-            output_hidden_states=pool_from is not None and hidden_layer != -1,
-        )
+        if "prompt_index" in batch and generated > 0:
+            logits, states = _shared_prompt_forward(model, batch, width, captured, wants_states, hidden_layer)
+        else:
+            output = model(
+                input_ids=batch["input_ids"],
+                attention_mask=batch["attention_mask"],
+                position_ids=position_ids_from_mask(batch["attention_mask"]),
+                logits_to_keep=generated + 1,
+                use_cache=False,
+                output_hidden_states=wants_states,
+            )
+            logits = output.logits[:, :-1, :]
+            states = output.hidden_states[hidden_layer] if wants_states else captured.get("states")
     pooled = None
     if pool_from is not None:
-        states = captured["states"] if hidden_layer == -1 else output.hidden_states[hidden_layer]
         pooled = masked_mean(states, batch["pooling_mask"].to(states.device))
     if generated == 0:
         return torch.zeros((batch["input_ids"].shape[0], 0), device=batch["input_ids"].device), pooled
-    logits = output.logits[:, :-1, :].float()
+    logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     targets = batch["input_ids"][:, width:]
     return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1), pooled
+
+
+def _shared_prompt_forward(
+    model, batch: dict[str, Tensor], width: int, captured: dict, wants_states: bool, hidden_layer: int
+) -> tuple[Tensor, Tensor | None]:
+    """The pass of :func:`policy_pass` with each distinct prompt run once (``prompt_rows``), its
+    keys and values expanded to the rows that share it (``prompt_index``), then the completions
+    fed on top: (logits of the G completion positions (R, G, V), hidden states (R, N + G, H) or None).
+
+    The model is causal, so a prompt's states do not depend on the completion after it: this is
+    the same computation as the full pass, and the expansion's backward sums the K rollouts'
+    gradients through the shared prompt, as K separate copies would. The update pass of the K
+    rollouts of a positive thus costs one prompt, not K.
+    """
+    prompts, index = batch["prompt_rows"].to(batch["input_ids"].device), batch["prompt_index"]
+    index = index.to(batch["input_ids"].device)
+    mask = batch["attention_mask"]
+    positions = position_ids_from_mask(mask)
+    head = model(
+        input_ids=batch["input_ids"][prompts, :width],
+        attention_mask=mask[prompts, :width],
+        position_ids=positions[prompts, :width],
+        logits_to_keep=1,
+        use_cache=True,
+        output_hidden_states=wants_states,
+    )
+    head_states = head.hidden_states[hidden_layer] if wants_states else captured.get("states")
+    cache = head.past_key_values
+    cache.batch_select_indices(index)
+    tail = model(
+        input_ids=batch["input_ids"][:, width:],
+        attention_mask=mask,
+        position_ids=positions[:, width:],
+        past_key_values=cache,
+        logits_to_keep=batch["input_ids"].shape[1] - width,
+        use_cache=True,
+        output_hidden_states=wants_states,
+    )
+    tail_states = tail.hidden_states[hidden_layer] if wants_states else captured.get("states")
+    logits = torch.cat([head.logits[:, -1:, :].index_select(0, index), tail.logits[:, :-1, :]], dim=1)
+    states = None
+    if head_states is not None:
+        states = torch.cat([head_states.index_select(0, index), tail_states], dim=1)
+    return logits, states
 
 
 @contextlib.contextmanager

@@ -5,7 +5,9 @@ The update pass already runs the policy over ``P(d⁺) ⊕ r`` with gradient for
 :func:`grace_training.grpo.pooled_contrastive_loss` against the step's queries, the instances'
 negatives and the other instances' positives. Queries and negatives are the rollouts' own
 embeddings (``contrastive_anchors: detached``) or pooled again with gradient
-(``recompute``, :func:`pooled_with_grad`).
+(``recompute``, :func:`pooled_with_grad`), or pooled again only where they were embedded from the
+prompt alone (``recompute_prompts``: under budgets by prompt type, a retrieval source's documents,
+whose prompt-only embedding the rollouts never train otherwise).
 """
 
 from __future__ import annotations
@@ -30,19 +32,41 @@ def hybrid_candidates(rollouts: TripletRollouts, num_negatives: int, accelerator
 
 
 def pooled_with_grad(
-    policy_wrapped, policy, parts: tuple[RolloutBatch, ...], pad_token_id: int, hidden_layer: int, device
+    policy_wrapped,
+    policy,
+    parts: tuple[RolloutBatch, ...],
+    pad_token_id: int,
+    hidden_layer: int,
+    device,
+    prompts_only: bool = False,
 ) -> torch.Tensor:
-    """Eq. 3 embeddings of rollouts (queries, negatives) recomputed with gradient, in one pass, in order."""
+    """Eq. 3 embeddings of rollouts (queries, negatives) recomputed with gradient, in one pass, in order.
+
+    ``prompts_only``: only the rows embedded from their prompt alone (budget 0) are recomputed; the
+    others keep their rollout embedding (no gradient). One pass is still run when no row qualifies
+    (over the first row, unused): under DDP or FSDP every process must run as many forwards.
+    """
+    rows = [(part, i) for part in parts for i in range(len(part))]
+    chosen = list(range(len(rows)))
+    if prompts_only:
+        chosen = [n for n, (part, i) in enumerate(rows) if part.budgets and part.budgets[i] == 0]
+    selected = [rows[n] for n in (chosen or [0])]
     batch = build_policy_batch(
-        [ids for part in parts for ids in part.prompt_ids],
-        [ids for part in parts for ids in part.rationale_ids],
-        [stop for part in parts for stop in part.stop_ids],
+        [part.prompt_ids[i] for part, i in selected],
+        [part.rationale_ids[i] for part, i in selected],
+        [part.stop_ids[i] for part, i in selected],
         pad_token_id,
-        [length for part in parts for length in part.instruction_lengths],
+        [part.instruction_lengths[i] for part, i in selected],
     )
     batch = {k: v.to(device) for k, v in batch.items()}
     # the temperature scales log-probs only, which are not used here
-    return policy_pass(policy_wrapped, batch, parts[0].temperature, pool_from=policy, hidden_layer=hidden_layer)[1]
+    fresh = policy_pass(policy_wrapped, batch, parts[0].temperature, pool_from=policy, hidden_layer=hidden_layer)[1]
+    if not prompts_only:
+        return fresh
+    kept = torch.cat([part.embeddings for part in parts]).to(device=device, dtype=fresh.dtype)
+    if not chosen:
+        return kept + 0.0 * fresh.sum()  # the pass joins the graph; nothing of it counts
+    return kept.index_copy(0, torch.tensor(chosen, device=device), fresh)
 
 
 def hybrid_contrastive_loss(

@@ -142,7 +142,9 @@ def step_metrics(
             "time/rollout_s": timings["rollout"],
             "time/reward_s": timings["reward"],
             "time/update_s": timings["update"],
+            **{f"time/update_{part}_s": value for part, value in update.get("seconds", {}).items()},
             "time/step_s": timings["step"],
+            "time/step_cpu_s": timings["cpu"],
             "time/weight_sync_s": update["weight_sync_s"],  # into the vLLM engine (0 with hf)
             "time/rollout_share": timings["rollout"] / max(timings["step"], 1e-9),
             "throughput/generated_tokens_per_s": generated / max(timings["rollout"], 1e-9),

@@ -23,6 +23,7 @@ _REDUCTIONS = {
             "throughput/generated_tokens",
             "throughput/generated_tokens_per_s",
             "throughput/tokens_per_s",
+            "time/step_cpu_s",  # the CPU cost of the step, every process's
         ],
         "sum",
     ),

@@ -21,7 +21,7 @@ not depend on batching, on the process that drew them, or on whether the run was
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -32,6 +32,7 @@ from torch import Tensor
 from grace_st.generation import Rationales, generate_rollouts, left_pad, per_row
 from grace_st.pooling import masked_mean
 from grace_st.second_pass import pooled_embeddings
+from grace_st.settings import for_prompt_type
 
 from .data import Triplet
 from .rollout_batch import RolloutBatch
@@ -195,39 +196,72 @@ GenerateFn = Callable[[RolloutRequest], Generated]
 # -- Eq. 4 -----------------------------------------------------------------------------------------
 
 
-def _roll_out(
-    encoder, roles: Sequence[_Role], generate: GenerateFn, top_p: float, max_new_tokens: int
-) -> list[RolloutBatch]:
-    """Every role's rows in one ``generate`` call, each at its role's temperature; split back by role."""
-    request = RolloutRequest(
-        [p for role in roles for p in role.prompts],
-        [s for role in roles for s in role.spans],
-        temperatures=[role.temperature for role in roles for _ in role.prompts],
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        seeds=[row_seed for role in roles for row_seed in role.seeds],
-    )
-    if request.prompt_ids:
+def _roll_out(encoder, roles: Sequence[_Role], generate: GenerateFn, top_p: float) -> list[RolloutBatch]:
+    """Every role's rows, each at its role's temperature and its own budget: one ``generate``
+    call a distinct budget (one in all when every row has the same), split back by role."""
+    rows = [(role, i) for role in roles for i in range(len(role.prompts))]
+    hidden = encoder.get_embedding_dimension()
+    out_ids: list[list[int]] = [[] for _ in rows]
+    out_stops, out_truncated = [-1] * len(rows), [False] * len(rows)
+    out_embeddings = torch.zeros((len(rows), hidden))
+    for budget in sorted({role.budgets[i] for role, i in rows}, reverse=True):
+        chosen = [n for n, (role, i) in enumerate(rows) if role.budgets[i] == budget]
+        request = RolloutRequest(
+            [rows[n][0].prompts[rows[n][1]] for n in chosen],
+            [rows[n][0].spans[rows[n][1]] for n in chosen],
+            temperatures=[rows[n][0].temperature for n in chosen],
+            top_p=top_p,
+            max_new_tokens=budget,
+            seeds=[rows[n][0].seeds[rows[n][1]] for n in chosen],
+        )
         generated = generate(request)
-    else:
-        hidden = encoder.get_embedding_dimension()
-        generated = Generated([], [], torch.zeros((0, hidden)), torch.zeros(0, dtype=torch.bool))
+        for slot, n in enumerate(chosen):
+            out_ids[n], out_stops[n] = generated.rationale_ids[slot], generated.stop_ids[slot]
+            out_truncated[n] = bool(generated.truncated[slot])
+            out_embeddings[n] = generated.embeddings[slot]
     batches, start = [], 0
     for role in roles:
-        rows = slice(start, start + len(role.prompts))
+        span = slice(start, start + len(role.prompts))
         batches.append(
             RolloutBatch(
                 prompt_ids=role.prompts,
                 instruction_lengths=role.spans,
-                rationale_ids=generated.rationale_ids[rows],
-                stop_ids=generated.stop_ids[rows],
-                embeddings=generated.embeddings[rows],
-                truncated=generated.truncated[rows],
+                rationale_ids=out_ids[span],
+                stop_ids=out_stops[span],
+                embeddings=out_embeddings[span],
+                truncated=torch.tensor(out_truncated[span], dtype=torch.bool),
                 temperature=role.temperature,
+                budgets=role.budgets,
             )
         )
-        start = rows.stop
+        start = span.stop
     return batches
+
+
+def instance_roles(
+    triplet: Triplet, budgets: int | Mapping[str, int], query_task: str | None, document_task: str | None
+) -> tuple[tuple[str, str | None], tuple[str, str | None], str | None]:
+    """Which text of a triplet is the anchor, which is rolled out K times (the group), each with
+    its prompt type, and the negatives' prompt type: ``((anchor, task), (group, task), negative task)``.
+
+    Each side is trained as ``encode`` embeds it, at its prompt type's budget:
+
+    - a ``symmetric`` triplet (two texts of one kind, e.g. STS pairs): every role takes the
+      ``"default"`` prompt type; the positive is rolled out (Eq. 4 as written);
+    - a retrieval triplet whose documents get a rationale: the query is the anchor, the positive
+      document is rolled out (Eq. 4 as written);
+    - a retrieval triplet whose documents get none (budget 0, the shipped default for documents):
+      the side that thinks at inference, the query, is rolled out K times and the positive
+      document, embedded from its prompt alone, is the anchor. Eqs. 5–8 then read with the roles
+      exchanged: per-rollout rewards score sim(q(k), d⁺) − sim(q(k), d⁻) and
+      − max_j sim(q(k), d⁺_j), what retrieval ranks by.
+    """
+    if triplet.symmetric:
+        return (triplet.query, "default"), (triplet.positive, "default"), "default"
+    document_budget = for_prompt_type(budgets, document_task or "default")
+    if document_budget == 0 and for_prompt_type(budgets, query_task or "default") > 0:
+        return (triplet.positive, document_task), (triplet.query, query_task), document_task
+    return (triplet.query, query_task), (triplet.positive, document_task), document_task
 
 
 def asymmetric_rollouts(
@@ -238,7 +272,7 @@ def asymmetric_rollouts(
     num_negatives: int,
     step: int,
     seed: int,
-    max_new_tokens: int,
+    max_new_tokens: int | Mapping[str, int],
     temperature_query: float,
     temperature_negative: float,
     temperature_positive: float,
@@ -248,46 +282,66 @@ def asymmetric_rollouts(
     generate: GenerateFn | None = None,
     instance_offset: int = 0,
 ) -> TripletRollouts:
-    """One rationale per query and per negative, K per positive (Eq. 4).
+    """One rationale per anchor and per negative, K per positive (Eq. 4).
 
-    All rows go to ``generate`` in one call, each with its role's temperature.
-    ``instance_offset`` is the global index of this process's first instance (seeds).
+    ``max_new_tokens``: one budget, or budgets by prompt type (each row gets its prompt type's;
+    see :func:`instance_roles` for which text plays which role). The ``queries`` role holds each
+    instance's anchor and ``positives`` its K rollouts: the query and the positive document as
+    in the paper, exchanged for a retrieval instance whose documents are embedded without a
+    rationale. All rows go to ``generate``, one call per distinct budget, each row with its
+    role's temperature. ``instance_offset`` is the global index of this process's first instance
+    (seeds).
     """
     generate = generate or (lambda request: hf_generate(encoder, request))
     instances = range(instance_offset, instance_offset + len(triplets))
-    query = _Role.of(encoder, [t.query for t in triplets], query_task, temperature_query,
-                     [rollout_seed(seed, step, "query", i) for i in instances])
+    roles = [instance_roles(t, max_new_tokens, query_task, document_task) for t in triplets]
+    query = _Role.of(encoder, [anchor for anchor, _, _ in roles], temperature_query,
+                     [rollout_seed(seed, step, "query", i) for i in instances], max_new_tokens)
     owner, negatives, negative_seeds = [], [], []
-    for i, t in zip(instances, triplets):
+    for i, t, (_, _, task) in zip(instances, triplets, roles):
         for m, text in enumerate(t.negatives[:num_negatives]):
             owner.append(i - instance_offset)
-            negatives.append(text)
+            negatives.append((text, task))
             negative_seeds.append(rollout_seed(seed, step, "negative", i, m))
-    negative = _Role.of(encoder, negatives, document_task, temperature_negative, negative_seeds)
+    negative = _Role.of(encoder, negatives, temperature_negative, negative_seeds, max_new_tokens)
     positive_seeds = [rollout_seed(seed, step, "positive", i, k) for i in instances for k in range(num_rollouts)]
     positive = _Role.of(
-        encoder, [t.positive for t in triplets], document_task, temperature_positive, positive_seeds, num_rollouts
+        encoder, [group for _, group, _ in roles], temperature_positive, positive_seeds, max_new_tokens, num_rollouts
     )
 
-    batches = _roll_out(encoder, (query, negative, positive), generate, top_p, max_new_tokens)
+    batches = _roll_out(encoder, (query, negative, positive), generate, top_p)
     return TripletRollouts(*batches, owner, num_rollouts)
 
 
 @dataclass
 class _Role:
-    """One role's rows of a step (Eq. 4): its prompts, L_sys, temperature and seeds."""
+    """One role's rows of a step (Eq. 4): its prompts, L_sys, rationale budgets, temperature and seeds."""
 
     prompts: list[list[int]]
     spans: list[int]
+    budgets: list[int]
     temperature: float
     seeds: list[int]
 
     @classmethod
     def of(
-        cls, encoder, texts: list[str], task: str | None, temperature: float, seeds: list[int], copies: int = 1
+        cls,
+        encoder,
+        texts: list[tuple[str, str | None]],
+        temperature: float,
+        seeds: list[int],
+        budgets: int | Mapping[str, int],
+        copies: int = 1,
     ) -> _Role:
-        """``copies`` rows a text (the K rollouts of a positive share a prompt: tokenized once)."""
-        prompts, spans = tokenize_prompts(encoder, texts, task)
-        prompts = [p for p in prompts for _ in range(copies)]
-        spans = [s for s in spans for _ in range(copies)]
-        return cls(prompts, spans, temperature, seeds)
+        """Each (text, prompt type) templated as ``encode`` does, ``copies`` rows a text (the K
+        rollouts of a positive share one prompt: tokenized once)."""
+        prompts: list[list[int]] = [[] for _ in texts]
+        spans = [0] * len(texts)
+        for task in dict.fromkeys(task for _, task in texts):
+            chosen = [n for n, (_, t) in enumerate(texts) if t == task]
+            made, made_spans = tokenize_prompts(encoder, [texts[n][0] for n in chosen], task)
+            for n, prompt, span in zip(chosen, made, made_spans):
+                prompts[n], spans[n] = prompt, span
+        row_budgets = [for_prompt_type(budgets, task or "default") for _, task in texts]
+        repeat = lambda values: [v for v in values for _ in range(copies)]  # noqa: E731
+        return cls(repeat(prompts), repeat(spans), repeat(row_budgets), temperature, seeds)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -19,6 +19,7 @@ class RolloutBatch:
     embeddings: Tensor  # (R, H) h of Eq. 3, L2-normalised
     truncated: Tensor  # (R,) bool, no EOS within the limit (Eq. 28)
     temperature: float
+    budgets: list[int] = field(default_factory=list)  # each row's rationale budget (0: the prompt alone)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

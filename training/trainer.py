@@ -2,8 +2,8 @@
 
 Read :meth:`GRPOTrainer.train` top to bottom; each stage is a method a test can call alone:
 
-- :meth:`~GRPOTrainer.batch_for_step`: the step's B triplets (a seeded order per epoch, so the
-  data position is the step number and a resumed run sees the batches a straight run would);
+- :meth:`~GRPOTrainer.batch_for_step`: the step's B triplets (:mod:`.sampling`: a function of the
+  step number, so a resumed run sees the batches a straight run would);
 - :meth:`~GRPOTrainer.rollout`: Eq. 4 with embeddings by Eq. 3 (no gradient);
 - :meth:`~GRPOTrainer.compute_rewards`: Eqs. 5–9, 13, 28;
 - :func:`grace_training.grpo.group_advantages`: Eq. 10;
@@ -31,7 +31,6 @@ import contextlib
 import copy
 import functools
 import logging
-import random
 import time
 from pathlib import Path
 from typing import Any
@@ -47,7 +46,7 @@ from .checkpoint import (
     write_checkpoint,
 )
 from .config import GRPOConfig, check_batches, check_environment, check_launch
-from .data import Triplet, cap_per_source, load_data
+from .data import Triplet, cap_per_source, load_data, source_weights
 from .evaluation import evaluate
 from .grpo import build_policy_batch, completion_log_probs, group_advantages, grpo_loss, policy_pass
 from .hybrid import hybrid_candidates, hybrid_contrastive_loss, pooled_with_grad
@@ -57,6 +56,7 @@ from .processes import check_sharding, gather, processes_without_a_gpu, reduce_m
 from .rewards import compute_rewards
 from .rollout import TripletRollouts, asymmetric_rollouts, hf_generate
 from .rollout_batch import RolloutBatch
+from .sampling import BatchSchedule
 from .vllm_backend import build_rollout_engine
 
 logger = logging.getLogger(__name__)
@@ -103,7 +103,10 @@ class GRPOTrainer:
         self.local_batch_size = config.batch_size // world
         self.steps_per_epoch = len(self.train_data) // config.batch_size
         self.total_steps = config.max_steps if config.max_steps > 0 else config.epochs * self.steps_per_epoch
-        self._orders: dict[int, list[int]] = {}
+        weights = source_weights(config.train_data, self.train_data, config.data_dir) if config.train_data else None
+        self.schedule = BatchSchedule(
+            [t.source for t in self.train_data], config.batch_size, config.seed, config.batch_sampling, weights
+        )
 
         # -- model, then optimisation -------------------------------------------------------
         set_seed(config.seed)
@@ -245,7 +248,7 @@ class GRPOTrainer:
 
     def training_step(self, batch: list[Triplet], step: int) -> dict[str, float]:
         """One GRPO step: Eq. 4 rollouts, Eqs. 5–9/13/28 rewards, Eq. 10 advantages, Eq. 11 update."""
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         rollouts = self.rollout(batch, step)
         rolled = time.perf_counter()
         rewards = self.compute_rewards(rollouts)
@@ -262,6 +265,7 @@ class GRPOTrainer:
             "reward": rewarded - rolled,
             "update": updated - rewarded,
             "step": updated - start,
+            "cpu": time.process_time() - cpu_start,  # CPU seconds of this process: the cost, whatever else ran
         }
         # Reward and advantage statistics over the global batch, the same on every process.
         rewards = {name: gather(self.accelerator, value) for name, value in rewards.items()}
@@ -277,13 +281,8 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------
 
     def batch_for_step(self, step: int) -> list[Triplet]:
-        """This process's share of the step's global batch (seeded order per epoch)."""
-        epoch, index = divmod(step, self.steps_per_epoch)
-        if epoch not in self._orders:
-            order = list(range(len(self.train_data)))
-            random.Random(self.config.seed + epoch).shuffle(order)
-            self._orders = {epoch: order}
-        ids = self._orders[epoch][index * self.config.batch_size : (index + 1) * self.config.batch_size]
+        """This process's share of the step's global batch (:class:`~grace_training.sampling.BatchSchedule`)."""
+        ids = self.schedule.batch(step)
         rank, local = self.accelerator.process_index, self.local_batch_size
         return [self.train_data[i] for i in ids[rank * local : (rank + 1) * local]]
 
@@ -343,6 +342,7 @@ class GRPOTrainer:
         old_log_probs, ref_log_probs = self.fixed_log_probs(batches, rollouts.positives.temperature)
 
         totals = dict.fromkeys(("loss", "clip_fraction", "kl", "policy_loss", "contrastive_loss"), 0.0)
+        seconds = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)  # the step profile's parts
         grad_norm = torch.tensor(0.0)
         for _ in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
@@ -350,19 +350,25 @@ class GRPOTrainer:
                 last = i == len(batches) - 1
                 sync = contextlib.nullcontext() if last else accelerator.no_sync(self.policy_wrapped)
                 with sync, accelerator.autocast():
+                    started = time.perf_counter()
                     loss, terms = self.chunk_loss(
                         rollouts, batch, chunk, advantages[chunk], old_log_probs[i], ref_log_probs[i], num_tokens,
                         candidates,
                     )
+                    forwarded = time.perf_counter()
                     # DDP and FSDP average gradients over processes: scaled by their number, that
                     # average is the gradient of one process holding the whole batch.
                     accelerator.backward(loss * accelerator.num_processes)
+                    seconds["forward"] += forwarded - started
+                    seconds["backward"] += time.perf_counter() - forwarded
                 share = batch["completion_mask"].sum().item() / max(num_tokens, 1.0)
                 for name, value in terms.items():
                     totals[name] += value * (share if name in ("clip_fraction", "kl") else 1.0) / cfg.ppo_epochs
+            started = time.perf_counter()
             max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
             grad_norm = accelerator.clip_grad_norm_(self.trainable_parameters(), max_norm)
             self.optimizer.step()
+            seconds["optimizer"] += time.perf_counter() - started
         self.scheduler.step()
         self.policy_wrapped.eval()
         return {
@@ -372,6 +378,7 @@ class GRPOTrainer:
             "trained_tokens": num_tokens,
             "update_tokens": float(sum(b["attention_mask"].sum() for b in batches)),
             "weight_sync_s": self.sync_rollout_engine(),
+            "seconds": seconds,
         }
 
     def policy_batches(self, positives: RolloutBatch) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
@@ -394,6 +401,7 @@ class GRPOTrainer:
                 [positives.stop_ids[i] for i in chunk],
                 self.encoder.pad_token_id,
                 [positives.instruction_lengths[i] for i in chunk] if cfg.contrastive_beta > 0 else None,
+                share_prompts=cfg.share_prompt_pass and not cfg.gradient_checkpointing,
             )
             if cfg.mask_truncated:  # DAPO / TRL: a rationale cut at the limit is no evidence either way
                 cut = positives.truncated[chunk].to(batch["completion_mask"].device)
@@ -450,10 +458,11 @@ class GRPOTrainer:
                 encoder = self.encoder
                 device = self.accelerator.device
                 return pooled_with_grad(
-                    self.policy_wrapped, self.policy, anchors, encoder.pad_token_id, encoder.hidden_layer, device
+                    self.policy_wrapped, self.policy, anchors, encoder.pad_token_id, encoder.hidden_layer, device,
+                    prompts_only=cfg.contrastive_anchors == "recompute_prompts",
                 )
 
-            recomputed = recompute if cfg.contrastive_anchors == "recompute" else None
+            recomputed = recompute if cfg.contrastive_anchors != "detached" else None
             contrastive = hybrid_contrastive_loss(
                 candidates, rollouts, chunk, pooled, cfg, self.accelerator.process_index, recomputed
             ) / (len(rollouts.positives) * self.accelerator.num_processes)

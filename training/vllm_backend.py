@@ -29,6 +29,8 @@ from pathlib import Path
 
 from torch import Tensor
 
+from grace_st.generation import Rationales
+
 from .rollout import Generated, RolloutRequest, embed_rollouts
 
 
@@ -91,16 +93,13 @@ class VLLMRolloutEngine:
 
     def generate(self, request: RolloutRequest) -> Generated:
         """Rationales (one call for every row, a temperature each), then Eq. 3 embeddings from
-        one no-gradient pass of the trainer's policy."""
-        rationales = self.generator.generate(
-            request.prompt_ids,
-            max_new_tokens=request.max_new_tokens,
-            eos_token_ids=self.encoder.eos_token_ids,
-            do_sample=True,  # a row at temperature 0 is greedy
-            temperature=request.temperatures,
-            top_p=request.top_p,
-            seeds=request.seeds,
-        )
+        one no-gradient pass of the trainer's policy. A budget of 0 (documents embedded from their
+        prompt alone) generates nothing: the pass pools the prompts."""
+        if request.max_new_tokens == 0:
+            rows = len(request.prompt_ids)
+            rationales = Rationales([[] for _ in range(rows)], [-1] * rows, [False] * rows)
+        else:
+            rationales = self._generate(request)
         embeddings = embed_rollouts(
             self.encoder,
             request.prompt_ids,
@@ -109,6 +108,17 @@ class VLLMRolloutEngine:
             self.embed_batch_size,
         )
         return Generated.of(rationales, embeddings)
+
+    def _generate(self, request: RolloutRequest) -> Rationales:
+        return self.generator.generate(
+            request.prompt_ids,
+            max_new_tokens=request.max_new_tokens,
+            eos_token_ids=self.encoder.eos_token_ids,
+            do_sample=True,  # a row at temperature 0 is greedy
+            temperature=request.temperatures,
+            top_p=request.top_p,
+            seeds=request.seeds,
+        )
 
     # -- weight sync ----------------------------------------------------------------------------
 
@@ -159,7 +169,7 @@ def build_rollout_engine(encoder, st_model, config, accelerator) -> VLLMRolloutE
         path,
         gpu_memory_utilization=config.vllm_gpu_memory_utilization,
         tensor_parallel_size=config.vllm_tensor_parallel_size,
-        max_model_len=config.max_prompt_tokens + config.max_response_tokens + 1,
+        max_model_len=config.max_prompt_tokens + config.longest_response + 1,
         dtype="bfloat16" if config.bf16 else "auto",
         seed=config.seed,
         enable_sleep_mode=config.vllm_enable_sleep_mode,

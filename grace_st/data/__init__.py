@@ -4,7 +4,7 @@ tasks and the benchmarks all read through it. Standard library only."""
 
 from __future__ import annotations
 
-from .files import DataFileError, id_fraction
+from .files import SCOREBOARD_SEED, DataFileError, id_fraction, scoreboard_sample
 from .formats import (
     BeirFolder,
     BeirRecord,
@@ -28,6 +28,7 @@ __all__ = [
     "LabelledText",
     "ScoredPair",
     "TripletRecord",
+    "SCOREBOARD_SEED",
     "id_fraction",
     "read_beir",
     "read_labelled_pairs",
@@ -35,4 +36,5 @@ __all__ = [
     "read_scored_pairs",
     "read_texts",
     "read_triplets",
+    "scoreboard_sample",
 ]

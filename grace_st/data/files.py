@@ -10,11 +10,13 @@ callable, it hands each :class:`DataFileError` to it and leaves that row out (tr
 from __future__ import annotations
 
 import csv
+import gzip
 import hashlib
 import io
 import json
 import math
 import os
+import random
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,9 +185,10 @@ def parse_int(path: Path, row: Row, column: str, allowed: Iterable[int] | None =
 def read_jsonl(
     path: str | os.PathLike, required: Sequence[str] = (), on_error: OnError = None
 ) -> Iterator[tuple[int, dict]]:
-    """``(line number, object)`` for each non-blank line; each must be a JSON object with ``required`` keys."""
+    """``(line number, object)`` for each non-blank line; each must be a JSON object with ``required`` keys.
+    A ``.gz`` file is read through gzip (the shared data ships ``pairs.jsonl.gz``)."""
     path = Path(path)
-    with open(path, "rb") as handle:
+    with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as handle:
         for number, raw in enumerate(handle, start=1):
             try:
                 item = _json_object(path, number, raw, required)
@@ -194,6 +197,11 @@ def read_jsonl(
                 continue
             if item is not None:
                 yield number, item
+
+
+def is_jsonl(path: Path) -> bool:
+    """JSON lines: ``x.jsonl`` or ``x.jsonl.gz``."""
+    return path.name.endswith((".jsonl", ".jsonl.gz"))
 
 
 def _json_object(path: Path, number: int, raw: bytes, required: Sequence[str]) -> dict | None:
@@ -237,6 +245,18 @@ def sample_indices(count: int, limit: int | None) -> list[int]:
 def shuffled(keys: Sequence[str], seed: int = SAMPLING_SEED) -> list[str]:
     """``keys`` in a deterministic pseudo-random order (the order :func:`sample_keys` draws in)."""
     return sorted(keys, key=lambda key: _rank(seed, key))
+
+
+SCOREBOARD_SEED = 20260101  # benchmarks/dev_eval.py's fixed samples
+
+
+def scoreboard_sample(items: Sequence, count: int, salt: str) -> list:
+    """The development scoreboard's fixed sample of ``count`` items (all when there are fewer):
+    ``benchmarks/dev_eval.py`` draws its STS, MRPC, SciFact and Banking77 sets with it, and
+    training calls it to leave exactly those texts out (a labelled source's ``hold_out_scoreboard``)."""
+    if len(items) <= count:
+        return list(items)
+    return random.Random(f"{SCOREBOARD_SEED}:{salt}").sample(list(items), count)
 
 
 def id_fraction(key: str) -> float:

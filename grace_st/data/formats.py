@@ -2,10 +2,13 @@
 the local mteb tasks (``grace_st.evaluation``) and the benchmarks (``benchmarks/dev_eval.py``):
 
 - scored pairs (STS-B, SICK): a table with ``score``, ``sentence1``, ``sentence2``;
-- labelled pairs (MRPC): ``label`` 0/1 (MRPC's ``Quality``) and two sentences;
+- labelled pairs (MRPC, Twitter URL): ``label`` 0/1 (MRPC's ``Quality``) and two sentences, a
+  table or JSON lines;
 - labelled texts (Banking77): ``text`` and ``label`` (``category``, ``label_name``);
 - BEIR folders (SciFact): ``corpus.jsonl``, ``queries.jsonl``, ``qrels/<split>.tsv``;
-- triplets: JSON lines ``{"query", "positive", "negatives": [...]}``;
+- triplets: JSON lines ``{"query", "positive", "negatives": [...]}`` (WikiQA);
+
+JSON lines may be gzip-compressed (``.jsonl.gz``).
 - raw texts: ``.txt`` one a line, ``.jsonl`` or a table with a text column.
 
 Each reader returns records that carry their 1-based line and checks what the format itself
@@ -24,7 +27,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .files import DataFileError, OnError, Row, find_column, parse_float, parse_int, read_jsonl, read_table, report
+from .files import (
+    DataFileError,
+    OnError,
+    Row,
+    find_column,
+    is_jsonl,
+    parse_float,
+    parse_int,
+    read_jsonl,
+    read_table,
+    report,
+)
 
 # Accepted header names by role, first match wins; a pair table's value column comes first. MRPC ships `Quality #1 ID #2 ID #1 String #2 String`.
 Columns = Mapping[str, Sequence[str]]
@@ -132,9 +146,22 @@ def read_scored_pairs(
 def read_labelled_pairs(
     path: str | os.PathLike, columns: Columns = PAIR_COLUMNS, on_error: OnError = None
 ) -> list[LabelledPair]:
-    """Sentence pairs labelled 0 or 1 (paraphrase, duplicate)."""
-    binary = functools.partial(parse_int, allowed=(0, 1))
-    return [LabelledPair(*pair) for pair in _pairs(path, columns, on_error, binary)]
+    """Sentence pairs labelled 0 or 1 (paraphrase, duplicate): a table, or JSON lines
+    ``{"sentence1", "sentence2", "label"}`` (the Twitter URL corpus, ``.jsonl`` or ``.jsonl.gz``)."""
+    path = Path(path)
+    if not is_jsonl(path):
+        binary = functools.partial(parse_int, allowed=(0, 1))
+        return [LabelledPair(*pair) for pair in _pairs(path, columns, on_error, binary)]
+    pairs = []
+    for line, item in read_jsonl(path, ("sentence1", "sentence2", "label"), on_error):
+        label = item["label"]
+        if label not in (0, 1) or isinstance(label, bool):
+            report(DataFileError(path, line, f"label must be 0 or 1, found {label!r}"), on_error)
+        elif not (isinstance(item["sentence1"], str) and isinstance(item["sentence2"], str)):
+            report(DataFileError(path, line, "sentence1 and sentence2 must be strings"), on_error)
+        else:
+            pairs.append(LabelledPair(line, item["sentence1"], item["sentence2"], label))
+    return pairs
 
 
 def read_labelled_texts(
@@ -233,7 +260,7 @@ def read_texts(path: str | os.PathLike, column: str = "text", on_error: OnError 
     """``(line, text)`` of the non-empty texts: ``.jsonl`` objects' ``column``, a ``.tsv``/``.csv``
     table's ``column``, or any other file one text a line."""
     path = Path(path)
-    if path.suffix == ".jsonl":
+    if is_jsonl(path):
         found = [(line, item.get(column)) for line, item in read_jsonl(path, (), on_error)]
     elif path.suffix in (".tsv", ".csv"):
         _, rows = read_table(path, on_error)
