@@ -29,11 +29,16 @@ RECIPE = ROOT / "training" / "configs" / "default_grace.yaml"
 # name → (what it is, config overrides, decode options of the rollouts)
 VARIANTS: dict[str, tuple[str, list[str], dict]] = {
     "before": (
-        "every rollout's prompt prefilled, and run again in the update pass, once a row",
-        ["share_prompt_pass=false"],
+        "every rollout's prompt prefilled and run again in the update pass once a row, one rollout chunk",
+        ["share_prompt_pass=false", "rollout_bucket_ratio=null"],
         {"dedupe_prompts": False},
     ),
-    "after": ("a positive's prompt prefilled once and run once in the update pass for its K rollouts", [], {}),
+    "after": (
+        "a positive's prompt prefilled once and run once in the update pass for its K rollouts; rollouts "
+        "prefilled in length buckets",
+        [],
+        {},
+    ),
 }
 
 STAGES = [

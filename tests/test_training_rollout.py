@@ -223,3 +223,22 @@ def test_a_symmetric_rollout_is_the_default_prompt_encode_embedding(model):
     )
     encoded = model.encode([t.query for t in pairs], convert_to_tensor=True)  # the "default" prompt type
     torch.testing.assert_close(r.queries.embeddings, encoded.cpu(), atol=1e-5, rtol=1e-5)
+
+
+def test_length_buckets_split_short_from_long_prompts_and_change_nothing(model):
+    from grace_training.rollout import hf_generate, length_buckets
+
+    lengths = [40, 120, 41, 118, 42, 43, 44, 45, 46, 47, 48, 125]
+    chunks = length_buckets(lengths, batch_size=64, ratio=1.5, min_rows=8)
+    assert [sorted(lengths[i] for i in chunk) for chunk in chunks] == [list(range(40, 49)), [118, 120, 125]]
+    assert length_buckets(lengths, batch_size=5, ratio=None) == [[0, 2, 4, 5, 6], [7, 8, 9, 10, 3], [1, 11]]
+    short, short_spans = tokenize_prompts(model[0], ["a cat"] * 8, "query")
+    long, long_spans = tokenize_prompts(model[0], [" ".join(CORPUS[:6])] * 8, "document")
+    request = RolloutRequest(
+        short + long, short_spans + long_spans, temperatures=1.0, top_p=1.0, max_new_tokens=6, seeds=list(range(16))
+    )
+    assert len(length_buckets([len(p) for p in request.prompt_ids], 64, 1.5)) == 2
+    split = hf_generate(model[0], request, batch_size=64, bucket_ratio=1.5)
+    whole = hf_generate(model[0], request, batch_size=64, bucket_ratio=None)
+    assert split.rationale_ids == whole.rationale_ids and split.stop_ids == whole.stop_ids
+    torch.testing.assert_close(split.embeddings, whole.embeddings, atol=1e-5, rtol=1e-4)

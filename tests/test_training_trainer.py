@@ -122,6 +122,32 @@ def test_resume_continues_the_same_trajectory(tmp_path, monkeypatch):
     assert logged == [1, 2, 3, 4]
 
 
+def test_a_run_in_timed_chunks_equals_a_straight_run(tmp_path):
+    """``max_minutes`` (grace-train --max-minutes): each chunk stops at a step boundary with a
+    checkpoint, and chunks resumed one after another end with a straight run's weights and log."""
+    straight = make_st_model()
+    GRPOTrainer(config(tmp_path / "a", max_steps=3, eval_steps=2), model=straight, train_data=DATA,
+                eval_data=DATA[:2]).train()
+    cfg = config(tmp_path / "b", max_steps=3, save_steps=0, eval_steps=2)
+    steps, model = [], make_st_model()
+    for chunk in range(3):
+        trainer = GRPOTrainer(cfg, model=model, train_data=DATA, eval_data=DATA[:2])
+        steps.append(trainer.train(resume=chunk > 0, max_minutes=0.0)["step"])
+        model = make_st_model()  # the next chunk is a fresh process: weights from the checkpoint
+        assert latest_checkpoint(cfg.output_dir).name == f"checkpoint-{steps[-1]:08d}"
+    assert steps == [1, 2, 3]
+    expected = weights(straight)
+    chunked = SentenceTransformer(str(latest_checkpoint(cfg.output_dir)), trust_remote_code=True, device="cpu")
+    for key, value in weights(chunked).items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
+
+    def log(run):
+        rows = [json.loads(line) for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r.get("reward/final"), r.get("eval/toy/accuracy")) for r in rows]
+
+    assert log(tmp_path / "b") == log(tmp_path / "a")
+
+
 def test_a_crash_while_saving_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
     cfg = config(tmp_path, max_steps=2, save_steps=1)
     real_save = trainer_module.save_model_dir

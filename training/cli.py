@@ -3,6 +3,7 @@
 grace-train --config training/configs/cpu_smollm2.yaml                 # train
 grace-train --config FILE max_steps=10 output_dir=runs/x              # key=value overrides
 grace-train --config FILE --resume                                    # continue the latest checkpoint
+grace-train --config FILE --resume --max-minutes 55                   # one chunk of a long run
 grace-train --config FILE --dry-run                                   # validate, print the plan
 grace-train --config FILE --method infonce output_dir=runs/infonce    # the "w/ CL" baseline
 """
@@ -36,6 +37,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="continue from the latest checkpoint in output_dir (or the one given)",
     )
     parser.add_argument("--dry-run", action="store_true", help="validate the config and data, print the plan, exit")
+    parser.add_argument(
+        "--max-minutes",
+        type=float,
+        default=None,
+        metavar="M",
+        help="train one chunk: stop at the first step that ends after M minutes, with a checkpoint; "
+        "--resume continues it (long runs in chunks, e.g. 55 for sessions of an hour)",
+    )
     parser.add_argument(
         "--method",
         choices=("grpo", "infonce"),
@@ -148,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         config.to_yaml(Path(config.output_dir) / "config.yaml")
     try:
         trainer = GRPOTrainer(config)
-        result = trainer.train(resume=args.resume)
+        result = trainer.train(resume=args.resume, max_minutes=args.max_minutes)
     except ConfigError as error:  # what only the data or the process count shows (the dry run shows it too)
         return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
     except CheckpointError as error:  # --resume with no loadable checkpoint: not a crash, a decision to make

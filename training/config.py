@@ -80,6 +80,9 @@ class GRPOConfig:
     top_p: float = 1.0
     rollout_backend: str = "hf"  # "vllm": an engine in this process (GPU), see vllm_backend.py
     rollout_batch_size: int = 64  # rows generated at once by the HF backend (memory bound)
+    # HF backend: a chunk also closes where prompts grow past this ratio (rollout.length_buckets), so short
+    # prompts are not padded to long ones; null: chunks of rollout_batch_size in length order only
+    rollout_bucket_ratio: float | None = 1.5
     vllm_gpu_memory_utilization: float = 0.5  # paper: vLLM at 50 % of the GPU
     vllm_tensor_parallel_size: int = 1
     vllm_enable_sleep_mode: bool = False
@@ -318,6 +321,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "top_p": (between(0, 1, low_open=True),),
     "rollout_backend": (one_of(BACKENDS),),
     "rollout_batch_size": (AT_LEAST_ONE,),
+    "rollout_bucket_ratio": (at_least(1),),
     "vllm_gpu_memory_utilization": (between(0, 1, low_open=True),),
     "vllm_tensor_parallel_size": (AT_LEAST_ONE,),
     "vllm_enable_sleep_mode": (),

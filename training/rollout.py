@@ -121,20 +121,40 @@ class Generated(NamedTuple):
         return cls(ids, stops, embeddings, torch.tensor(truncated, dtype=torch.bool))
 
 
-def hf_generate(encoder, request: RolloutRequest, batch_size: int = 64) -> Generated:
+def length_buckets(lengths: Sequence[int], batch_size: int, ratio: float | None = 1.5, min_rows: int = 8) -> list[list[int]]:
+    """Row indices in chunks of at most ``batch_size``, shortest prompts first. With ``ratio``, a
+    chunk of at least ``min_rows`` also closes where the next prompt is over ``ratio`` times its
+    shortest: a batch of 20-token sentences and 128-token abstracts is prefilled as two, not padded
+    to 128 (each decoding step then runs one pass a chunk, which costs less than the padding)."""
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    chunks: list[list[int]] = []
+    for i in order:
+        current = chunks[-1] if chunks else None
+        full = current is not None and len(current) >= batch_size
+        uneven = (
+            current is not None and ratio is not None and len(current) >= min_rows
+            and lengths[i] > ratio * max(lengths[current[0]], 1)
+        )
+        if current is None or full or uneven:
+            chunks.append([i])
+        else:
+            current.append(i)
+    return chunks
+
+
+def hf_generate(encoder, request: RolloutRequest, batch_size: int = 64, bucket_ratio: float | None = 1.5) -> Generated:
     """Rationales and embeddings with ``generate_rollouts`` + ``masked_mean``, as ``encode`` makes them.
 
-    Rows are generated in chunks of similar prompt length (less padding); each row has its own
-    generator, so chunking does not change what is sampled.
+    Rows are generated in chunks of similar prompt length (:func:`length_buckets`; ``bucket_ratio``
+    None: chunks of ``batch_size`` in length order only); each row has its own generator, so
+    chunking does not change what is sampled.
     """
     prompt_ids, temperatures, seeds = request.prompt_ids, request.temperatures, request.seeds
     model = encoder.model
     device = next(model.parameters()).device
-    order = sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
     rationales = Rationales([[] for _ in prompt_ids], [-1] * len(prompt_ids), [False] * len(prompt_ids))
     embeddings: list[Tensor | None] = [None] * len(prompt_ids)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
+    for chunk in length_buckets([len(p) for p in prompt_ids], batch_size, bucket_ratio):
         input_ids, attention_mask = left_pad([prompt_ids[i] for i in chunk], encoder.pad_token_id)
         rollouts = generate_rollouts(
             model,

@@ -115,7 +115,9 @@ class GRPOTrainer:
 
         # -- rollout backend ----------------------------------------------------------------
         self.engine = None
-        self.generate = functools.partial(hf_generate, self.encoder, batch_size=config.rollout_batch_size)
+        self.generate = functools.partial(
+            hf_generate, self.encoder, batch_size=config.rollout_batch_size, bucket_ratio=config.rollout_bucket_ratio
+        )
         if config.rollout_backend == "vllm":
             self.engine = build_rollout_engine(self.encoder, self.st_model, config, self.accelerator)
             self.generate = self.engine.generate
@@ -171,9 +173,15 @@ class GRPOTrainer:
     # the loop
     # ------------------------------------------------------------------------------------------
 
-    def train(self, resume: bool | str = False) -> dict[str, Any]:
-        """Run to ``total_steps``; with ``resume``, continue the latest (or given) checkpoint's trajectory."""
+    def train(self, resume: bool | str = False, max_minutes: float | None = None) -> dict[str, Any]:
+        """Run to ``total_steps``; with ``resume``, continue the latest (or given) checkpoint's trajectory.
+
+        ``max_minutes``: one chunk of a long run. The loop stops at the first step that ends after
+        that many minutes and saves a checkpoint there (the final evaluation waits for the run's
+        last chunk); a later call with ``resume`` goes on exactly as an uninterrupted run would.
+        """
         cfg, main = self.config, self.accelerator.is_main_process
+        deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
         if main:
             for path in remove_incomplete(cfg.output_dir):
                 logger.warning("removed an incomplete checkpoint left by a crash: %s", path)
@@ -212,16 +220,30 @@ class GRPOTrainer:
             if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
                 saved_at = self.step
+            if deadline is not None and self.step < self.total_steps and self._past(deadline):
+                break
         progress.close()
-        if self.eval_data and self.step > 0:
+        return self._finish(saved_at)
+
+    def _finish(self, saved_at: int | None) -> dict[str, Any]:
+        """The run's end (a final evaluation and checkpoint) or a chunk's (a checkpoint to resume from)."""
+        done = self.step >= self.total_steps
+        if done and self.eval_data and self.step > 0:
             self.last_scores = self.evaluate()
             self.metrics.log(self.step, self.last_scores)
         if saved_at != self.step:
-            self.save_checkpoint(final=True)
+            self.save_checkpoint(final=done)
+        if not done:
+            logger.info("chunk done at step %d of %d; --resume continues", self.step, self.total_steps)
         if self.pusher is not None:
             self._close_pusher()
         self.metrics.close()
         return {"step": self.step, "metrics": self.last_metrics, "scores": self.last_scores}
+
+    def _past(self, deadline: float) -> bool:
+        """Whether the chunk's time is up, as every process sees it (they stop at the same step)."""
+        (late,) = sum_over_processes(self.accelerator, float(time.monotonic() >= deadline))
+        return late > 0
 
     def _hub_pusher(self):
         from .hub import HubPusher
