@@ -9,7 +9,7 @@ PY_ST5 := $(VENV_ST5)/bin/python
 TORCH := torch==2.13.0
 ST5 := sentence-transformers==5.2.3
 
-.PHONY: demo test test-st6 test-st5 venv venv-st5 model bench train-default gpu-check clean
+.PHONY: demo test test-st6 test-st5 venv venv-st5 model bench train-default train-scale gpu-check clean
 
 demo: $(VENV)/.installed model
 	$(VENV)/bin/grace-st encode \
@@ -54,6 +54,13 @@ bench: $(VENV)/.installed model
 train-default: $(VENV)/.installed model
 	$(VENV)/bin/grace-train --config training/configs/default_grace.yaml --resume
 	$(PY) -m grace_training.export_adapter runs/default_grace/checkpoint-00000100
+
+# The [scale] run (docs/scale.md): one chunk of at most 55 minutes a call, resumed from its latest
+# checkpoint; call it again until the run reaches max_steps. SCALE_ANCHORS picks the arm of the run.
+SCALE_ANCHORS ?= detached
+train-scale: $(VENV)/.installed model
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config training/configs/scale_grace.yaml \
+		output_dir=runs/scale_$(SCALE_ANCHORS) contrastive_anchors=$(SCALE_ANCHORS) --resume --max-minutes 55
 
 # On a machine with a CUDA GPU: HF vs vLLM encode, GRPO steps with vLLM rollouts in bf16, one JSON
 # report (benchmarks/results/gpu_check.json). vLLM brings its own CUDA torch, hence a venv of its

@@ -12,7 +12,7 @@ Read :meth:`GRPOTrainer.train` top to bottom; each stage is a method a test can 
   ``contrastive_beta`` > 0 (the hybrid objective; β = 0 is the paper's GRACE);
 - :meth:`~GRPOTrainer.save_checkpoint` / :meth:`~GRPOTrainer.resume`.
 
-Why one file of ~620 lines: the class owns the run's state (accelerator, policy, optimizer, data
+Why one file of ~680 lines: the class owns the run's state (accelerator, policy, optimizer, data
 order, checkpoints), and its stages are methods so that a test can call each one alone. What needs
 none of that state lives beside it: Eq. 11 and the log-probs in :mod:`.grpo`, the rewards in
 :mod:`.rewards`, the hybrid term in :mod:`.hybrid`, rollouts in :mod:`.rollout`, gathering over
