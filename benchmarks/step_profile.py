@@ -34,8 +34,8 @@ VARIANTS: dict[str, tuple[str, list[str], dict]] = {
         {"dedupe_prompts": False},
     ),
     "after": (
-        "a positive's prompt prefilled once and run once in the update pass for its K rollouts; rollouts "
-        "prefilled in length buckets",
+        "a positive's prompt prefilled once and run once in the update pass for its K rollouts; "
+        + "rollouts prefilled in length buckets",
         [],
         {},
     ),
@@ -52,9 +52,10 @@ STAGES = [
 
 
 def build(name: str, overrides: list[str], output: Path):
-    from grace_st.decoding import DecodeOptions
     from grace_training.config import GRPOConfig
     from grace_training.trainer import GRPOTrainer
+
+    from grace_st.decoding import DecodeOptions
 
     _, changes, decode = VARIANTS[name]
     config = GRPOConfig.from_yaml(
@@ -81,7 +82,9 @@ def main() -> None:
         for name, trainer in trainers.items():  # alternate: the same step on every variant, back to back
             metrics = trainer.training_step(trainer.batch_for_step(step), step)
             steps[name].append({k: v for k, v in metrics.items() if k.startswith(("time/", "reward/", "loss"))})
-            print(f"step {step} {name}: {metrics['time/step_s']:.2f} s, reward {metrics['reward/final']:.4f}", flush=True)
+            print(
+                f"step {step} {name}: {metrics['time/step_s']:.2f} s, reward {metrics['reward/final']:.4f}", flush=True
+            )
     kept = slice(1, None) if args.steps > 1 else slice(None)
     summary = {
         name: {key: statistics.median(s[key] for s in rows[kept]) for key, _ in STAGES if key in rows[0]}
@@ -97,7 +100,8 @@ def main() -> None:
         lines.append(f"| {name} | {cells} | {medians['time/step_s'] / summary[first]['time/step_s']:.3f}× |")
     print("\n".join(lines))
     record = {
-        "command": "python benchmarks/step_profile.py " + " ".join(
+        "command": "python benchmarks/step_profile.py "
+        + " ".join(
             [f"--variants {' '.join(args.variants)}", f"--steps {args.steps}", f"--threads {args.threads}"]
             + ([f"--set {' '.join(args.set)}"] if args.set else [])
         ),

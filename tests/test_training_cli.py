@@ -100,14 +100,26 @@ def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, 
 
     pairs = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "sts", symmetric=True) for i in range(8)]
     retrieval = [Triplet(CORPUS[i + 1], CORPUS[i], (CORPUS[i + 3],), "beir") for i in range(8)]
-    specs = [{"type": "pairs", "path": "sts.tsv", "name": "sts", "weight": 3.0},
-             {"type": "beir", "path": "beir", "name": "beir", "weight": 1.0}]
-    cfg = GRPOConfig(batch_size=2, max_steps=4, max_prompt_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"],
-                     infonce_learning_rate=1e-3, batch_sampling="by_source", train_data=specs)
+    specs = [
+        {"type": "pairs", "path": "sts.tsv", "name": "sts", "weight": 3.0},
+        {"type": "beir", "path": "beir", "name": "beir", "weight": 1.0},
+    ]
+    cfg = GRPOConfig(
+        batch_size=2,
+        max_steps=4,
+        max_prompt_tokens=160,
+        output_dir=str(tmp_path),
+        report_to=["jsonl"],
+        infonce_learning_rate=1e-3,
+        batch_sampling="by_source",
+        train_data=specs,
+    )
     datasets, routes = infonce_datasets(pairs + retrieval, cfg, 2)
     assert {name: len(d) for name, d in datasets.items()} == {"sts": 6, "beir": 2}  # 8 triplets, 3 : 1
-    assert routes == {"sts": dict.fromkeys(("anchor", "positive", "negative"), "default"),
-                      "beir": {"anchor": "query", "positive": "document", "negative": "document"}}
+    assert routes == {
+        "sts": dict.fromkeys(("anchor", "positive", "negative"), "default"),
+        "beir": {"anchor": "query", "positive": "document", "negative": "document"},
+    }
     tasks = _record_prompt_types(monkeypatch)
     train_infonce(cfg, model=make_st_model(), train_data=pairs + retrieval)
     assert set(tasks) == {"default", "query", "document"}

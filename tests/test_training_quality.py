@@ -225,8 +225,12 @@ def test_recompute_prompts_trains_the_prompt_only_documents_and_nothing_else(tmp
     grads = {}
     for budgets in (SHIPPED, 5):
         for anchors in ("detached", "recompute_prompts"):
-            cfg = config(tmp_path / f"{anchors}{budgets == 5}", contrastive_beta=1.0, contrastive_anchors=anchors,
-                         max_response_tokens=budgets)
+            cfg = config(
+                tmp_path / f"{anchors}{budgets == 5}",
+                contrastive_beta=1.0,
+                contrastive_anchors=anchors,
+                max_response_tokens=budgets,
+            )
             trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
             rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
             assert (rollouts.queries.budgets == [0, 0]) == (budgets == SHIPPED)

@@ -208,7 +208,9 @@ def test_documents_with_a_budget_and_symmetric_pairs_keep_the_paper_roles(model)
     assert same.queries.prompt_ids == plain.queries.prompt_ids
     pair = Triplet("a cat sat", "a cat was sitting", ("stocks fell",), symmetric=True)
     assert instance_roles(pair, SHIPPED_BUDGETS, "query", "document") == (
-        ("a cat sat", "default"), ("a cat was sitting", "default"), "default"
+        ("a cat sat", "default"),
+        ("a cat was sitting", "default"),
+        "default",
     )
     retrieval = Triplet("which cat?", "a cat sat", ())
     assert instance_roles(retrieval, SHIPPED_BUDGETS, "query", "document")[1] == ("which cat?", "query")
@@ -218,8 +220,16 @@ def test_documents_with_a_budget_and_symmetric_pairs_keep_the_paper_roles(model)
 def test_a_symmetric_rollout_is_the_default_prompt_encode_embedding(model):
     pairs = [Triplet(t.query, t.positive, t.negatives, symmetric=True) for t in TRIPLETS]
     r = asymmetric_rollouts(
-        model[0], pairs, num_rollouts=2, num_negatives=1, step=0, seed=1, max_new_tokens=SHIPPED_BUDGETS,
-        temperature_query=0.0, temperature_negative=0.0, temperature_positive=1.0,
+        model[0],
+        pairs,
+        num_rollouts=2,
+        num_negatives=1,
+        step=0,
+        seed=1,
+        max_new_tokens=SHIPPED_BUDGETS,
+        temperature_query=0.0,
+        temperature_negative=0.0,
+        temperature_positive=1.0,
     )
     encoded = model.encode([t.query for t in pairs], convert_to_tensor=True)  # the "default" prompt type
     torch.testing.assert_close(r.queries.embeddings, encoded.cpu(), atol=1e-5, rtol=1e-5)

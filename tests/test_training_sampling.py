@@ -19,22 +19,29 @@ def _gzip_jsonl(path, rows):
 
 
 def test_twitter_style_labelled_pairs_and_wikiqa_style_triplets_read_from_gzip(tmp_path):
-    pairs = _gzip_jsonl(tmp_path / "pairs.jsonl.gz", [
-        {"sentence1": "obama visits kenya", "sentence2": "president obama lands in kenya", "label": 1},
-        {"sentence1": "obama visits kenya", "sentence2": "kenya wins a marathon", "label": 0},
-        {"sentence1": "new phone released", "sentence2": "apple releases a phone", "label": 1},
-        {"sentence1": "bad", "sentence2": "row", "label": 2},
-    ])
-    triplets = _gzip_jsonl(tmp_path / "wiki.jsonl.gz", [
-        {"query": "how are caves formed ?", "positive": "a cave forms in ice .", "negatives": ["ice is cold ."]},
-    ])
+    pairs = _gzip_jsonl(
+        tmp_path / "pairs.jsonl.gz",
+        [
+            {"sentence1": "obama visits kenya", "sentence2": "president obama lands in kenya", "label": 1},
+            {"sentence1": "obama visits kenya", "sentence2": "kenya wins a marathon", "label": 0},
+            {"sentence1": "new phone released", "sentence2": "apple releases a phone", "label": 1},
+            {"sentence1": "bad", "sentence2": "row", "label": 2},
+        ],
+    )
+    triplets = _gzip_jsonl(
+        tmp_path / "wiki.jsonl.gz",
+        [
+            {"query": "how are caves formed ?", "positive": "a cave forms in ice .", "negatives": ["ice is cold ."]},
+        ],
+    )
     rows, issues = load_data(
         [{"type": "mrpc", "path": str(pairs), "symmetric": True}, {"type": "triplets", "path": str(triplets)}],
         seed=0,
     )
     twitter = [r for r in rows if r.source == f"{tmp_path.name}/pairs"]
     assert [(r.query, r.positive) for r in twitter] == [
-        ("obama visits kenya", "president obama lands in kenya"), ("new phone released", "apple releases a phone")
+        ("obama visits kenya", "president obama lands in kenya"),
+        ("new phone released", "apple releases a phone"),
     ]
     assert twitter[0].negatives[0] == "kenya wins a marathon"  # the same-topic non-paraphrase first
     assert all(r.symmetric for r in twitter)
@@ -45,8 +52,10 @@ def test_twitter_style_labelled_pairs_and_wikiqa_style_triplets_read_from_gzip(t
 
 def test_source_weights_default_to_size_and_are_checked(tmp_path):
     rows = [Triplet("q", "p", (), "a")] * 3 + [Triplet("q", "p", (), "b")]
-    specs = [{"type": "triplets", "path": "x/a.jsonl", "name": "a"}, {"type": "triplets", "path": "b.jsonl", "name": "b",
-                                                                      "weight": 5}]
+    specs = [
+        {"type": "triplets", "path": "x/a.jsonl", "name": "a"},
+        {"type": "triplets", "path": "b.jsonl", "name": "b", "weight": 5},
+    ]
     assert source_weights(specs, rows) == {"a": 3.0, "b": 5.0}
     with pytest.raises(ValueError, match="'weight' must be a number >= 0"):
         source_weights([{"type": "triplets", "path": "a.jsonl", "weight": -1}], rows)

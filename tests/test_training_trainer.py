@@ -126,8 +126,9 @@ def test_a_run_in_timed_chunks_equals_a_straight_run(tmp_path):
     """``max_minutes`` (grace-train --max-minutes): each chunk stops at a step boundary with a
     checkpoint, and chunks resumed one after another end with a straight run's weights and log."""
     straight = make_st_model()
-    GRPOTrainer(config(tmp_path / "a", max_steps=3, eval_steps=2), model=straight, train_data=DATA,
-                eval_data=DATA[:2]).train()
+    GRPOTrainer(
+        config(tmp_path / "a", max_steps=3, eval_steps=2), model=straight, train_data=DATA, eval_data=DATA[:2]
+    ).train()
     cfg = config(tmp_path / "b", max_steps=3, save_steps=0, eval_steps=2)
     steps, model = [], make_st_model()
     for chunk in range(3):

@@ -352,7 +352,9 @@ def source_name(spec: dict[str, Any], data_dir: str | None = None) -> str:
     return path.name if spec["type"] == "beir" else f"{path.parent.name}/{Path(stem).stem}"
 
 
-def source_weights(specs: list[dict[str, Any]], rows: Sequence[Triplet], data_dir: str | None = None) -> dict[str, float]:
+def source_weights(
+    specs: list[dict[str, Any]], rows: Sequence[Triplet], data_dir: str | None = None
+) -> dict[str, float]:
     """Each source's sampling weight: its spec's ``weight``, else its number of triplets (proportional)."""
     sizes: dict[str, int] = defaultdict(int)
     for row in rows:

@@ -363,5 +363,5 @@ class _Role:
             for n, prompt, span in zip(chosen, made, made_spans):
                 prompts[n], spans[n] = prompt, span
         row_budgets = [for_prompt_type(budgets, task or "default") for _, task in texts]
-        repeat = lambda values: [v for v in values for _ in range(copies)]  # noqa: E731
+        repeat = lambda values: [v for v in values for _ in range(copies)]
         return cls(repeat(prompts), repeat(spans), repeat(row_budgets), temperature, seeds)

@@ -21,6 +21,7 @@ from .formats import (
 )
 
 __all__ = [
+    "SCOREBOARD_SEED",
     "BeirFolder",
     "BeirRecord",
     "DataFileError",
@@ -28,7 +29,6 @@ __all__ = [
     "LabelledText",
     "ScoredPair",
     "TripletRecord",
-    "SCOREBOARD_SEED",
     "id_fraction",
     "read_beir",
     "read_labelled_pairs",

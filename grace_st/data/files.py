@@ -188,7 +188,7 @@ def read_jsonl(
     """``(line number, object)`` for each non-blank line; each must be a JSON object with ``required`` keys.
     A ``.gz`` file is read through gzip (the shared data ships ``pairs.jsonl.gz``)."""
     path = Path(path)
-    with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as handle:
+    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as handle:
         for number, raw in enumerate(handle, start=1):
             try:
                 item = _json_object(path, number, raw, required)
