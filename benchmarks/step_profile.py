@@ -7,7 +7,7 @@ every variant alike. Each step's stages come from the trainer's own metrics: rol
 Eq. 3 pooling), rewards (Eqs. 5–10), the update's forward, backward and optimizer step.
 
     python benchmarks/step_profile.py --steps 6                 # before vs after, shipped settings
-    python benchmarks/step_profile.py --variants after by-source --steps 6
+    python benchmarks/step_profile.py --variants after buckets --steps 6
 
 Prints a markdown table (median seconds over the steps after the first, which also packs weights)
 and writes ``benchmarks/results/step_profile.json``.
@@ -29,14 +29,14 @@ RECIPE = ROOT / "training" / "configs" / "default_grace.yaml"
 # name → (what it is, config overrides, decode options of the rollouts)
 VARIANTS: dict[str, tuple[str, list[str], dict]] = {
     "before": (
-        "every rollout's prompt prefilled and run again in the update pass once a row, one rollout chunk",
-        ["share_prompt_pass=false", "rollout_bucket_ratio=null"],
+        "every rollout's prompt prefilled and run again in the update pass once a row",
+        ["share_prompt_pass=false"],
         {"dedupe_prompts": False},
     ),
-    "after": (
-        "a positive's prompt prefilled once and run once in the update pass for its K rollouts; "
-        + "rollouts prefilled in length buckets",
-        [],
+    "after": ("a positive's prompt prefilled once and run once in the update pass for its K rollouts", [], {}),
+    "buckets": (
+        "after, with rollouts prefilled in length buckets (rollout_bucket_ratio 1.5)",
+        ["rollout_bucket_ratio=1.5"],
         {},
     ),
 }

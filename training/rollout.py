@@ -125,7 +125,8 @@ def length_buckets(lengths: Sequence[int], batch_size: int, ratio: float | None 
     """Row indices in chunks of at most ``batch_size``, shortest prompts first. With ``ratio``, a
     chunk of at least ``min_rows`` also closes where the next prompt is over ``ratio`` times its
     shortest: a batch of 20-token sentences and 128-token abstracts is prefilled as two, not padded
-    to 128 (each decoding step then runs one pass a chunk, which costs less than the padding)."""
+    to 128, at the price of one decoding pass a chunk at every step (at the shipped settings that
+    price was the larger: off by default, docs/scale.md)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     chunks: list[list[int]] = []
     for i in order:
@@ -142,7 +143,7 @@ def length_buckets(lengths: Sequence[int], batch_size: int, ratio: float | None 
     return chunks
 
 
-def hf_generate(encoder, request: RolloutRequest, batch_size: int = 64, bucket_ratio: float | None = 1.5) -> Generated:
+def hf_generate(encoder, request: RolloutRequest, batch_size: int = 64, bucket_ratio: float | None = None) -> Generated:
     """Rationales and embeddings with ``generate_rollouts`` + ``masked_mean``, as ``encode`` makes them.
 
     Rows are generated in chunks of similar prompt length (:func:`length_buckets`; ``bucket_ratio``
