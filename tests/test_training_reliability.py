@@ -483,3 +483,23 @@ def test_the_real_run_refuses_what_the_dry_run_refuses_before_loading_a_model(cl
 def test_the_base_config_of_the_fuzz_passes_the_dry_run(cli_setup, capsys):
     assert main(["--config", str(cli_setup / "config.yaml"), "--dry-run"]) == 0
     assert json.loads(capsys.readouterr().out)["plan"]["instances"] == 6
+
+
+class _RunsCode:
+    """A pickle that would run code when loaded without ``weights_only``."""
+
+    def __reduce__(self):
+        return (os.makedirs, (os.environ["GRACE_TEST_PWNED"],))
+
+
+def test_a_checkpoint_that_would_run_code_is_refused_not_run(trained_run, tmp_path, monkeypatch):
+    """Trainer-state files are read with weights_only=True: a handed-over checkpoint cannot execute code."""
+    run = tmp_path / "run"
+    shutil.copytree(trained_run, run)
+    marker = tmp_path / "pwned"
+    monkeypatch.setenv("GRACE_TEST_PWNED", str(marker))
+    torch.save({"state": _RunsCode()}, run / "checkpoint-00000002" / "trainer_state" / "optimizer.pt")
+    trainer = GRPOTrainer(small_config(run), model=make_st_model(), train_data=DATA)
+    assert trainer.resume() == 1  # the spoiled checkpoint is set aside, the older one taken
+    assert not marker.exists()
+    assert (run / "corrupt-checkpoint-00000002").is_dir()

@@ -112,7 +112,16 @@ def _settle_replaced(root: Path, aside: Path) -> None:
 
 
 def rng_state() -> dict[str, Any]:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every generator's state, in types ``torch.load(weights_only=True)`` reads (numpy's keys as a tensor)."""
+    algorithm, keys, position, has_gauss, cached = np.random.get_state()
+    numpy_state = {
+        "algorithm": algorithm,
+        "keys": torch.from_numpy(keys.astype(np.int64)),
+        "position": int(position),
+        "has_gauss": int(has_gauss),
+        "cached_gaussian": float(cached),
+    }
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -120,7 +129,14 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    numpy_state = state["numpy"]
+    if isinstance(numpy_state, dict):
+        keys = numpy_state["keys"].numpy().astype(np.uint32)
+        numpy_state = (
+            numpy_state["algorithm"], keys, numpy_state["position"], numpy_state["has_gauss"],
+            numpy_state["cached_gaussian"],
+        )
+    np.random.set_state(numpy_state)  # a tuple: checkpoints written before the state was stored as tensors
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -346,9 +362,22 @@ def _load_training_state(checkpoint: Path, optimizer, scheduler) -> None:
             raise CheckpointError(f"{state_dir / name}: does not fit this run ({error})") from error
 
 
-def _torch_load(file: Path) -> Any:
+def _numpy_array_globals() -> list:
+    """What an older ``rng.pt`` (numpy's state as an array) needs besides tensors: numpy's array
+    reconstruction only, the allow-list PyTorch documents for numpy arrays."""
     try:
-        return torch.load(file, map_location="cpu", weights_only=False)
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:  # numpy < 2
+        from numpy.core.multiarray import _reconstruct
+    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _torch_load(file: Path) -> Any:
+    """A trainer-state file, read with ``weights_only=True``: tensors and plain containers only, so a
+    checkpoint someone hands over cannot run code when it is resumed."""
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as error:  # unpickling fails in many ways; each is a bad file
         raise CheckpointError(f"{file}: cannot be loaded ({type(error).__name__}: {error})") from error
 
