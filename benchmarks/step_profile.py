@@ -7,6 +7,7 @@ every variant alike. Each step's stages come from the trainer's own metrics: rol
 Eq. 3 pooling), rewards (Eqs. 5–10), the update's forward, backward and optimizer step.
 
     python benchmarks/step_profile.py --steps 6                 # before vs after, shipped settings
+    python benchmarks/step_profile.py --variants before shared_prompt after --steps 6
     python benchmarks/step_profile.py --variants after buckets --steps 6
 
 Prints a markdown table (median seconds over the steps after the first, which also packs weights)
@@ -27,13 +28,25 @@ ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "training" / "configs" / "default_grace.yaml"
 
 # name → (what it is, config overrides, decode options of the rollouts)
+# The stop-21 speed-ups, then this session's: LoRA merged into the packed weights for rollouts
+# and the one-uniform sampler. Older variants switch the newer ones off, so each row is a code state.
+OLDER_ROLLOUTS = {"merge_adapters": False, "inverse_cdf_sampling": False}
 VARIANTS: dict[str, tuple[str, list[str], dict]] = {
     "before": (
         "every rollout's prompt prefilled and run again in the update pass once a row",
         ["share_prompt_pass=false"],
-        {"dedupe_prompts": False},
+        {"dedupe_prompts": False, **OLDER_ROLLOUTS},
     ),
-    "after": ("a positive's prompt prefilled once and run once in the update pass for its K rollouts", [], {}),
+    "shared_prompt": (
+        "a positive's prompt prefilled once and run once in the update pass for its K rollouts",
+        [],
+        OLDER_ROLLOUTS,
+    ),
+    "after": (
+        "shared_prompt, with rollouts on LoRA merged into the packed weights and one uniform a sampled token",
+        [],
+        {},
+    ),
     "buckets": (
         "after, with rollouts prefilled in length buckets (rollout_bucket_ratio 1.5)",
         ["rollout_bucket_ratio=1.5"],

@@ -44,6 +44,9 @@ FORMAT_NAME = "grace-st-rationale-cache"
 FORMAT_VERSION = 1
 # Bumped whenever entry_key's encoding changes, so old keys can never alias new ones.
 KEY_VERSION = 1
+# Which draw a seed gives under sampling (grace_st.generation.inverse_cdf_draw since 2): keyed for
+# sampled settings only, so greedy entries stay valid when the sampler changes.
+SAMPLER_VERSION = 2
 
 # entry_key refuses a settings dict without every one of these: each decides the result.
 REQUIRED_SETTINGS = (*RATIONALE_SETTINGS, "eos_token_ids")
@@ -230,6 +233,8 @@ def entry_key(fingerprint: str, instruction: str, text: str, settings: Mapping[s
         "text": text,
         "settings": _canonical(dict(settings), "settings"),
     }
+    if settings.get("do_sample"):
+        parts["sampler"] = SAMPLER_VERSION
     encoded = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
 

@@ -2,7 +2,7 @@
 
 :func:`grace_st.generation.generate_rollouts` is the method (Eqs. 1–3); it asks an
 :class:`IncrementalDecoder` for the hidden states and next-token logits of the prompts, then of
-one token a row a step. Five optimisations live here, each switched by :class:`DecodeOptions`
+one token a row a step. Six optimisations live here, each switched by :class:`DecodeOptions`
 and none changing what is computed, only how fast (results differ by float32 rounding at most;
 ``tests/test_generation.py`` checks each against the plain loop and the two-pass reference):
 
@@ -11,12 +11,13 @@ and none changing what is computed, only how fast (results differ by float32 rou
 - ``share_prefix``: the instruction prefix every prompt shares is run once a batch
   (:func:`shared_prefix_length`);
 - ``drop_finished``: rows whose rationale has ended leave the batch and the KV cache;
-- ``packed_linears``: linear layers on oneDNN-packed weights (:mod:`grace_st.packed_linear`);
+- ``packed_linears``: linear layers on oneDNN-packed weights (:mod:`grace_st.packed_linear`),
+  with ``merge_adapters`` a PEFT LoRA layer on its merged weight (one product, not three);
 - ``dedupe_prompts``: identical prompts in a batch (the K rollouts of one positive in training)
   are prefilled once and their keys and values copied to every row that shares them.
 
 ``benchmarks/decode_ablation.py`` measures what each buys. ``DecodeOptions.plain()`` turns all
-five off: textbook incremental decoding with a ``DynamicCache``.
+six off: textbook incremental decoding with a ``DynamicCache``.
 """
 
 from __future__ import annotations
@@ -42,12 +43,17 @@ class DecodeOptions:
     drop_finished: bool = True
     packed_linears: bool = True
     dedupe_prompts: bool = True
+    merge_adapters: bool = True  # takes effect with packed_linears: a PEFT LoRA layer runs on W + ΔW
+    # Sampling by one uniform a row a token (grace_st.generation.inverse_cdf_draw) rather than
+    # torch.multinomial: the same distribution, other draws for a given seed. Not an optimisation
+    # of the loop, so plain() keeps it; off only to time or reproduce the older sampler.
+    inverse_cdf_sampling: bool = True
 
     @classmethod
     def plain(cls) -> DecodeOptions:
         return cls(
             preallocated_cache=False, share_prefix=False, drop_finished=False, packed_linears=False,
-            dedupe_prompts=False,
+            dedupe_prompts=False, merge_adapters=False,
         )
 
 
@@ -298,5 +304,6 @@ def incremental_decoder(
 ) -> Iterator[IncrementalDecoder]:
     """An :class:`IncrementalDecoder` for one batch, with packed linear layers on if ``options`` say so."""
     options = options or DecodeOptions()
-    with packed_linears(model, enabled=options.packed_linears), _final_hidden_states(model) as captured:
+    packing = packed_linears(model, enabled=options.packed_linears, merge_adapters=options.merge_adapters)
+    with packing, _final_hidden_states(model) as captured:
         yield IncrementalDecoder(model, captured, hidden_layer, options)

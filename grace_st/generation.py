@@ -96,7 +96,24 @@ def per_row(value: float | Sequence[float], rows: int, name: str = "temperatures
     return values
 
 
-def _sample(logits: Tensor, temperature: Tensor, top_p: float, generators: list[torch.Generator] | None) -> Tensor:
+def inverse_cdf_draw(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One token a row from (unnormalised) ``probs`` (rows, V), given one uniform in [0, 1) a row:
+    the first token whose cumulative mass exceeds the uniform times the row's total.
+
+    Exact sampling from ``probs`` with one random number a row. ``torch.multinomial`` draws one
+    exponential per vocabulary entry (49,152 a row a token for SmolLM2: 8 % of a training step's
+    rollouts, docs/scale.md); this is a cumulative sum and a binary search. In float64 so that
+    a token's interval is its probability to about 1e-16 and a zero-probability token (cut by
+    top-p) has an empty interval, never drawn.
+    """
+    cdf = probs.double().cumsum(-1)
+    target = uniforms.double().to(cdf.device)[:, None] * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def _sample(
+    logits: Tensor, temperature: Tensor, top_p: float, generators: list[torch.Generator] | None, inverse_cdf: bool = True
+) -> Tensor:
     """One token a row: sampled at the row's ``temperature`` (rows,), greedy where it is 0."""
     greedy = temperature <= 0
     probs = torch.softmax(logits.float() / temperature.masked_fill(greedy, 1.0)[:, None], dim=-1)
@@ -106,22 +123,27 @@ def _sample(logits: Tensor, temperature: Tensor, top_p: float, generators: list[
         outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
         sorted_probs = sorted_probs.masked_fill(outside, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-    if generators is None:
+    if not inverse_cdf and generators is None:
         sampled = torch.multinomial(probs, 1).squeeze(-1)
+    elif not inverse_cdf:
+        rows = [torch.multinomial(row.cpu(), 1, generator=gen).squeeze(-1) for row, gen in zip(probs, generators)]
+        sampled = torch.stack(rows).to(logits.device)
+    elif generators is None:
+        sampled = inverse_cdf_draw(probs, torch.rand(len(probs), dtype=torch.float64))
     else:
         # One generator a row: a text's rationale does not depend on what it was batched with.
-        sampled = torch.stack(
-            [torch.multinomial(row.cpu(), 1, generator=gen).squeeze(-1) for row, gen in zip(probs, generators)]
-        ).to(logits.device)
+        sampled = inverse_cdf_draw(probs, torch.stack([torch.rand((), dtype=torch.float64, generator=g) for g in generators]))
     return torch.where(greedy, logits.argmax(-1), sampled) if greedy.any() else sampled
 
 
-def _choose(logits: Tensor, rows: Tensor, do_sample: bool, temperatures: Tensor, top_p: float, generators) -> Tensor:
+def _choose(
+    logits: Tensor, rows: Tensor, do_sample: bool, temperatures: Tensor, top_p: float, generators, inverse_cdf: bool
+) -> Tensor:
     """Eq. 1 for the rows still fed: r_k ~ pi(. | P(x) + r_<k), or the argmax when greedy."""
     if not do_sample:
         return logits.argmax(-1)
     row_generators = None if generators is None else [generators[i] for i in rows.tolist()]
-    return _sample(logits, temperatures[rows], top_p, row_generators)
+    return _sample(logits, temperatures[rows], top_p, row_generators, inverse_cdf)
 
 
 @torch.no_grad()
@@ -158,10 +180,11 @@ def generate_rollouts(
 
     with incremental_decoder(model, hidden_layer, options) as decoder:
         states, logits = decoder.prefill(input_ids, attention_mask, instruction_lengths, max_new_tokens)
+        inverse_cdf = decoder.options.inverse_cdf_sampling
         all_states = [states]  # Eq. 2 over P(x)
         for _ in range(max_new_tokens):
             rows = decoder.rows  # the rows still fed; logits are theirs
-            token = _choose(logits, rows, do_sample, temperatures, top_p, generators)  # Eq. 1
+            token = _choose(logits, rows, do_sample, temperatures, top_p, generators, inverse_cdf)  # Eq. 1
             stopping = ~finished[rows] & torch.isin(token, eos)
             stop_ids[rows[stopping]] = token[stopping]
             finished[rows[stopping]] = True

@@ -19,8 +19,16 @@ Costs and limits, all deliberate:
 - the first packing in a process is checked against ``F.linear``; a kernel that disagrees, or
   a PyTorch without the operator, switches packing off with a warning.
 
+A PEFT LoRA layer (training's policy, or a model loaded with ``merge_adapter=False``) is packed
+merged: W + Σ ΔW of its active adapters (PEFT's ``get_delta_weight``), repacked whenever the
+adapter or the base weight changes, so the layer costs one product instead of three (the
+adapter's two skinny products were 10–15 % of a training step's rollouts, docs/scale.md). That
+is the weight ``merge_and_unload`` gives, the one ``encode`` uses for a saved adapter; results
+differ from PEFT's own forward by float32 rounding. Adapters PEFT would not merge the same way
+(DoRA and other variants, a bias on B, dropout in training mode) keep PEFT's forward.
+
 ``packed_linears(model, enabled=False)`` does nothing; rollouts pass
-``DecodeOptions.packed_linears`` (:mod:`grace_st.decoding`) there.
+``DecodeOptions.packed_linears`` and ``DecodeOptions.merge_adapters`` (:mod:`grace_st.decoding`) there.
 """
 
 from __future__ import annotations
@@ -102,6 +110,63 @@ def _packed_forward(module: nn.Linear, packed: Tensor, input: Tensor) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(input.contiguous(), packed, module.bias, "none", [], "")
 
 
+def _lora_layer_class():
+    try:
+        from peft.tuners.lora.layer import Linear
+    except ImportError:  # without PEFT installed there is no LoRA layer to merge
+        return None
+    return Linear
+
+
+def _active_lora(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> list[str] | None:
+    """The adapters to merge into a PEFT LoRA linear layer's packed weight, or None where the
+    merged product would not equal PEFT's forward (or there is nothing to merge)."""
+    lora_class = _lora_layer_class()
+    if lora_class is None or not isinstance(module, lora_class) or "forward" in module.__dict__:
+        return None
+    base = module.base_layer
+    if not _packable(base, dtypes) or module.merged or module.disable_adapters or module.fan_in_fan_out:
+        return None
+    active = [name for name in module.active_adapters if name in module.lora_A]
+    for name in active:
+        dropout = module.lora_dropout[name]
+        if (
+            name in module.lora_variant
+            or module.lora_bias.get(name, False)
+            or module.lora_A[name].weight.dtype != base.weight.dtype
+            or not (isinstance(dropout, nn.Identity) or not dropout.training)
+        ):
+            return None
+    return active or None
+
+
+def _packed_merged_weight(module: nn.Module, adapters: list[str]) -> Tensor:
+    parts = [module.base_layer.weight] + [p.weight for name in adapters for p in (module.lora_A[name], module.lora_B[name])]
+    key = (tuple(tensor_change_key(part) for part in parts), tuple(float(module.scaling[name]) for name in adapters))
+    cached = _packed.get(module)
+    if cached is None or cached[0] != key:
+        merged = module.base_layer.weight.detach().clone()
+        for name in adapters:
+            merged += module.get_delta_weight(name).detach()
+        cached = (key, torch.ops.mkldnn._reorder_linear_weight(merged))
+        _packed[module] = cached
+        _packed.pop(module.base_layer, None)  # the base alone is not run inside a block any more
+    return cached[1]
+
+
+def _merged_lora_forward(module: nn.Module, packed: Tensor, input: Tensor, *args, **kwargs) -> Tensor:
+    # Anything PEFT would do differently (adapters switched off or merged inside the block, a
+    # per-row adapter_names) and anything the packed kernel does not take (autograd, another
+    # dtype or device) goes back to PEFT's own forward.
+    base = module.base_layer
+    if (
+        args or kwargs or module.merged or module.disable_adapters or torch.is_grad_enabled()
+        or input.dtype != base.weight.dtype or input.device.type != "cpu"
+    ):
+        return type(module).forward(module, input, *args, **kwargs)
+    return torch.ops.mkldnn._linear_pointwise(input.contiguous(), packed, base.bias, "none", [], "")
+
+
 def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
     return (
         type(module) is nn.Linear
@@ -113,11 +178,13 @@ def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
 
 
 @contextlib.contextmanager
-def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[None]:
+def packed_linears(model: nn.Module, enabled: bool = True, merge_adapters: bool = True) -> Iterator[None]:
     """Run ``model``'s CPU float32 (and bfloat16) linear layers on oneDNN-packed weights inside the block.
 
     Does nothing unless ``enabled``, while autograd is on, on other devices and dtypes, or when
     :func:`packing_enabled` says no. Weights are packed on first use and reused until they change.
+    ``merge_adapters``: PEFT LoRA layers run on their merged weight (module docstring); off,
+    only their base and adapter products are packed, each on its own.
     """
     global _kernel_ok
     if not enabled or torch.is_grad_enabled() or not packing_enabled():
@@ -128,10 +195,18 @@ def packed_linears(model: nn.Module, enabled: bool = True) -> Iterator[None]:
         if not _kernel_ok:
             yield
             return
-    swapped, dtypes = [], packed_dtypes()
+    swapped, dtypes, inside_merged = [], packed_dtypes(), set()
     try:
         for module in model.modules():
-            if _packable(module, dtypes):
+            adapters = _active_lora(module, dtypes) if merge_adapters else None
+            if adapters:
+                packed = _packed_merged_weight(module, adapters)
+                module.forward = lambda input, *args, module=module, packed=packed, **kwargs: _merged_lora_forward(
+                    module, packed, input, *args, **kwargs
+                )
+                swapped.append(module)
+                inside_merged.update(id(child) for child in module.modules() if child is not module)
+            elif id(module) not in inside_merged and _packable(module, dtypes):
                 packed = _packed_weight(module)
                 module.forward = lambda input, module=module, packed=packed: _packed_forward(module, packed, input)
                 swapped.append(module)

@@ -259,6 +259,18 @@ def test_key_depends_on_every_part():
     assert base == entry_key(fingerprint, "Read the text.", "a cat", {**SETTINGS, "seed": np.int64(0)})
 
 
+def test_sampled_keys_name_the_sampler_and_greedy_keys_do_not(monkeypatch):
+    """A new sampler draws other rationales from the same seed: sampled entries written by the
+    old one must miss, greedy entries must still hit."""
+    from grace_st import cache
+
+    sampled = {**SETTINGS, "do_sample": True}
+    before = [entry_key("f" * 64, "Read.", "a cat", settings) for settings in (SETTINGS, sampled)]
+    monkeypatch.setattr(cache, "SAMPLER_VERSION", cache.SAMPLER_VERSION + 1)
+    after = [entry_key("f" * 64, "Read.", "a cat", settings) for settings in (SETTINGS, sampled)]
+    assert before[0] == after[0] and before[1] != after[1]
+
+
 def test_key_refuses_incomplete_or_unkeyable_settings():
     with pytest.raises(ValueError, match="seed"):
         entry_key("f", "i", "t", {k: v for k, v in SETTINGS.items() if k != "seed"})

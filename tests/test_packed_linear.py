@@ -143,3 +143,79 @@ def test_preallocated_cache_refuses_to_overflow():
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
     with torch.no_grad(), pytest.raises(RuntimeError, match="cannot hold"):
         model(input_ids=ids, attention_mask=mask, past_key_values=preallocated_cache(model, ids.shape[1] - 1))
+
+
+def _lora(model, **kwargs):
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", **kwargs)
+    peft_model = get_peft_model(model, config)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # B starts at zero: give the adapter something to add
+        for name, parameter in peft_model.named_parameters():
+            if "lora_B" in name:
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.05)
+    return peft_model
+
+
+def _lora_layers(model):
+    from peft.tuners.lora.layer import Linear
+
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+@needs_packing
+def test_a_lora_layer_runs_on_its_merged_weight_and_follows_adapter_updates():
+    """Each PEFT LoRA layer becomes one packed product on W + ΔW: equal to PEFT's forward (and to
+    merge_and_unload) to float32 rounding, repacked after an optimizer step on the adapter."""
+    tokenizer, model, rows, _ = make_prompts()
+    policy = _lora(model)
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        expected = policy(input_ids=ids, attention_mask=mask).logits
+        with packed_linears(policy):
+            layers = _lora_layers(policy)
+            assert layers and all("forward" in layer.__dict__ for layer in layers)
+            # their base, A and B are not run (nor packed) on their own
+            assert not any("forward" in part.__dict__ for layer in layers for part in layer.modules() if part is not layer)
+            got = policy(input_ids=ids, attention_mask=mask).logits
+        unmerged_packing = packed_linears(policy, merge_adapters=False)
+        with unmerged_packing:
+            assert not any("forward" in layer.__dict__ for layer in layers)
+            unmerged = policy(input_ids=ids, attention_mask=mask).logits
+        merged = copy.deepcopy(policy).merge_and_unload()(input_ids=ids, attention_mask=mask).logits
+    assert not any("forward" in m.__dict__ for m in policy.modules())
+    # The weight merge_and_unload computes, to the packed kernel's rounding; PEFT's unmerged
+    # forward sums W·x + B·(A·x) in another order (relative 1e-4 on a few logits).
+    torch.testing.assert_close(got, merged, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(unmerged, expected, atol=1e-5, rtol=1e-5)
+
+    optimizer = torch.optim.SGD([p for p in policy.parameters() if p.requires_grad], lr=1.0)
+    policy(input_ids=ids, attention_mask=mask).logits.square().mean().backward()
+    optimizer.step()
+    with torch.no_grad():
+        expected = policy(input_ids=ids, attention_mask=mask).logits
+        with packed_linears(policy):
+            got = policy(input_ids=ids, attention_mask=mask).logits
+        with policy.disable_adapter(), packed_linears(policy):
+            base_only = policy(input_ids=ids, attention_mask=mask).logits
+        with policy.disable_adapter():
+            base_expected = policy(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(base_only, base_expected, atol=1e-5, rtol=1e-5)
+    assert (expected - base_expected).abs().max() > 1e-3  # the adapter does change the output
+
+
+@needs_packing
+def test_lora_layers_peft_would_not_merge_the_same_way_keep_peft_forward():
+    """DoRA rescales the merged weight by a norm that depends on it: not W + BA, so PEFT's forward runs."""
+    tokenizer, model, rows, _ = make_prompts()
+    policy = _lora(model, use_dora=True)
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        expected = policy(input_ids=ids, attention_mask=mask).logits
+        with packed_linears(policy):
+            assert not any("forward" in layer.__dict__ for layer in _lora_layers(policy))
+            got = policy(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
