@@ -214,12 +214,11 @@ def main() -> None:
     if args.scifact_corpus < 1000:
         sys.exit("budget_curve: SciFact needs >= 1000 documents (--scifact-corpus)")
 
-    from sentence_transformers import SentenceTransformer
 
     import grace_st
 
     path = args.model or grace_st.default_model_path()
-    model = SentenceTransformer(str(path), device=args.device, trust_remote_code=True)
+    model = grace_st.load(str(path), device=args.device)
     encoder = model[0]
     tasks = load_tasks(args.sts, args.scifact_queries, args.scifact_corpus)
     report = {

@@ -34,10 +34,9 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/decode_ablation.json")
     args = parser.parse_args()
 
-    from sentence_transformers import SentenceTransformer
 
     model_path = args.model or grace_st.default_model_path()
-    encoder = SentenceTransformer(model_path, device="cpu", trust_remote_code=True)[0]
+    encoder = grace_st.load(model_path, device="cpu")[0]
     texts, source = load_texts(args.batch_size)
     features = encoder.preprocess(texts)
     params = sum(p.numel() for p in encoder.model.parameters())

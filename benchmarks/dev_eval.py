@@ -366,7 +366,6 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
-    from sentence_transformers import SentenceTransformer
 
     import grace_st
 
@@ -416,7 +415,7 @@ def main() -> None:
         "rows": [],
     }
     for label, path, rationale_tokens in rows:
-        model = SentenceTransformer(path, device=args.device, trust_remote_code=True)
+        model = grace_st.load(path, device=args.device)
         grace = is_grace(model)
         if grace and rationale_tokens is not None:
             model[0].max_rationale_tokens = rationale_tokens

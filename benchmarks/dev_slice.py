@@ -24,7 +24,6 @@ def main() -> None:
     from grace_training.config import GRPOConfig
     from grace_training.data import cap_per_source, load_data
     from grace_training.evaluation import evaluate
-    from sentence_transformers import SentenceTransformer
 
     import grace_st
 
@@ -39,7 +38,7 @@ def main() -> None:
     rows, _ = load_data(config.eval_data, **config.data_settings())
     rows = cap_per_source(rows, config.eval_max_examples, config.seed)
     path = args.model or str(grace_st.default_model_path())
-    model = SentenceTransformer(path, trust_remote_code=True, device="cpu")
+    model = grace_st.load(path, device="cpu")
     started = time.perf_counter()
     scores = evaluate(
         model, rows, query_task=config.query_task, document_task=config.document_task, batch_size=config.eval_batch_size

@@ -160,7 +160,6 @@ def time_two_pass(model, texts, batch_size):
 
 def build_times(model_path: str) -> dict:
     """First build (from the cached wheel, no download) and warm load of the default model."""
-    from sentence_transformers import SentenceTransformer
 
     home = Path(tempfile.mkdtemp(prefix="grace-bench-home-"))
     try:
@@ -177,7 +176,7 @@ def build_times(model_path: str) -> dict:
     grace_st.default_model_path()
     cached_lookup = time.perf_counter() - start
     start = time.perf_counter()
-    SentenceTransformer(model_path, device="cpu", trust_remote_code=True)
+    grace_st.load(model_path, device="cpu")
     warm_load = time.perf_counter() - start
     return {"first_build_s": first_build, "cached_path_s": cached_lookup, "warm_load_s": warm_load}
 
@@ -195,9 +194,8 @@ def sts_spearman(model, pairs: int, batch_size: int) -> float:
 
 def run_dtype(model_path: str, dtype: torch.dtype, args) -> dict:
     """Every (batch size, G) cell for one weights dtype, against the matmul peak in that dtype."""
-    from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(model_path, device="cpu", trust_remote_code=True, model_kwargs={"dtype": dtype})
+    model = grace_st.load(model_path, device="cpu", model_kwargs={"dtype": dtype})
     encoder = model[0]
     params = sum(p.numel() for p in encoder.model.parameters())
     run = {
@@ -283,9 +281,8 @@ def run_dtype(model_path: str, dtype: torch.dtype, args) -> dict:
 
 def cold_vs_warm(model_path: str, args) -> dict:
     """The same texts twice through a fresh rationale cache: generation, then hits only."""
-    from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(model_path, device="cpu", trust_remote_code=True)
+    model = grace_st.load(model_path, device="cpu")
     encoder = model[0]
     encoder.max_rationale_tokens = args.rationale_tokens[-1]
     texts, source = load_texts(args.cache_texts)

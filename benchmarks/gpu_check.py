@@ -153,12 +153,11 @@ def compare_backends(model, texts: list[str], batch_size: int, tolerance: float 
 
 def encode_part(args) -> dict:
     import torch
-    from sentence_transformers import SentenceTransformer
 
     import grace_st
 
     path = args.model or grace_st.default_model_path(trained=False)
-    model = SentenceTransformer(path, trust_remote_code=True, device="cuda").to(getattr(torch, args.dtype))
+    model = grace_st.load(path, device="cuda").to(getattr(torch, args.dtype))
     model[0].max_rationale_tokens = args.budget
     report = compare_backends(
         model, sentences(args.texts), args.batch_size, args.tolerance, dtype=args.dtype, gpu_memory_utilization=0.4

@@ -12,10 +12,11 @@ from typing import Any
 from .default_model import default_model_path
 from .encoder import GenerativeEncoder
 from .explain import explain
+from .loading import load
 from .prompts import DEFAULT_INSTRUCTIONS
 
 __version__ = "0.1.0"
-__all__ = ["DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "default_model_path", "explain", "from_causal_lm"]
+__all__ = ["DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "default_model_path", "explain", "from_causal_lm", "load"]
 
 
 def from_causal_lm(

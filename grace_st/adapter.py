@@ -103,7 +103,8 @@ def load_base_and_adapter(adapter_dir: str | os.PathLike, *, merge: bool = True,
     base's speed, the packed CPU kernels) or kept as a ``PeftModel`` (``disable_adapter()``
     then gives exactly the base)."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
+
+    from .loading import causal_lm_from_pretrained
 
     weights = read_adapter_weights(adapter_dir)
     # The revision asked of the adapter's repository is not the base's: the base has its own.
@@ -120,7 +121,7 @@ def load_base_and_adapter(adapter_dir: str | os.PathLike, *, merge: bool = True,
             needs=("config.json",),
             wanted_by=f"the base model of the adapter in {adapter_dir}",
         )
-    base = AutoModelForCausalLM.from_pretrained(base_path, revision=base_revision, **kwargs)
+    base = causal_lm_from_pretrained(base_path, revision=base_revision, **kwargs)
     check_adapter_fits(base, weights, adapter_dir)
     model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False)
     model.eval()

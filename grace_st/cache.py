@@ -150,7 +150,7 @@ def tensor_change_key(tensor) -> tuple:
     return (tensor.data_ptr(), tensor._version, tuple(tensor.shape), str(tensor.dtype), float(tensor.detach().sum()))
 
 
-def weights_fingerprint(model) -> str:
+def weights_fingerprint(model, state_dict: Mapping[str, Any] | None = None) -> str:
     """A sha256 hex digest of a torch module's weights and the config that shapes its forward pass.
 
     Covers every parameter and buffer (non-persistent ones too, e.g. rotary frequencies): its
@@ -160,6 +160,9 @@ def weights_fingerprint(model) -> str:
     as the load path or library version that do not change the result): e.g. ``rms_norm_eps``
     is in no tensor. Cost: one sha256 pass over the weights, about 0.3 s for a 135M-parameter
     float32 model (540 MB) on a CPU with SHA instructions, plus the copy to host for GPU weights.
+
+    ``state_dict``: weights about to be saved in place of the model's own (gathered shards): the
+    digest the model will have once loaded from them.
     """
     import torch
 
@@ -167,6 +170,8 @@ def weights_fingerprint(model) -> str:
     tensors: dict[str, torch.Tensor] = {}
     for name, tensor in (*model.named_parameters(), *model.named_buffers()):
         tensors.setdefault(name, tensor)
+    for name in tensors.keys() & (state_dict or {}).keys():
+        tensors[name] = state_dict[name]
     with torch.no_grad():
         for name in sorted(tensors):
             tensor = tensors[name].detach()
@@ -331,7 +336,9 @@ class RationaleCache:
             must be a cache this format version wrote and pass ``PRAGMA quick_check``, else
             :class:`CacheError` (the file is left untouched). A valid cache that cannot be
             written (a read-only mount, no write permission) is opened read-only: hits are
-            served, new entries are not stored, and ``read_only`` is True.
+            served, new entries are not stored, and ``read_only`` is True. A path that is a
+            symbolic link (nothing is created where it points) or not a regular file is refused
+            (:class:`CacheError`).
         timeout: seconds a writer waits for another process's lock before giving up.
 
     Several processes may open the same file at once: WAL journaling lets readers run beside
@@ -345,6 +352,7 @@ class RationaleCache:
         self._pid = os.getpid()
         self._conn: sqlite3.Connection | None = None
         self.read_only = False
+        self._refuse_odd_path()
         self._check_header()
         parent = os.path.dirname(os.path.abspath(self.path))
         if os.path.isfile(self.path) and not _writable(self.path):
@@ -425,9 +433,25 @@ class RationaleCache:
 
     # -- opening ---------------------------------------------------------------------------------
 
+    def _refuse_odd_path(self) -> None:
+        """A cache path that is a symbolic link is refused, dangling or not: SQLite would follow it
+        and create or change a database wherever it points (its journal beside the target), a
+        file the user never named. So is one that exists and is not a regular file (a FIFO would
+        block the header check, a device is nobody's cache)."""
+        if os.path.islink(self.path):
+            target = os.readlink(self.path)
+            state = "" if os.path.exists(self.path) else ", which does not exist"
+            raise CacheError(
+                f"{self.path}: the rationale cache path is a symbolic link (to {target}{state}); "
+                "refusing to follow it: give the cache's real path"
+            )
+        if os.path.exists(self.path) and not os.path.isfile(self.path):
+            raise CacheError(f"{self.path}: not a regular file, so not a rationale cache; refusing to use it")
+
     def _check_header(self) -> None:
         # sqlite3 opens a non-database lazily and only fails at the first query; looking at the
-        # magic first gives a plain message and guarantees we never write to such a file.
+        # magic first gives a plain message and guarantees we never write to such a file. The
+        # message says what was missing, never the file's bytes (they may be anyone's data).
         try:
             with open(self.path, "rb") as handle:
                 head = handle.read(len(_SQLITE_MAGIC))
@@ -437,7 +461,8 @@ class RationaleCache:
             raise CacheError(f"{self.path}: cannot read the rationale cache: {error}") from error
         if head and head != _SQLITE_MAGIC:
             raise CacheError(
-                f"{self.path}: not a SQLite database (it starts with {head[:16]!r}), not a rationale cache"
+                f"{self.path}: not a SQLite database (the SQLite header is missing), so not a grace-st "
+                "rationale cache; refusing to use or change it"
             )
 
     def _initialise(self, conn: sqlite3.Connection) -> bool:

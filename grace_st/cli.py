@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import sys
@@ -90,9 +91,9 @@ def _encoder_settings(args: argparse.Namespace) -> dict:
 def _load_model(path: str, args: argparse.Namespace):
     """Load a model and apply the encoder options given on the command line (a GRACE model's
     GenerativeEncoder settings; other sentence-transformers models take none)."""
-    from sentence_transformers import SentenceTransformer
+    from .loading import load
 
-    model = SentenceTransformer(path, device=args.device, trust_remote_code=True)
+    model = load(path, device=args.device, trust_remote_code=args.trust_remote_code)
     encoder = model[0]
     settings = _encoder_settings(args)
     if settings and not hasattr(encoder, "check_settings"):
@@ -105,6 +106,12 @@ def _load_model(path: str, args: argparse.Namespace):
     if hasattr(encoder, "check_settings"):
         encoder.check_settings()
     return model
+
+
+TRUST_HELP = (
+    "run Python code that ships with the model (a module class of its own in modules.json, an "
+    "auto_map in its config); without it such a model is refused, naming the file"
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -120,13 +127,14 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--device", help="torch device, e.g. cpu or cuda")
     encode.add_argument("--json", action="store_true", help="print JSON: texts, rationales, embeddings, similarities")
     encode.add_argument("--cache", help="a rationale cache file (SQLite): repeated texts skip generation")
+    encode.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     _encoder_options(encode)
 
     build = commands.add_parser("build", help="wrap a chat causal LM as a GRACE sentence-transformers model")
     build.add_argument("--base", required=True, help="causal LM directory or Hub id")
     build.add_argument("--out", required=True, help="output directory")
     build.add_argument("--dtype", default="float32", help="weights dtype: float32, bfloat16, float16 or auto")
-    build.add_argument("--trust-remote-code", action="store_true", help="allow the base model's own code")
+    build.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     _encoder_options(build)
 
     evaluate = commands.add_parser(
@@ -156,17 +164,25 @@ def build_parser() -> argparse.ArgumentParser:
         "with the same mteb name and revision",
     )
     evaluate.add_argument("--no-progress", action="store_true", help="hide progress bars")
+    evaluate.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     _encoder_options(evaluate)
     return parser
 
 
 def _stdin_lines() -> list[str]:
-    """One text a line: CRLF and LF endings alike, blank lines skipped, invalid UTF-8 named by line."""
-    data = (
-        sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode("utf-8", "surrogateescape")
+    """One text a line, every line: a blank line is an empty text, so output row i is input line
+    i + 1. CRLF and LF endings alike, invalid UTF-8 named by line. Read a line at a time under the
+    data files' limits (``grace_st.data.files``: 8 MiB a line, 1 GiB in all), so ``/dev/zero``
+    or a binary file ends in an error, not in memory exhaustion."""
+    from .data.files import bounded_lines
+
+    stream = (
+        sys.stdin.buffer
+        if hasattr(sys.stdin, "buffer")
+        else io.BytesIO(sys.stdin.read().encode("utf-8", "surrogateescape"))
     )
     texts = []
-    for number, raw in enumerate(data.split(b"\n"), start=1):
+    for number, raw in bounded_lines("stdin", stream):
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as error:
@@ -175,9 +191,7 @@ def _stdin_lines() -> list[str]:
                 f"column {error.start + 1}); convert the input, e.g. iconv -f latin1 -t utf-8"
             ) from None
         line = line.removeprefix("\ufeff") if number == 1 else line
-        line = line.removesuffix("\r")
-        if line.strip():
-            texts.append(line)
+        texts.append(line.removesuffix("\n").removesuffix("\r"))
     return texts
 
 

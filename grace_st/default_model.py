@@ -86,12 +86,12 @@ def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> 
     import json
 
     from peft import PeftModel
-    from sentence_transformers import SentenceTransformer
 
     from .adapter import check_adapter_fits, read_adapter_weights
+    from .loading import load
     from .model_cards import write_model_card
 
-    model = SentenceTransformer(base, device="cpu", trust_remote_code=True)
+    model = load(base, device="cpu")
     encoder = model[0]
     check_adapter_fits(encoder.model, read_adapter_weights(adapter_dir), adapter_dir)
     encoder.model = PeftModel.from_pretrained(encoder.model, str(adapter_dir), is_trainable=False).eval()

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from . import mteb_identity
-from .adapter import is_adapter_dir, is_peft_model, load_base_and_adapter, save_adapter
+from .adapter import adapter_base, is_adapter_dir, is_peft_model, load_base_and_adapter, save_adapter
 from .cache import REQUIRED_SETTINGS, RationaleCache, is_deterministic, tensor_change_key, weights_fingerprint
 from .cache_binding import CacheBinding
 from .decoding import DecodeOptions
@@ -71,7 +71,9 @@ def _model_and_tokenizer(
 ):
     """The given causal LM and tokenizer, or both loaded from ``model_name_or_path`` (a base with its
     saved LoRA adapter, when the folder holds one)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from .loading import causal_lm_from_pretrained
 
     if (model is None) != (tokenizer is None):
         raise ValueError("Pass both `model` and `tokenizer`, or neither and a `model_name_or_path`.")
@@ -82,8 +84,48 @@ def _model_and_tokenizer(
     if is_adapter_dir(model_name_or_path):
         model = load_base_and_adapter(model_name_or_path, merge=merge_adapter, model_kwargs=model_kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_name_or_path, **(model_kwargs or {}))
+        model = causal_lm_from_pretrained(model_name_or_path, **(model_kwargs or {}))
     return model, AutoTokenizer.from_pretrained(model_name_or_path, **(tokenizer_kwargs or {}))
+
+
+def _unreadable_safetensors(model_name_or_path: str | None) -> list[str]:
+    """The ``*.safetensors`` files of a model directory (and of its adapter's base directory) whose
+    header safetensors refuses: a truncated or corrupt file."""
+    from safetensors import SafetensorError, safe_open
+
+    folders = [model_name_or_path] if model_name_or_path and os.path.isdir(model_name_or_path) else []
+    if folders and is_adapter_dir(model_name_or_path):
+        with contextlib.suppress(ValueError):
+            folders.append(adapter_base(model_name_or_path)[0])
+    damaged = []
+    for folder in filter(os.path.isdir, folders):
+        for name in sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")):
+            try:
+                with safe_open(os.path.join(folder, name), framework="pt"):
+                    pass
+            except (SafetensorError, OSError):
+                damaged.append(os.path.join(folder, name))
+    return damaged
+
+
+@contextlib.contextmanager
+def _naming_damaged_weights(model_name_or_path: str | None) -> Iterator[None]:
+    """safetensors' error for a truncated or corrupt weights file names no file ("Error while
+    deserializing header: incomplete metadata, file not fully covered"): re-raised as a
+    ``ValueError`` that names it, so the user knows which file to copy or download again."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as error:
+        where = ", ".join(_unreadable_safetensors(model_name_or_path)) or f"a weights file of {model_name_or_path}"
+        raise ValueError(
+            f"{where}: a truncated or corrupt safetensors file ({error}); copy or download the model again"
+        ) from error
+
+
+# model_kwargs that load the weights in another form than saved (their fingerprint differs by design).
+_CHANGES_WEIGHTS = frozenset({"dtype", "torch_dtype", "quantization_config", "device_map", "load_in_8bit", "load_in_4bit"})
 
 
 class GenerativeEncoder(InputModule):
@@ -161,9 +203,10 @@ class GenerativeEncoder(InputModule):
             "merge_adapter": merge_adapter,
         }
         check_settings(settings)  # before the weights load: a bad value costs no time
-        self.model, self.tokenizer = _model_and_tokenizer(
-            model_name_or_path, model, tokenizer, merge_adapter, model_kwargs, tokenizer_kwargs
-        )
+        with _naming_damaged_weights(model_name_or_path):
+            self.model, self.tokenizer = _model_and_tokenizer(
+                model_name_or_path, model, tokenizer, merge_adapter, model_kwargs, tokenizer_kwargs
+            )
         for name, value in plain(settings).items():
             setattr(self, name, value)
         # What evaluation libraries call this model when it has no Hub id (see describe_for_mteb).
@@ -547,7 +590,8 @@ class GenerativeEncoder(InputModule):
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         if not safe_serialization:
             raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
-        self.weights_revision = self.weights_key()[:16]
+        given = self._weights_to_save
+        self.weights_revision = (weights_fingerprint(self.model, given) if given is not None else self.weights_key())[:16]
         if is_peft_model(self.model):
             save_adapter(self.model, output_path, state_dict=self._weights_to_save)
         else:
@@ -636,16 +680,37 @@ class GenerativeEncoder(InputModule):
             revision=revision,
             local_files_only=local_files_only,
         )
-        hub = _hub_kwargs(token, cache_folder, revision, local_files_only, trust_remote_code, subfolder)
+        # sentence-transformers 6 passes trust_remote_code=True for importing this class at all; it
+        # is not a wish to run the base's own code (grace_st.loading). model_kwargs says that.
+        trusted = bool((model_kwargs or {}).get("trust_remote_code", False))
+        hub = _hub_kwargs(token, cache_folder, revision, local_files_only, trusted, subfolder)
         encoder = cls(
             model_name_or_path,
             **config,
             model_kwargs={**hub, **(config_kwargs or {}), **(model_kwargs or {})},
             tokenizer_kwargs={**hub, **(tokenizer_kwargs or {}), **(processor_kwargs or {})},
         )
+        if not (config_kwargs or set(model_kwargs or {}) & _CHANGES_WEIGHTS) and not is_adapter_dir(model_name_or_path):
+            encoder._check_weights_revision(model_name_or_path)
         if snapshot_repo(model_name_or_path) is not None:  # settings as saved: the commit alone names them
             encoder._snapshot_revision = encoder.revision()
         return encoder
+
+    def _check_weights_revision(self, path: str) -> None:
+        """The weights (and config) loaded are the ones :meth:`save` fingerprinted: a config.json or
+        model.safetensors swapped or edited since would otherwise give other embeddings under the
+        saved name, cache keys and mteb revision. One fingerprint pass (0.3 s a 135M model), which
+        the rationale cache and mteb reuse. Not for adapters (saved unmerged, loaded merged) nor
+        for loads that convert the weights (``_CHANGES_WEIGHTS``)."""
+        if self.weights_revision is None:
+            return
+        found = self.weights_key()[:16]
+        if found != self.weights_revision:
+            raise ValueError(
+                f"{path}: the weights and config.json loaded are not the ones {self.config_file_name} was saved with "
+                f"(weights_revision {self.weights_revision}, found {found}): a file was replaced or edited after "
+                "saving. Restore it, or save the model again (GenerativeEncoder.save) to accept these weights."
+            )
 
     def __repr__(self) -> str:
         return f"GenerativeEncoder({self.get_config_dict()}, model={type(self.model).__name__})"

@@ -14,6 +14,7 @@ text such as ``<|im_end|>`` or ``<|im_start|>system`` data and never markup, and
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 DEFAULT_INSTRUCTIONS: dict[str, str] = {
@@ -98,15 +99,43 @@ def build_prompt_template(tokenizer, instruction: str) -> PromptTemplate:
     return PromptTemplate(tuple(prefix_ids), tuple(suffix_ids))
 
 
+def _type_name(value) -> str:
+    """``pandas.Series`` rather than a bare ``Series``: where the object came from says what to do."""
+    kind = type(value)
+    package = kind.__module__.split(".")[0]
+    return f"{package}.{kind.__qualname__}" if package not in ("builtins", "numpy") else kind.__name__
+
+
+def _batch_hint(value) -> str:
+    """Why a collection of texts can arrive as one item: sentence-transformers 6 takes only a list,
+    a tuple, a NumPy array or a datasets Column as a batch, and treats anything else (a pandas
+    Series, a generator, a set) as one input."""
+    if isinstance(value, (bytes, bytearray, memoryview, Mapping)) or not isinstance(value, Iterable):
+        return ""
+    return (
+        f"a collection of {_length(value)}items passed as one text (sentence-transformers takes a list, "
+        "a tuple or a NumPy array as a batch of texts, anything else as a single input); pass a list, "
+        "e.g. series.tolist()"
+    )
+
+
+def _length(value) -> str:
+    try:
+        return f"{len(value)} "
+    except TypeError:  # a generator
+        return ""
+
+
 def text_problem(text) -> str | None:
     """Why ``text`` cannot be embedded (to follow "item N"), or None when it can.
 
     A lone surrogate (``"\\ud800"``, what ``surrogateescape`` makes of undecodable bytes)
     is not text any tokenizer can take: named here with its position, instead of the
-    tokenizer's opaque ``TypeError``.
+    tokenizer's opaque ``TypeError``. A collection where a text belongs (a pandas Series that
+    sentence-transformers passed on whole) says so, instead of printing its contents.
     """
     if not isinstance(text, str):
-        return f"is {type(text).__name__}, not str: {text!r:.80}"
+        return f"is {_type_name(text)}, not str: " + (_batch_hint(text) or f"{text!r:.80}")
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:

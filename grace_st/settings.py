@@ -29,13 +29,29 @@ def _is_instructions(value: Any) -> bool:
     return isinstance(value, Mapping) and all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
 
 
-def per_prompt_type(low: int) -> Callable[[Any], bool]:
-    """An int >= ``low``, or a mapping of prompt type to one, with a ``"default"`` entry."""
+# Upper (and lower) bounds of the integer settings. Far above any real use, they only keep a typo
+# or a 31-digit limit out of torch, where it would end in an overflow naming neither setting nor file.
+MAX_RATIONALE_TOKENS = 32_768  # a rationale's KV cache is allocated for the whole budget
+MAX_INPUT_TOKENS = 1_048_576  # a cap on the prompt (the text itself decides its length)
+MAX_NUM_RATIONALES = 1_024  # each one is a row of the generation batch
+MAX_HIDDEN_LAYER = 1_024  # the model's own layer count bounds it further (check_settings' num_layers)
+SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes: a 64-bit integer
+
+
+def int_in(low: int, high: float) -> Callable[[Any], bool]:
+    """An int (a NumPy integer too, not a bool) in ``[low, high]``."""
+    return lambda value: _is_int(value) and low <= value <= high
+
+
+def per_prompt_type(low: int, high: float = math.inf) -> Callable[[Any], bool]:
+    """An int in ``[low, high]``, or a mapping of prompt type to one, with a ``"default"`` entry
+    (no upper bound by default: the trainer's own rules reuse it)."""
+    in_range = int_in(low, high)
 
     def valid(value: Any) -> bool:
         if isinstance(value, Mapping):
-            return "default" in value and all(isinstance(k, str) and valid(v) for k, v in value.items())
-        return _is_int(value) and value >= low
+            return "default" in value and all(isinstance(k, str) and in_range(v) for k, v in value.items())
+        return in_range(value)
 
     return valid
 
@@ -73,17 +89,27 @@ _WHAT = {"decides_rationale": False, "cli_option": False}  # instructions, or a 
 SETTINGS: dict[str, Setting] = {
     "instructions": Setting("a mapping of prompt type to instruction text", _is_instructions, **_WHAT),
     "max_rationale_tokens": Setting(
-        "an int >= 0, or a mapping of prompt type to one with a 'default' entry", per_prompt_type(0), **_HOW
+        f"an int in [0, {MAX_RATIONALE_TOKENS}], or a mapping of prompt type to one with a 'default' entry",
+        per_prompt_type(0, MAX_RATIONALE_TOKENS),
+        **_HOW,
     ),
-    "max_input_tokens": Setting("an int >= 1", lambda v: _is_int(v) and v >= 1, **_HOW),
+    "max_input_tokens": Setting(f"an int in [1, {MAX_INPUT_TOKENS}]", int_in(1, MAX_INPUT_TOKENS), **_HOW),
     "do_sample": Setting("true or false (a bool)", lambda v: isinstance(v, bool), **_HOW),
     "temperature": Setting("a finite number >= 0", lambda v: _is_number(v) and v >= 0, **_HOW),
     "top_p": Setting("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1, **_HOW),
-    "seed": Setting("an int or null", lambda v: v is None or _is_int(v), **_HOW),
-    "num_rationales": Setting(
-        "an int >= 1, or a mapping of prompt type to one with a 'default' entry", per_prompt_type(1), **_HOW
+    "seed": Setting(
+        f"null or a 64-bit int, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]",
+        lambda v: v is None or int_in(*SEED_RANGE)(v),
+        **_HOW,
     ),
-    "hidden_layer": Setting("an int (-1: the last layer)", _is_int, **_HOW),
+    "num_rationales": Setting(
+        f"an int in [1, {MAX_NUM_RATIONALES}], or a mapping of prompt type to one with a 'default' entry",
+        per_prompt_type(1, MAX_NUM_RATIONALES),
+        **_HOW,
+    ),
+    "hidden_layer": Setting(
+        f"an int in [-1, {MAX_HIDDEN_LAYER}] (-1: the last layer)", int_in(-1, MAX_HIDDEN_LAYER), **_HOW
+    ),
     "weights_revision": Setting("a string or null", lambda v: v is None or isinstance(v, str), **_WHAT),
     "merge_adapter": Setting("true or false (a bool)", lambda v: isinstance(v, bool), **_WHAT),
 }

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import signal
 
 import pytest
 import torch
@@ -164,3 +166,23 @@ def tiny_model():
 @pytest.fixture
 def tokenizer():
     return make_tokenizer()
+
+
+class Hung(BaseException):
+    """Not an Exception: no ``except Exception`` on the way can swallow it."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: int):
+    """Fail instead of hanging (reading /dev/zero or opening a FIFO once never returned)."""
+
+    def expire(signum, frame):
+        raise Hung(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -16,7 +16,7 @@ import sys
 
 import numpy as np
 import pytest
-from conftest import make_st_model
+from conftest import deadline, make_st_model
 
 from grace_st import explain
 from grace_st.cli import main
@@ -412,6 +412,9 @@ def test_fuzz_odd_but_valid_texts_embed_finitely_and_deterministically(model, en
         (["--max-rationale-tokens", "3.5"], "--max-rationale-tokens"),
         (["--model", "/nonexistent/grace-model"], "nonexistent"),
         (["--cache", "/proc/no/such/dir/cache.sqlite"], "cache"),
+        (["--max-rationale-tokens", "1" + "0" * 30], "max_rationale_tokens must be an int in [0, 32768]"),
+        (["--max-input-tokens", "1" + "0" * 30], "max_input_tokens must be an int in [1, 1048576]"),
+        (["--seed", "1" + "0" * 30], "seed must be null or a 64-bit int"),
     ],
 )
 def test_fuzz_cli_encode_options_fail_in_one_line(saved_model, capsys, monkeypatch, options, named):
@@ -427,7 +430,8 @@ def test_fuzz_cli_encode_options_fail_in_one_line(saved_model, capsys, monkeypat
     "stdin, outcome",
     [
         (b"", "no texts"),
-        (b"\n  \n\r\n", "no texts"),
+        (b"\n  \n\r\n", ["", "  ", ""]),  # every line is a text, blank ones too: output rows align
+        (b"first\n\nthird\n", ["first", "", "third"]),
         (b"\xef\xbb\xbfwith a BOM\n", ["with a BOM"]),
         (b"no newline at the end", ["no newline at the end"]),
         (b"nul \x00 inside\n", ["nul \x00 inside"]),
@@ -453,6 +457,7 @@ EVAL_FILES = {
     "nan score": b"score\tsentence1\tsentence2\nnan\ta\tb\n1\tc\td\n",
     "missing column": b"score\tsentence1\n1\ta\n2\tb\n",
     "ragged row": b"score\tsentence1\tsentence2\n1\ta\tb\n2\tc\n",
+    "no line breaks": b"\x00" * ((8 << 20) + 1),  # over MAX_LINE_BYTES: refused after one line's read
 }
 
 
@@ -464,3 +469,151 @@ def test_fuzz_eval_files_are_refused_naming_the_file(saved_model, tmp_path, caps
     argv = ["eval", str(saved_model), "--sts", str(path), "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
     code, out, err = run_cli(argv, capsys, monkeypatch)
     assert code == 1 and str(path) in err and "Traceback" not in out + err
+
+
+# -- the [trust] issue's items 6, 7 and 10 (item 8, the rationale cache, is in test_cache.py) ---------
+
+
+def eval_argv(saved_model, tmp_path, *options):
+    return ["eval", str(saved_model), *options, "--cache-dir", str(tmp_path / "cache"), "--no-progress"]
+
+
+@pytest.mark.parametrize("kind", ["a character device", "a named pipe (FIFO)", "a directory"])
+def test_trust_6_eval_refuses_what_is_not_a_regular_file(saved_model, tmp_path, capsys, monkeypatch, kind):
+    pytest.importorskip("mteb")
+    path = tmp_path / "sts.tsv"
+    if kind == "a character device":
+        path = "/dev/zero"
+    elif kind == "a named pipe (FIFO)":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    with deadline(60):
+        code, out, err = run_cli(eval_argv(saved_model, tmp_path, "--sts", str(path)), capsys, monkeypatch)
+    assert code == 1 and f"{path}: {kind}, not a regular file" in err and "Traceback" not in out + err
+
+
+def test_trust_6_a_beir_file_linked_to_a_device_is_refused_by_name(saved_model, tmp_path, capsys, monkeypatch):
+    pytest.importorskip("mteb")
+    folder = tmp_path / "beir"
+    (folder / "qrels").mkdir(parents=True)
+    (folder / "corpus.jsonl").symlink_to("/dev/zero")
+    (folder / "queries.jsonl").write_text('{"_id": "q", "text": "x"}\n')
+    (folder / "qrels" / "test.tsv").write_text("query-id\tcorpus-id\tscore\nq\td\t1\n")
+    with deadline(60):
+        code, _, err = run_cli(eval_argv(saved_model, tmp_path, "--beir", str(folder)), capsys, monkeypatch)
+    assert code == 1 and f"{folder / 'corpus.jsonl'}: a character device, not a regular file" in err
+
+
+def test_trust_6_an_eval_file_over_the_size_limit_is_refused_naming_it_and_the_limit(
+    saved_model, tmp_path, capsys, monkeypatch
+):
+    pytest.importorskip("mteb")
+    from grace_st.data import files
+
+    assert files.MAX_FILE_BYTES == 1 << 30  # the documented limit, lowered here to keep the file small
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", 1 << 20)
+    path = tmp_path / "sts.tsv"
+    with open(path, "wb") as handle:  # sparse: no disk used, and refused by its size before any read
+        handle.truncate((1 << 20) + 1)
+    code, _, err = run_cli(eval_argv(saved_model, tmp_path, "--sts", str(path)), capsys, monkeypatch)
+    assert code == 1 and f"{path}: 1,048,577 bytes, over the 1 MiB limit of a data file" in err
+    assert "MAX_FILE_BYTES" in err
+
+
+def test_trust_6_a_line_over_the_limit_is_refused_naming_file_line_and_limit(
+    saved_model, tmp_path, capsys, monkeypatch
+):
+    pytest.importorskip("mteb")
+    from grace_st.data import files
+
+    assert files.MAX_LINE_BYTES == 8 << 20
+    monkeypatch.setattr(files, "MAX_LINE_BYTES", 1000)
+    path = tmp_path / "sts.tsv"
+    path.write_bytes(b"score\tsentence1\tsentence2\n1\ta\tb\n" + b"\x00" * 5000)
+    code, _, err = run_cli(eval_argv(saved_model, tmp_path, "--sts", str(path)), capsys, monkeypatch)
+    assert code == 1 and f"{path}, line 3: a line over 1,000 bytes (grace_st.data.files.MAX_LINE_BYTES)" in err
+
+
+def test_trust_6_stdin_is_read_a_line_at_a_time_under_the_line_limit(saved_model, capsys, monkeypatch):
+    from grace_st.data import files
+
+    monkeypatch.setattr(files, "MAX_LINE_BYTES", 1000)
+    argv = ["encode", "-", "--model", str(saved_model), "--json"]
+    code, out, err = run_cli(argv, capsys, monkeypatch, stdin=b"fine\n" + b"\x00" * 5000)
+    assert code == 1 and "stdin, line 2: a line over 1,000 bytes" in err and "Traceback" not in out + err
+
+
+HUGE = 10**30
+
+
+@pytest.mark.parametrize(
+    "key, value, allowed",
+    [
+        ("max_rationale_tokens", HUGE, "[0, 32768]"),
+        ("max_rationale_tokens", {"default": 3, "query": HUGE}, "[0, 32768]"),
+        ("max_input_tokens", HUGE, "[1, 1048576]"),
+        ("num_rationales", HUGE, "[1, 1024]"),
+        ("seed", HUGE, f"[{-(2**63)}, {2**64 - 1}]"),
+        ("seed", -(2**63) - 1, f"[{-(2**63)}, {2**64 - 1}]"),
+        ("hidden_layer", HUGE, "[-1, 1024]"),
+    ],
+)
+def test_trust_7_a_huge_integer_setting_is_refused_naming_setting_value_range_and_file(
+    saved_model, key, value, allowed
+):
+    config_path = edit_settings(saved_model, **{key: value})
+    with pytest.raises(ValueError) as raised:
+        load(saved_model)
+    message = str(raised.value)
+    assert message.startswith(f"{config_path}: {key} must be ") and allowed in message
+    assert str(HUGE if value != -(2**63) - 1 else value) in message
+
+
+def test_trust_7_the_largest_allowed_values_load(saved_model):
+    from grace_st.settings import MAX_INPUT_TOKENS, MAX_RATIONALE_TOKENS
+
+    edit_settings(
+        saved_model, max_rationale_tokens=MAX_RATIONALE_TOKENS, max_input_tokens=MAX_INPUT_TOKENS, seed=2**64 - 1
+    )
+    encoder = load(saved_model)[0]
+    assert encoder.max_rationale_tokens == MAX_RATIONALE_TOKENS and encoder.seed == 2**64 - 1
+
+
+def test_trust_10_blank_stdin_lines_keep_output_rows_aligned_with_input_lines(saved_model, capsys, monkeypatch):
+    argv = ["encode", "-", "--model", str(saved_model), "--json"]
+    code, out, _ = run_cli(argv, capsys, monkeypatch, stdin=b"first\n\nthird\n")
+    assert code == 0
+    lines = json.loads(out)
+    assert lines["texts"] == ["first", "", "third"] and len(lines["embeddings"]) == 3
+    code, out, _ = run_cli([*argv[:1], "third", *argv[2:]], capsys, monkeypatch)
+    np.testing.assert_allclose(lines["embeddings"][2], json.loads(out)["embeddings"][0], atol=1e-6)
+
+
+@pytest.mark.parametrize("keep", ["half", "header"])
+def test_trust_10_a_truncated_weights_file_is_named(saved_model, capsys, monkeypatch, keep):
+    weights = saved_model / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2] if keep == "half" else data[:16])
+    with pytest.raises(ValueError, match="a truncated or corrupt safetensors file") as raised:
+        load(saved_model)
+    assert str(raised.value).startswith(f"{weights}: ")
+    code, out, err = run_cli(["encode", "a text", "--model", str(saved_model)], capsys, monkeypatch)
+    assert code == 1 and f"{weights}: a truncated or corrupt safetensors file" in err and "Traceback" not in out + err
+
+
+def test_trust_10_a_pandas_series_of_strings(model):
+    pandas = pytest.importorskip("pandas")
+    series = pandas.Series(["The cat sat on the mat.", "Markets fell sharply.", "a third"], index=[10, 20, 30])
+    expected = model.encode(series.tolist())
+    items = explain(model, series)  # explain takes any iterable of strings
+    assert [item["text"] for item in items] == series.tolist()
+    np.testing.assert_allclose(np.stack([item["embedding"] for item in items]), expected, atol=1e-5)
+    if grace_st_under_st5():
+        return  # sentence-transformers 5 indexes the Series by position itself (series[0], ...)
+    # sentence-transformers 6 takes a list, tuple or array as a batch and passes a Series on whole
+    with pytest.raises(ValueError) as raised:
+        model.encode(series)
+    message = str(raised.value)
+    assert "is pandas.Series, not str: a collection of 3 items passed as one text" in message
+    assert "series.tolist()" in message and "Markets" not in message

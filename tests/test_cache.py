@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from conftest import deadline, make_model, make_tokenizer
 
 from grace_st.cache import (
     FORMAT_NAME,
@@ -129,6 +129,43 @@ def test_garbage_file_is_refused_and_left_untouched(tmp_path):
         RationaleCache(path)
     assert str(path) in str(info.value)
     assert path.read_bytes() == content
+
+
+def test_a_foreign_file_is_refused_without_echoing_its_content(tmp_path):
+    path = tmp_path / "notes.sqlite"
+    path.write_bytes(b"password=hunter2\n" * 4)
+    with pytest.raises(CacheError) as info:
+        RationaleCache(path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: not a SQLite database (the SQLite header is missing)")
+    assert "grace-st rationale cache" in message and "hunter2" not in message and "password" not in message
+
+
+@pytest.mark.parametrize("target", ["dangling", "a cache"])
+def test_a_symlinked_cache_path_is_refused_and_nothing_is_made_at_its_target(tmp_path, target):
+    elsewhere = tmp_path / "elsewhere.sqlite"
+    if target == "a cache":
+        RationaleCache(elsewhere).close()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    link = tmp_path / "cache.sqlite"
+    link.symlink_to(elsewhere)
+    with pytest.raises(CacheError, match="is a symbolic link") as info:
+        RationaleCache(link)
+    assert str(link) in str(info.value) and str(elsewhere) in str(info.value)
+    assert sorted(p.name for p in tmp_path.iterdir() if p != link) == before  # no database, no -wal, no -journal
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory"])
+def test_a_cache_path_that_is_not_a_regular_file_is_refused(tmp_path, kind):
+    import os
+
+    path = tmp_path / "cache.sqlite"
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.mkdir()
+    with deadline(30), pytest.raises(CacheError, match="not a regular file"):  # a FIFO once blocked the open
+        RationaleCache(path)
 
 
 def test_sqlite_header_with_garbage_body_is_refused(tmp_path):

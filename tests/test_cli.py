@@ -25,8 +25,8 @@ def test_encode_json_from_stdin(saved_model, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("first text\n\nsecond text\n"))
     assert main(["encode", "-", "--model", saved_model, "--json", "--max-rationale-tokens", "2"]) == 0
     payload = json.loads(capsys.readouterr().out)
-    assert payload["texts"] == ["first text", "second text"]
-    assert len(payload["rationales"]) == 2 and len(payload["embeddings"][0]) == 32
+    assert payload["texts"] == ["first text", "", "second text"]  # a blank line is an empty text: rows align
+    assert len(payload["rationales"]) == 3 and len(payload["embeddings"][0]) == 32
     assert abs(payload["similarity"][0][0] - 1.0) < 1e-5
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import deadline
 from grace_training.data import load_source
 
 from grace_st.data import (
@@ -100,3 +101,75 @@ def test_triplets_and_texts(tmp_path):
     table = write(tmp_path / "x.tsv", "id\tsentence\n1\tfirst\n2\t\n")
     with pytest.raises(DataFileError, match=r"x\.tsv, line 3: missing or empty 'sentence'"):
         read_texts(table, column="sentence")
+
+
+# -- every reader streams under the data files' limits (the [trust] issue's item 6) --------------
+
+READERS = {
+    "table": read_scored_pairs,
+    "jsonl": read_triplets,
+    "jsonl.gz": read_triplets,
+    "text": read_texts,
+}
+
+
+def sample(tmp_path, kind: str, tail: bytes = b""):
+    """A valid file of ``kind`` with ``tail`` appended (for .gz, inside the compressed stream)."""
+    import gzip
+
+    if kind == "table":
+        return tmp_path / "s.tsv", b"score\tsentence1\tsentence2\n1\ta\tb\n" + tail
+    line = b'{"query": "q", "positive": "p"}\n'
+    if kind == "jsonl":
+        return tmp_path / "t.jsonl", line + tail
+    if kind == "jsonl.gz":
+        return tmp_path / "t.jsonl.gz", gzip.compress(line + tail)
+    return tmp_path / "t.txt", b"first text\n" + tail
+
+
+@pytest.mark.parametrize("kind", list(READERS))
+def test_a_line_over_the_limit_stops_every_reader_naming_the_line(tmp_path, monkeypatch, kind):
+    from grace_st.data import files
+
+    monkeypatch.setattr(files, "MAX_LINE_BYTES", 100)
+    path, content = sample(tmp_path, kind, b"x" * 500)
+    path.write_bytes(content)
+    line = 3 if kind == "table" else 2  # the line after the sample's own
+    limit = r"a line over 100 bytes \(grace_st\.data\.files\.MAX_LINE_BYTES\)"
+    with pytest.raises(DataFileError, match=rf"line {line}: {limit}"):
+        READERS[kind](path)
+    errors: list[DataFileError] = []  # with on_error: reported, and the rows before it kept
+    assert len(READERS[kind](path, on_error=errors.append)) == 1
+    assert [error.line for error in errors] == [line]
+
+
+@pytest.mark.parametrize("kind", list(READERS))
+def test_more_data_than_the_limit_is_refused_a_gz_by_what_it_decompresses_to(tmp_path, monkeypatch, kind):
+    from grace_st.data import files
+
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", 1000)
+    path, content = sample(tmp_path, kind, b"\n" * 5000)  # blank lines: valid, and compressed to a few bytes
+    path.write_bytes(content)
+    if kind == "jsonl.gz":
+        assert len(content) < 1000
+    with pytest.raises(ValueError, match=r"over the 1,000 bytes limit|more than 1,000 bytes of data") as raised:
+        READERS[kind](path)
+    assert str(path) in str(raised.value)
+
+
+@pytest.mark.parametrize("kind", list(READERS))
+def test_every_reader_refuses_a_fifo_without_waiting_for_a_writer(tmp_path, kind):
+    import os
+
+    path, _ = sample(tmp_path, kind)
+    os.mkfifo(path)
+    with deadline(30), pytest.raises(ValueError, match="a named pipe \\(FIFO\\), not a regular file"):
+        READERS[kind](path)
+
+
+def test_text_files_are_split_at_newlines_and_decoded_by_line(tmp_path):
+    file = tmp_path / "t.txt"
+    file.write_bytes(b"\xef\xbb\xbfone\r\n\ntwo\x0cstill two\nbad \xff\nthree")
+    errors: list[DataFileError] = []
+    assert read_texts(file, on_error=errors.append) == [(1, "one"), (3, "two\x0cstill two"), (5, "three")]
+    assert [(e.line, e.reason.split(":")[0]) for e in errors] == [(4, "not valid UTF-8")]

@@ -99,8 +99,21 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
     return load_file(str(checkpoint / "model.safetensors"))
 
 
-def assert_same_run(one: Path, two: Path, step: int, atol: float = 2e-5) -> None:
-    first, second = metrics(one), metrics(two)
+# How far two runs that differ only in float reduction order (process count, the CPU's kernels)
+# may end apart: in L2, as a fraction of how far each tensor moved. Single elements are no
+# measure: Adam divides each gradient by its own running RMS, so a near-zero gradient whose sign
+# depends on the summation order becomes a step of up to ±lr in that element (one element of
+# 12,800 ended 2.65e-5 apart on an AMD EPYC, where an absolute 2e-5 failed; 1.05e-4 on this
+# machine at step 2). A real divergence (a gradient not all-reduced, a rollout drawn twice) moves
+# whole tensors differently, tens of percent of their move.
+REDUCTION_ORDER_TOLERANCE = 0.01
+
+
+def assert_same_run(one: Path, two: Path, step: int, initial: dict | None = None, exact: bool = False) -> None:
+    """Same metrics each step and the same weights at ``step``: bit for bit when ``exact`` (a
+    resumed run against a straight one: the same operations in the same order), else each tensor
+    within REDUCTION_ORDER_TOLERANCE of its move from ``initial``, in L2."""
+    first, second = ([m for m in metrics(run) if m["step"] <= step] for run in (one, two))
     assert [m["step"] for m in first] == [m["step"] for m in second] == list(range(1, step + 1))
     for a, b in zip(first, second):
         for key in COMPARED:
@@ -109,14 +122,23 @@ def assert_same_run(one: Path, two: Path, step: int, atol: float = 2e-5) -> None
     expected, got = weights(one / name), weights(two / name)
     assert expected.keys() == got.keys()
     for key in expected:
-        torch.testing.assert_close(got[key], expected[key], atol=atol, rtol=0)
+        if exact:
+            assert torch.equal(got[key], expected[key]), key
+            continue
+        moved = (expected[key] - initial.get(key, torch.zeros_like(expected[key]))).norm().item()
+        apart = (got[key] - expected[key]).norm().item()
+        assert apart <= REDUCTION_ORDER_TOLERANCE * moved + 1e-7, (key, apart, moved)
 
 
 def test_two_processes_equal_one_and_a_resumed_run_equals_a_straight_one(workspace):
+    """Two processes take the steps one takes, compared over two steps: with sampled rollouts a run
+    is chaotic, and a float-order difference in the weights flips a sampled token now and then
+    (seed 42, step 4, on this machine's CPU with the inverse-CDF sampler), after which the two runs
+    are two valid, different runs. A resumed run repeats a straight one exactly, over four."""
     initial = weights(workspace / "model")
     one = run_ok(workspace, "one", "max_steps=4")
     two = run_ok(workspace, "two", "max_steps=4", processes=2)
-    assert_same_run(one, two, step=4)
+    assert_same_run(one, two, step=2, initial=initial)
     # the weights moved: equality is not two runs that both did nothing
     moved = max((weights(one / "checkpoint-00000004")[k] - initial[k]).abs().max().item() for k in initial)
     assert moved > 1e-4
@@ -133,7 +155,7 @@ def test_two_processes_equal_one_and_a_resumed_run_equals_a_straight_one(workspa
     assert done.returncode == 0, done.stderr[-3000:]
     assert "resumed from" in done.stderr and "checkpoint-00000002" in done.stderr
     assert output == resumed
-    assert_same_run(two, resumed, step=4, atol=0.0)
+    assert_same_run(two, resumed, step=4, exact=True)
 
 
 @pytest.mark.parametrize("anchors", ["detached", "recompute"])
@@ -144,7 +166,7 @@ def test_the_hybrid_term_spans_the_processes_as_it_spans_chunks(workspace, ancho
     one = run_ok(workspace, f"hybrid-one-{anchors}", *hybrid, "gradient_accumulation_steps=2")
     two = run_ok(workspace, f"hybrid-two-{anchors}", *hybrid, processes=2)
     assert metrics(two)[0]["loss/contrastive"] > 0
-    assert_same_run(one, two, step=1)
+    assert_same_run(one, two, step=1, initial=weights(workspace / "model"))
 
 
 def test_launches_that_would_not_run_what_was_asked_are_refused(workspace):

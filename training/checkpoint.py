@@ -7,6 +7,7 @@ Layout of ``<output_dir>/checkpoint-<step>/``::
         (finetune: lora) writes adapter_config.json + adapter_model.safetensors instead of
         config.json + model.safetensors, naming its base (grace_st.adapter)
     trainer_state/state.json      step, epoch, data position, config, last metrics
+    trainer_state/run.json        the id of the run that wrote it (written first; :class:`RunFamily`)
     trainer_state/optimizer.pt    AdamW moments
     trainer_state/scheduler.pt
     trainer_state/rng.pt          Python, NumPy, torch (and CUDA) generator states
@@ -24,7 +25,11 @@ complete copy of the step sits where recovery keeps it.
 Loading checks what it can before touching the model (:func:`check_checkpoint`) and raises
 :class:`CheckpointError` naming the file for anything unreadable.
 
-Why one file of ~430 lines: writing, verifying, loading and rotating checkpoints are one atomicity
+A run touches only what it wrote (:class:`RunFamily`): listing for --resume, keep-last-k rotation,
+the cleanup of temporaries and a re-save skip or refuse any ``checkpoint-*`` (or look-alike) whose
+``run.json`` names another run, so a directory shared with other files never loses them.
+
+Why one file of ~550 lines: writing, verifying, loading and rotating checkpoints are one atomicity
 contract (what is written in which order is what loading checks), kept in one place.
 """
 
@@ -37,6 +42,7 @@ import random
 import re
 import shutil
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +54,12 @@ logger = logging.getLogger(__name__)
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 TEMPORARY_PREFIX = ".tmp-checkpoint-"
 REPLACED_PREFIX = ".replaced-checkpoint-"  # a complete old copy during a re-save; never deleted blind
+# The exact names write_checkpoint gives its temporaries; anything else with the prefix is not ours.
+TEMPORARY = re.compile(rf"^{re.escape(TEMPORARY_PREFIX)}(old-)?\d+$")
+REPLACED = re.compile(rf"^{re.escape(REPLACED_PREFIX)}(\d+)$")
 CORRUPT_PREFIX = "corrupt-"  # a checkpoint --resume could not load, kept for a look, out of rotation
 STATE_DIR = "trainer_state"
+RUN_FILE = "run.json"
 TRAINING_FILES = ("optimizer.pt", "scheduler.pt", "rng.pt")
 
 
@@ -57,58 +67,114 @@ class CheckpointError(RuntimeError):
     """A checkpoint that cannot be resumed from; the message names the file or directory."""
 
 
+@dataclass(frozen=True)
+class RunFamily:
+    """The checkpoints one run wrote in its output directory, over all its resumes.
+
+    Each checkpoint (and its staging directory, from the moment it exists) carries
+    ``trainer_state/run.json`` with the run's id; ``adopted`` names the checkpoints of a run
+    written before run ids existed, taken over when it was resumed (:mod:`.run_dir`). Whatever
+    else sits in the directory under a checkpoint-like name is another run's, or the user's.
+    """
+
+    run_id: str
+    adopted: frozenset[str] = frozenset()
+
+    def owns(self, path: Path) -> bool:
+        return path.name in self.adopted or read_run_id(path) == self.run_id
+
+
+def read_run_id(checkpoint: Path) -> str | None:
+    """The id in a checkpoint's ``run.json``; None when it has none (older, foreign or unreadable)."""
+    try:
+        value = json.loads((checkpoint / STATE_DIR / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return value.get("run_id") if isinstance(value, dict) else None
+
+
+def _owner(family: RunFamily | None):
+    """Who may be touched: a run's own directories; without a family (callers from before run ids), any."""
+    return family.owns if family is not None else (lambda path: True)
+
+
 def checkpoint_name(step: int) -> str:
     return f"checkpoint-{step:08d}"
 
 
-def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
-    """Complete checkpoints, oldest first."""
+def list_checkpoints(output_dir: str | Path, family: RunFamily | None = None) -> list[tuple[int, Path]]:
+    """Complete checkpoints, oldest first; with ``family``, only those that run wrote."""
     root = Path(output_dir)
     if not root.is_dir():
         return []
+    owns = _owner(family)
     found = []
     for path in root.iterdir():
         match = CHECKPOINT.match(path.name)
-        if match and (path / STATE_DIR / "state.json").is_file():
+        if match and (path / STATE_DIR / "state.json").is_file() and owns(path):
             found.append((int(match.group(1)), path))
     return sorted(found)
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    checkpoints = list_checkpoints(output_dir)
+def latest_checkpoint(output_dir: str | Path, family: RunFamily | None = None) -> Path | None:
+    checkpoints = list_checkpoints(output_dir, family)
     return checkpoints[-1][1] if checkpoints else None
 
 
-def remove_incomplete(output_dir: str | Path) -> list[Path]:
+def remove_incomplete(output_dir: str | Path, family: RunFamily | None = None) -> list[Path]:
     """Settle what a crashed save left behind; returns the temporary directories removed.
 
     A replaced checkpoint whose successor never took its name is put back first, so the
     deletion of temporaries that follows can never take the only complete copy of a step.
+    Only the exact names :func:`write_checkpoint` uses are looked at, and with ``family`` only
+    those that run wrote: a look-alike of another run or of the user is left where it is.
     """
     root = Path(output_dir)
+    owns = _owner(family)
     removed = []
     if root.is_dir():
         for path in sorted(root.iterdir()):
-            if path.name.startswith(REPLACED_PREFIX):
-                _settle_replaced(root, path)
+            if REPLACED.match(path.name) and owns(path):
+                _settle_replaced(root, path, owns)
         for path in root.iterdir():
-            if path.name.startswith(TEMPORARY_PREFIX):
-                shutil.rmtree(path, ignore_errors=True)
+            if TEMPORARY.match(path.name) and owns(path):
+                _remove_tree(path)
                 removed.append(path)
     return removed
 
 
-def _settle_replaced(root: Path, aside: Path) -> None:
+def _settle_replaced(root: Path, aside: Path, owns) -> None:
     step = aside.name.removeprefix(REPLACED_PREFIX)
     final = root / f"checkpoint-{step}"
+    trash = root / f"{TEMPORARY_PREFIX}old-{step}"
     if not final.exists() and (aside / STATE_DIR / "state.json").is_file():
         os.replace(aside, final)
         _fsync_dir(root)
         logger.warning("restored %s: a crash came between moving it aside and its re-save taking its place", final)
+    elif trash.exists() and not owns(trash):
+        logger.warning("left %s in place: %s, in the way of its cleanup, was not written by this run", aside, trash)
     else:  # the re-save is in place: the old copy is redundant, hand it to the temporary cleanup
-        trash = root / f"{TEMPORARY_PREFIX}old-{step}"
-        shutil.rmtree(trash, ignore_errors=True)  # a rename cannot land on a non-empty directory
+        _remove_tree(trash)  # a rename cannot land on a non-empty directory
         os.replace(aside, trash)
+
+
+def _remove_tree(path: Path) -> None:
+    """Delete a checkpoint-like directory, its ``run.json`` last: a deletion cut short leaves a
+    directory that still says whose it is, so the next start's cleanup can finish it."""
+    for parent in (path, path / STATE_DIR):
+        if parent.is_dir() and not parent.is_symlink():
+            for child in parent.iterdir():
+                if child.name not in (STATE_DIR, RUN_FILE):
+                    remove_path(child)
+    remove_path(path)
+
+
+def remove_path(path: Path) -> None:
+    """A file, link or directory tree; nothing when it is not there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 def rng_state() -> dict[str, Any]:
@@ -162,13 +228,15 @@ def write_checkpoint(
     scheduler=None,
     accelerator=None,
     write_extra=None,
+    family: RunFamily | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and return its path.
 
     ``write_model(path)`` writes the model directory; ``write_extra(path)`` anything else
     (the model card). With an ``accelerator`` running several processes, every process calls
     this and ``accelerator.save_state`` writes the sharded optimizer; only the main process
-    writes the rest and renames.
+    writes the rest and renames. With ``family``, the checkpoint is marked as that run's, and a
+    directory of another run under one of the names the save uses is refused, never replaced.
     """
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -176,9 +244,14 @@ def write_checkpoint(
     staging = root / f"{TEMPORARY_PREFIX}{step:08d}"
     distributed = accelerator is not None and accelerator.num_processes > 1
     main = accelerator is None or accelerator.is_main_process
+    _check_names_free(root, (staging, final), family)  # on every process, so a refusal stops them all
+    if distributed:
+        accelerator.wait_for_everyone()  # ... before the main one touches those names
     if main:
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove_tree(staging)
         (staging / STATE_DIR).mkdir(parents=True)
+        if family is not None:  # first: from now on the staging directory says whose it is
+            (staging / STATE_DIR / RUN_FILE).write_text(json.dumps({"run_id": family.run_id}), encoding="utf-8")
     if distributed:
         accelerator.wait_for_everyone()
         accelerator.save_state(str(staging / STATE_DIR / "accelerate"))
@@ -204,6 +277,22 @@ def write_checkpoint(
     return final
 
 
+def _check_names_free(root: Path, paths: tuple[Path, Path], family: RunFamily | None) -> None:
+    """A save overwrites its staging directory and replaces an older copy of its step (moved
+    aside, then deleted): refuse before writing when one of those names is another run's."""
+    if family is None:
+        return
+    staging, final = paths
+    step = final.name.removeprefix("checkpoint-")
+    names = (staging, final, root / f"{REPLACED_PREFIX}{step}", root / f"{TEMPORARY_PREFIX}old-{step}")
+    foreign = [path for path in names if path.exists() and not family.owns(path)]
+    if foreign:
+        raise CheckpointError(
+            f"{foreign[0]}: in the way of saving {final.name}, and not written by this run (run id "
+            f"{family.run_id}); grace-train does not replace it: move it out of {root}"
+        )
+
+
 def _replace_checkpoint(root: Path, staging: Path, final: Path) -> None:
     """Swap a complete staging directory in for an existing checkpoint of the same step.
 
@@ -215,13 +304,13 @@ def _replace_checkpoint(root: Path, staging: Path, final: Path) -> None:
     aside = root / f"{REPLACED_PREFIX}{step}"
     trash = root / f"{TEMPORARY_PREFIX}old-{step}"
     for leftover in (aside, trash):  # from an earlier crash; ``final`` exists, so both are redundant
-        shutil.rmtree(leftover, ignore_errors=True)
+        _remove_tree(leftover)
     os.replace(final, aside)
     _fsync_dir(root)
     os.replace(staging, final)
     _fsync_dir(root)
     os.replace(aside, trash)
-    shutil.rmtree(trash, ignore_errors=True)
+    _remove_tree(trash)
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -403,13 +492,15 @@ def set_aside_corrupt(checkpoint: Path) -> Path:
     return target
 
 
-def load_newest_loadable(output_dir: str | Path, load, accelerator) -> tuple[Path | None, dict[str, Any] | None]:
-    """``(path, load(path))`` for the newest checkpoint in ``output_dir`` that ``load`` takes, or
-    ``(None, None)`` when there is none. Each newer one that raises :class:`CheckpointError` is
-    logged with its reason and set aside (:func:`set_aside_corrupt`) once a loadable one is found;
-    none loadable raises :class:`CheckpointError` listing every reason. With several processes,
-    every one calls this; only the main one renames."""
-    candidates = [path for _, path in reversed(list_checkpoints(output_dir))]
+def load_newest_loadable(
+    output_dir: str | Path, load, accelerator, family: RunFamily | None = None
+) -> tuple[Path | None, dict[str, Any] | None]:
+    """``(path, load(path))`` for the newest checkpoint in ``output_dir`` (of ``family``, when
+    given) that ``load`` takes, or ``(None, None)`` when there is none. Each newer one that raises
+    :class:`CheckpointError` is logged with its reason and set aside (:func:`set_aside_corrupt`)
+    once a loadable one is found; none loadable raises :class:`CheckpointError` listing every
+    reason. With several processes, every one calls this; only the main one renames."""
+    candidates = [path for _, path in reversed(list_checkpoints(output_dir, family))]
     if not candidates:
         return None, None
     skipped: list[tuple[Path, CheckpointError]] = []
@@ -444,16 +535,19 @@ def _is_tied(policy, name: str) -> bool:
     )
 
 
-def rotate_checkpoints(output_dir: str | Path, keep: int | None, protected: set[str] | None = None) -> list[Path]:
-    """Keep the ``keep`` newest checkpoints; never delete one still waiting for a Hub push."""
+def rotate_checkpoints(
+    output_dir: str | Path, keep: int | None, protected: set[str] | None = None, family: RunFamily | None = None
+) -> list[Path]:
+    """Keep the ``keep`` newest checkpoints (of ``family``, when given: another run's checkpoint,
+    however high its step, neither counts nor goes); never delete one still waiting for a Hub push."""
     if not keep:
         return []
     protected = {str(Path(p).resolve()) for p in (protected or set())}
-    checkpoints = list_checkpoints(output_dir)
+    checkpoints = list_checkpoints(output_dir, family)
     removed = []
     for _, path in checkpoints[: max(len(checkpoints) - keep, 0)]:
         if str(path.resolve()) in protected:
             continue
-        shutil.rmtree(path, ignore_errors=True)
+        _remove_tree(path)
         removed.append(path)
     return removed

@@ -4,6 +4,8 @@ grace-train --config training/configs/cpu_smollm2.yaml                 # train
 grace-train --config FILE max_steps=10 output_dir=runs/x              # key=value overrides
 grace-train --config FILE --resume                                    # continue the latest checkpoint
 grace-train --config FILE --resume --max-minutes 55                   # one chunk of a long run
+grace-train --config FILE --resume --allow-config-change num_rollouts=4  # change what a resumed run trains
+grace-train --config FILE --overwrite-output-dir                      # start over where an earlier run is
 grace-train --config FILE --dry-run                                   # validate, print the plan
 grace-train --config FILE --method infonce output_dir=runs/infonce    # the "w/ CL" baseline
 """
@@ -22,6 +24,7 @@ from typing import Any
 from .checkpoint import CheckpointError
 from .config import ConfigError, GRPOConfig, LaunchError, check_batches, check_environment, check_launch, locate
 from .data import cap_per_source, load_data
+from .run_dir import ConfigChangeError, OutputDirError, claim_output_dir, inspect_output_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,7 +37,24 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         default=False,
         metavar="CHECKPOINT",
-        help="continue from the latest checkpoint in output_dir (or the one given)",
+        help="continue from the latest checkpoint of the run in output_dir (or the one given); keys that change "
+        "what is trained must match the checkpoint's config (see --allow-config-change)",
+    )
+    parser.add_argument(
+        "--overwrite-output-dir",
+        action="store_true",
+        help="start although output_dir is not empty: an earlier grace-train run there is deleted first (its "
+        "checkpoints, metrics, config and marker); in a directory that is not a run, the run's own file names "
+        "(config.yaml, metrics.jsonl, ...) are replaced and nothing else is deleted. Without it, such a "
+        "directory is refused. System and package directories are refused always",
+    )
+    parser.add_argument(
+        "--allow-config-change",
+        action="store_true",
+        help="with --resume: apply keys that change what is trained (learning_rate, num_rollouts, temperatures, "
+        "seed, batch_size, data, ...) from the next step, optimizer included, and record each in "
+        "config_changes.jsonl; without it they are refused. finetune, lora_r, lora_alpha, lora_target_modules, "
+        "model_name_or_path and objective never change in a resumed run",
     )
     parser.add_argument("--dry-run", action="store_true", help="validate the config and data, print the plan, exit")
     parser.add_argument(
@@ -135,36 +155,49 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
     except LaunchError as error:
         return _refuse(str(error))
+    directory = {"method": args.method, "resume": bool(args.resume), "overwrite": args.overwrite_output_dir}
     if args.dry_run:
         try:
             summary = plan(config)
+            inspect_output_dir(config.output_dir, **directory)
         except ConfigError as error:
             return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
-        except (ValueError, OSError) as error:  # data files: a bad row, a missing file or folder
+        except (ValueError, OSError, OutputDirError) as error:  # data files: a bad row, a missing file or folder
             return _refuse(str(error))
         print(json.dumps({"config": config.to_dict(), "plan": summary}, indent=2))
         return 0
     if args.method == "infonce":
-        from .contrastive import train_infonce
-
-        path = train_infonce(config)
-        print(f"InfoNCE baseline saved to {path}")
-        return 0
+        return _train_infonce(config, directory)
     from .trainer import GRPOTrainer
 
-    if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, one process writes it
-        Path(config.output_dir).mkdir(parents=True, exist_ok=True)
-        config.to_yaml(Path(config.output_dir) / "config.yaml")
     try:
-        trainer = GRPOTrainer(config)
+        # before any model loads (the trainer checks again, with the run's last step, when it starts)
+        inspect_output_dir(config.output_dir, **directory, last_step=config.max_steps if config.max_steps > 0 else None)
+        trainer = GRPOTrainer(
+            config, overwrite_output_dir=args.overwrite_output_dir, allow_config_change=args.allow_config_change
+        )
         result = trainer.train(resume=args.resume, max_minutes=args.max_minutes)
     except ConfigError as error:  # what only the data or the process count shows (the dry run shows it too)
         return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
     except CheckpointError as error:  # --resume with no loadable checkpoint: not a crash, a decision to make
         return _refuse(str(error), code=1)
-    except LaunchError as error:  # FSDP asked for where accelerate would run DDP
+    except (LaunchError, OutputDirError, ConfigChangeError) as error:  # FSDP where DDP would run; the run's directory
         return _refuse(str(error))
     print(json.dumps({"step": result["step"], "scores": result["scores"]}, indent=2))
+    return 0
+
+
+def _train_infonce(config: GRPOConfig, directory: dict[str, Any]) -> int:
+    """The InfoNCE baseline, in a directory it owns as a GRPO run does (it is redone, never resumed)."""
+    from .contrastive import train_infonce
+
+    try:
+        if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, one process takes it
+            claim_output_dir(config.output_dir, **{**directory, "resume": False})
+    except OutputDirError as error:
+        return _refuse(str(error))
+    path = train_infonce(config)
+    print(f"InfoNCE baseline saved to {path}")
     return 0
 
 

@@ -4,8 +4,9 @@ A YAML file holds the same keys (``training/configs/paper.yaml`` is the paper's 
 overrides any key with ``key=value``. Paper values that differ between the paper's text and
 its reference code are noted where they are set.
 
-Why one file of ~530 lines: each key's type, default and range rule sit together (``RULES`` beside
-the dataclass), and the rules that tie keys together beside them, so a new key is added in one place.
+Why one file of ~660 lines: each key's type, default and range rule sit together (``RULES`` beside
+the dataclass), and the rules that tie keys together and what a resume may change (``RESUME_CHANGES``)
+beside them, so a new key is added in one place.
 """
 
 from __future__ import annotations
@@ -382,6 +383,97 @@ RULES: dict[str, tuple[Rule, ...]] = {
 }
 
 
+# -- what --resume may change ---------------------------------------------------------------------
+# A resumed run goes on under the config it is given; each key changed since the checkpoint is one of
+#   FREE     bookkeeping, the run's length, how (not what) it computes: changes, and is recorded;
+#   APPLIED  what is trained: refused unless asked (--allow-config-change), then applied from the
+#            next step (optimizer settings included) and recorded in config_changes.jsonl;
+#   FIXED    what the checkpoint was built from: refused always (a new run in another output_dir).
+# Every key has an entry (a test holds this table to the dataclass's fields, as RULES).
+
+FREE, APPLIED, FIXED = "free", "applied", "fixed"
+
+RESUME_CHANGES: dict[str, str] = {
+    "model_name_or_path": FIXED,  # the weights (the base of a LoRA adapter) the run started from
+    "base_model": FREE,  # a name on the model card
+    "query_task": APPLIED,
+    "document_task": APPLIED,
+    "max_prompt_tokens": APPLIED,
+    "max_response_tokens": APPLIED,
+    "objective": FIXED,  # supervised and unsupervised GRACE are different methods (Eqs. 5-9 vs 13)
+    "data_dir": FREE,  # where the data is, not which: a changed data size is warned of on resume
+    "train_data": APPLIED,  # the data mix
+    "eval_data": FREE,
+    "num_negatives": APPLIED,
+    "batch_sampling": APPLIED,
+    "bad_rows": FREE,  # skip or refuse: the rows trained on are the same
+    "num_rollouts": APPLIED,
+    "temperature_positive": APPLIED,
+    "temperature_query": APPLIED,
+    "temperature_negative": APPLIED,
+    "top_p": APPLIED,
+    "rollout_backend": APPLIED,  # another sampler implementation
+    "rollout_batch_size": FREE,  # rows generated at once: memory
+    "rollout_bucket_ratio": FREE,
+    "vllm_gpu_memory_utilization": FREE,
+    "vllm_tensor_parallel_size": FREE,
+    "vllm_enable_sleep_mode": FREE,
+    "reward_mode": APPLIED,
+    "lambda_consistency": APPLIED,
+    "lambda_hard_negative": APPLIED,
+    "tau": APPLIED,
+    "gamma": APPLIED,
+    "length_penalty_mode": APPLIED,
+    "length_penalty_units": APPLIED,
+    "mask_truncated": APPLIED,
+    "scale_rewards": APPLIED,
+    "contrastive_beta": APPLIED,
+    "contrastive_temperature": APPLIED,
+    "contrastive_anchors": APPLIED,
+    "finetune": FIXED,  # full weights or an adapter: the checkpoint holds one or the other
+    "lora_r": FIXED,  # the adapter's shapes
+    "lora_alpha": FIXED,  # rescales the trained adapter at once, without a step
+    "lora_dropout": APPLIED,
+    "lora_target_modules": FIXED,
+    "learning_rate": APPLIED,  # the optimizer's and the schedule's rates are set to it on resume
+    "lr_scheduler": APPLIED,
+    "warmup_steps": APPLIED,
+    "weight_decay": APPLIED,
+    "adam_beta1": APPLIED,
+    "adam_beta2": APPLIED,
+    "adam_epsilon": APPLIED,
+    "max_grad_norm": APPLIED,
+    "ppo_epochs": APPLIED,
+    "clip_epsilon": APPLIED,
+    "kl_coef": APPLIED,
+    "gradient_accumulation_steps": APPLIED,  # the hybrid term sees the chunks (trainer.update)
+    "share_prompt_pass": FREE,  # the same loss and gradients
+    "batch_size": APPLIED,
+    "epochs": FREE,  # the run's length (a linear schedule decays over the new length)
+    "max_steps": FREE,
+    "seed": APPLIED,  # the data order and the rollouts' seeds
+    "bf16": APPLIED,  # the precision of every pass
+    "gradient_checkpointing": FREE,  # recomputes the same activations
+    "output_dir": FREE,
+    "logging_steps": FREE,
+    "save_steps": FREE,
+    "save_total_limit": FREE,
+    "eval_steps": FREE,
+    "eval_max_examples": FREE,
+    "eval_batch_size": FREE,
+    "report_to": FREE,
+    "push_to_hub": FREE,
+    "hub_model_id": FREE,
+    "hub_private": FREE,
+    "push_steps": FREE,
+    "hub_retry_backoff_s": FREE,
+    "hub_final_wait_s": FREE,
+    "infonce_learning_rate": FREE,  # the InfoNCE baseline's, not GRPO's
+    "infonce_batch_size": FREE,
+    "infonce_temperature": FREE,
+}
+
+
 @functools.cache
 def _hints() -> dict[str, Any]:
     return typing.get_type_hints(GRPOConfig)
@@ -456,6 +548,12 @@ def check_environment(config: GRPOConfig) -> None:
     output = Path(config.output_dir)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"output_dir: {output} exists and is not a directory", key="output_dir")
+    from .run_dir import forbidden_output_dir
+
+    reason = forbidden_output_dir(output)
+    if reason:
+        message = f"output_dir: {output} is {reason}; a run writes and deletes checkpoints there, give it its own"
+        raise ConfigError(message, key="output_dir")
 
 
 class LaunchError(RuntimeError):

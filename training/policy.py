@@ -8,15 +8,14 @@ from .config import GRPOConfig
 
 
 def load_grace_model(config: GRPOConfig, device: str | None = None):
-    """The policy as a GRACE SentenceTransformer: a GRACE directory as saved, or any chat causal LM wrapped."""
-    from sentence_transformers import SentenceTransformer
-
+    """The policy as a GRACE SentenceTransformer: a GRACE directory as saved, or any chat causal LM
+    wrapped; neither may run code that ships with the model (``grace_st.load``)."""
     import grace_st
     from grace_st import GenerativeEncoder
 
     path = config.model_name_or_path or grace_st.default_model_path(trained=False)
     if (Path(path) / "modules.json").is_file():
-        model = SentenceTransformer(path, trust_remote_code=True, device=device)
+        model = grace_st.load(path, device=device)
         if isinstance(model[0], GenerativeEncoder):
             return model
     return grace_st.from_causal_lm(path, device=device)

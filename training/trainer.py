@@ -10,14 +10,17 @@ Read :meth:`GRPOTrainer.train` top to bottom; each stage is a method a test can 
 - :meth:`~GRPOTrainer.update`: Eq. 11, one optimiser step (or ``ppo_epochs`` clipped ones), plus
   β · :func:`grace_training.grpo.pooled_contrastive_loss` on the same pass's pooled states when
   ``contrastive_beta`` > 0 (the hybrid objective; β = 0 is the paper's GRACE);
-- :meth:`~GRPOTrainer.save_checkpoint` / :meth:`~GRPOTrainer.resume`.
+- :meth:`~GRPOTrainer.save_checkpoint` / :meth:`~GRPOTrainer.resume`; the run owns its
+  ``output_dir`` (a marker, only its own checkpoints rotated) and a resume compares the checkpoint's
+  config with the one given (:mod:`.run_dir`).
 
-Why one file of ~680 lines: the class owns the run's state (accelerator, policy, optimizer, data
+Why one file of ~750 lines: the class owns the run's state (accelerator, policy, optimizer, data
 order, checkpoints), and its stages are methods so that a test can call each one alone. What needs
 none of that state lives beside it: Eq. 11 and the log-probs in :mod:`.grpo`, the rewards in
 :mod:`.rewards`, the hybrid term in :mod:`.hybrid`, rollouts in :mod:`.rollout`, gathering over
 processes in :mod:`.processes`, the step's metrics in :mod:`.metrics`, the checkpoint format in
-:mod:`.checkpoint` (with the choice of which checkpoint a resume takes).
+:mod:`.checkpoint` (with the choice of which checkpoint a resume takes), the run's directory and
+what a resume may change in :mod:`.run_dir`.
 
 Processes: ``accelerate`` runs it as one process, several CPU processes over gloo (DDP, tested
 equal to one process), or several GPUs (DDP or FSDP2); see docs/training.md. The global batch is
@@ -38,6 +41,8 @@ from typing import Any
 import torch
 
 from .checkpoint import (
+    RunFamily,
+    check_checkpoint,
     load_checkpoint,
     load_newest_loadable,
     remove_incomplete,
@@ -56,10 +61,26 @@ from .processes import check_sharding, gather, processes_without_a_gpu, reduce_m
 from .rewards import compute_rewards
 from .rollout import TripletRollouts, asymmetric_rollouts, hf_generate
 from .rollout_batch import RolloutBatch
+from .run_dir import (
+    CONFIG_FILE,
+    check_config_changes,
+    claim_output_dir,
+    config_changes,
+    inspect_output_dir,
+    read_family,
+    record_config_changes,
+    saved_config,
+)
 from .sampling import BatchSchedule
 from .vllm_backend import build_rollout_engine
 
 logger = logging.getLogger(__name__)
+
+# Settings the optimizer and the schedule hold in their state, restored from a checkpoint over the config's.
+OPTIMIZER_KEYS = frozenset(
+    ("learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+     "max_steps", "epochs")
+)
 
 
 class GRPOTrainer:
@@ -72,6 +93,10 @@ class GRPOTrainer:
         train_data, eval_data: lists of :class:`~grace_training.data.Triplet`; default: loaded
             from ``config.train_data`` / ``config.eval_data``.
         hub_api: a stand-in for ``huggingface_hub.HfApi`` (tests); default: the real one.
+        overwrite_output_dir: start in a directory that holds an earlier run (deleting that run's
+            files) or other files (kept); see :mod:`grace_training.run_dir`.
+        allow_config_change: let a resumed run change keys that change what is trained; they are
+            applied from the next step and recorded in ``config_changes.jsonl``.
     """
 
     def __init__(
@@ -83,6 +108,8 @@ class GRPOTrainer:
         eval_data: list[Triplet] | None = None,
         hub_api=None,
         accelerator=None,
+        overwrite_output_dir: bool = False,
+        allow_config_change: bool = False,
     ) -> None:
         from accelerate import Accelerator
         from accelerate.utils import set_seed
@@ -123,6 +150,9 @@ class GRPOTrainer:
             self.generate = self.engine.generate
 
         self.hub_api = hub_api
+        self.overwrite_output_dir = overwrite_output_dir
+        self.allow_config_change = allow_config_change
+        self.run_family: RunFamily | None = None  # set when train() claims output_dir
         self.pusher = None
         self.metrics: MetricsLogger | None = None
         self.step = 0
@@ -182,15 +212,18 @@ class GRPOTrainer:
         """
         cfg, main = self.config, self.accelerator.is_main_process
         deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+        self.run_family = self._claim_output_dir(bool(resume))
         if main:
-            for path in remove_incomplete(cfg.output_dir):
+            for path in remove_incomplete(cfg.output_dir, self.run_family):
                 logger.warning("removed an incomplete checkpoint left by a crash: %s", path)
         self.accelerator.wait_for_everyone()  # every process lists checkpoints after the cleanup
         if resume:
             self.resume(None if resume is True else resume)
-            if self.step >= self.total_steps:
-                logger.info("the checkpoint at step %d already completes the run", self.step)
-                return {"step": self.step, "metrics": self.last_metrics, "scores": self.last_scores}
+        if main:  # after the resume's config check: the record of the run is the config it goes on with
+            cfg.to_yaml(Path(cfg.output_dir) / CONFIG_FILE)
+        if resume and self.step >= self.total_steps:
+            logger.info("the checkpoint at step %d already completes the run", self.step)
+            return {"step": self.step, "metrics": self.last_metrics, "scores": self.last_scores}
         self.metrics = MetricsLogger(
             cfg.output_dir, cfg.report_to, enabled=main, resume_step=self.step if resume else None
         )
@@ -224,6 +257,25 @@ class GRPOTrainer:
                 break
         progress.close()
         return self._finish(saved_at)
+
+    def _claim_output_dir(self, resume: bool) -> RunFamily:
+        """Take ``output_dir`` for this run (:func:`~grace_training.run_dir.claim_output_dir`): every
+        process checks, so a refusal stops them all; the main one acts, the others read its marker."""
+        settings = {
+            "method": "grpo",
+            "resume": resume,
+            "overwrite": self.overwrite_output_dir,
+            "last_step": self.total_steps,
+        }
+        inspect_output_dir(self.config.output_dir, **settings)
+        self.accelerator.wait_for_everyone()
+        family = claim_output_dir(self.config.output_dir, **settings) if self.accelerator.is_main_process else None
+        self.accelerator.wait_for_everyone()
+        return family or read_family(self.config.output_dir)
+
+    def _family(self) -> RunFamily | None:
+        """The run's family; before train() claimed the directory, the one its marker names (if any)."""
+        return self.run_family if self.run_family is not None else read_family(self.config.output_dir)
 
     def _finish(self, saved_at: int | None) -> dict[str, Any]:
         """The run's end (a final evaluation and checkpoint) or a chunk's (a checkpoint to resume from)."""
@@ -572,6 +624,7 @@ class GRPOTrainer:
                 scores=scores or None,
             )
 
+        family = self._family()
         path = write_checkpoint(
             cfg.output_dir,
             self.step,
@@ -581,39 +634,86 @@ class GRPOTrainer:
             optimizer=self.optimizer,
             scheduler=self.scheduler,
             accelerator=self.accelerator,
+            family=family,
         )
         if self.accelerator.is_main_process:
             if self.pusher is not None and (final or not cfg.push_steps or self.step % cfg.push_steps == 0):
                 self.pusher.submit(path, self.step)
             protected = self.pusher.pending_paths() if self.pusher is not None else set()
-            rotate_checkpoints(cfg.output_dir, cfg.save_total_limit, protected)
+            rotate_checkpoints(cfg.output_dir, cfg.save_total_limit, protected, family)
         return path
 
     def resume(self, checkpoint: str | Path | None = None) -> int:
         """Restore weights, optimizer, scheduler, RNG and data position; returns the step.
 
-        Without ``checkpoint``: the newest checkpoint in ``output_dir`` that loads. Each one that
-        does not is logged with its reason and renamed ``corrupt-checkpoint-*`` (kept, but out of
-        keep-last-k's count); none loadable raises :class:`CheckpointError` listing them. A
+        Without ``checkpoint``: the newest checkpoint of this run in ``output_dir`` that loads. Each
+        one that does not is logged with its reason and renamed ``corrupt-checkpoint-*`` (kept, but
+        out of keep-last-k's count); none loadable raises :class:`CheckpointError` listing them. A
         ``checkpoint`` named explicitly is loaded or refused, never swapped for another.
+
+        The config is compared with the checkpoint's before anything loads: a change that is not
+        free raises :class:`~grace_training.run_dir.ConfigChangeError` (see ``config.RESUME_CHANGES``),
+        unless ``allow_config_change``; every change is then applied and recorded.
         """
         if checkpoint:
             path = Path(checkpoint)
             state = self._load_checkpoint(path)
         else:
-            path, state = load_newest_loadable(self.config.output_dir, self._load_checkpoint, self.accelerator)
+            path, state = load_newest_loadable(
+                self.config.output_dir, self._load_checkpoint, self.accelerator, self._family()
+            )
             if path is None:
                 logger.warning("--resume: no checkpoint in %s, starting from step 0", self.config.output_dir)
                 return 0
         self.step = int(state["step"])
         self.last_metrics = state.get("metrics") or {}
         self.last_scores = state.get("scores") or {}
+        self._apply_config_changes(path, state)
         if self.engine is not None:
             self.engine.sync_from(self.policy)
         logger.info("resumed from %s at step %d", path, self.step)
         return self.step
 
+    def _apply_config_changes(self, path: Path, state: dict[str, Any]) -> None:
+        """The config changed since the checkpoint (and passed :meth:`_check_config`): what the
+        optimizer and the schedule restored is set to the config's, and each change is recorded."""
+        changes = config_changes(saved_config(state, self.config.output_dir), self.config)
+        if not changes:
+            return
+        if OPTIMIZER_KEYS & {change.key for change in changes}:
+            self._apply_optimizer_settings()
+        logger.warning("--resume: config changed since %s, from step %d: %s", path, self.step + 1,
+                       "; ".join(map(str, changes)))
+        if self.accelerator.is_main_process:
+            record_config_changes(self.config.output_dir, self.step, path, changes)
+
+    def _apply_optimizer_settings(self) -> None:
+        """A loaded optimizer holds the checkpoint's rate, betas, eps and weight decay, and the
+        schedule its base rate: set them to the config's, and the current rate to the (possibly
+        new) schedule's value at this step, so the next update uses what the record says."""
+        cfg, scheduler = self.config, self.scheduler
+        groups = self.optimizer.param_groups
+        for group in groups:
+            group.update(
+                betas=(cfg.adam_beta1, cfg.adam_beta2),
+                eps=cfg.adam_epsilon,
+                weight_decay=cfg.weight_decay,
+                initial_lr=cfg.learning_rate,
+            )
+        scheduler.base_lrs = [cfg.learning_rate] * len(groups)
+        rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+        for group, rate in zip(groups, rates):
+            group["lr"] = rate
+        scheduler._last_lr = rates  # what get_last_lr() reports; LambdaLR sets it in step()
+
+    def _check_config(self, path: Path, state: dict[str, Any]) -> None:
+        """Refuse a config change the checkpoint's record could not tell (before any weight is touched)."""
+        changes = config_changes(saved_config(state, self.config.output_dir), self.config)
+        check_config_changes(changes, allowed=self.allow_config_change, checkpoint=path, step=int(state["step"]))
+
     def _load_checkpoint(self, path: Path) -> dict[str, Any]:
+        # A checkpoint that cannot load is skipped (CheckpointError) before its config is compared.
+        self._check_config(path, check_checkpoint(path))
         state = load_checkpoint(
             path, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler, accelerator=self.accelerator
         )

@@ -5,24 +5,40 @@ tasks and the benchmarks share.
 A reader given ``on_error=None`` raises :class:`DataFileError` at the first bad row; given a
 callable, it hands each :class:`DataFileError` to it and leaves that row out (training's
 ``bad_rows: skip`` collects them all before the first step).
+
+Every file is read one line at a time, never whole: a data file must be a regular file (a
+device, a FIFO or a directory is refused before anything is read: ``/dev/zero`` would never
+end) of at most :data:`MAX_FILE_BYTES` (for ``.gz``, what it decompresses to), and a line may
+hold at most :data:`MAX_LINE_BYTES`. A line over that limit ends the read (a
+:class:`DataFileError` naming the file, the line and the limit; with ``on_error`` the rows
+before it are kept); a file over the size limit is a ``ValueError`` naming the file and the
+limit. So a binary or runaway file costs at most one line of memory before its error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
 import random
+import stat
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 # Fixed seed of every subsample and generated split: the same file and options give the same rows.
 SAMPLING_SEED = 42
+
+# Limits of what a data file may hold (see the module docstring). Far above the datasets grace-st
+# reads (SciFact's corpus is 8 MB, its longest line 60 kB); reached only by a file that is not data.
+MAX_FILE_BYTES = 1 << 30  # 1 GiB
+MAX_LINE_BYTES = 8 << 20  # 8 MiB, the newline included
 
 
 class DataFileError(ValueError):
@@ -50,6 +66,79 @@ def report(error: DataFileError, on_error: OnError) -> None:
     on_error(error)
 
 
+def _amount(size: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20)):
+        if size >= 1 << shift and size % (1 << shift) == 0:
+            return f"{size >> shift} {unit}"
+    return f"{size:,} bytes"
+
+
+_NOT_REGULAR = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+)
+
+
+def open_data_file(path: str | os.PathLike):
+    """``path`` opened for binary reading, once the open file is known to be a regular file of at
+    most :data:`MAX_FILE_BYTES`. Checked on the opened descriptor, not the name, and opened without
+    blocking, so a FIFO is refused instead of waiting for a writer."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    descriptor = os.open(path, flags)
+    try:
+        info = os.fstat(descriptor)
+        if not stat.S_ISREG(info.st_mode):
+            kind = next((name for test, name in _NOT_REGULAR if test(info.st_mode)), "a special file")
+            raise ValueError(f"{path}: {kind}, not a regular file; data is read from regular files only")
+        if info.st_size > MAX_FILE_BYTES:
+            raise ValueError(
+                f"{path}: {info.st_size:,} bytes, over the {_amount(MAX_FILE_BYTES)} limit of a data file "
+                "(grace_st.data.files.MAX_FILE_BYTES); split it, or take a sample"
+            )
+        if flags & getattr(os, "O_NONBLOCK", 0):
+            os.set_blocking(descriptor, True)
+        return os.fdopen(descriptor, "rb")
+    except BaseException:
+        os.close(descriptor)
+        raise
+
+
+def bounded_lines(source: str | os.PathLike, handle, on_error: OnError = None) -> Iterator[tuple[int, bytes]]:
+    """``(1-based number, bytes)`` of each line of the binary ``handle``, newline kept, one line in
+    memory at a time. A line over :data:`MAX_LINE_BYTES` is reported (raised without ``on_error``)
+    and ends the lines; more than :data:`MAX_FILE_BYTES` in all (a ``.gz``'s content, a stream) is
+    a ``ValueError``. ``source`` names the file (or ``stdin``) in the errors."""
+    total = 0
+    for number in itertools.count(1):
+        raw = handle.readline(MAX_LINE_BYTES + 1)
+        if not raw:
+            return
+        if len(raw) > MAX_LINE_BYTES:
+            problem = (
+                f"a line over {_amount(MAX_LINE_BYTES)} (grace_st.data.files.MAX_LINE_BYTES): "
+                "not a text data file, or one without line breaks"
+            )
+            report(DataFileError(source, number, problem), on_error)
+            return
+        total += len(raw)
+        if total > MAX_FILE_BYTES:
+            raise ValueError(
+                f"{source}: more than {_amount(MAX_FILE_BYTES)} of data, the limit of a data file "
+                "(grace_st.data.files.MAX_FILE_BYTES); split it, or take a sample"
+            )
+        yield number, raw
+
+
+@contextlib.contextmanager
+def data_lines(path: Path, on_error: OnError = None) -> Iterator[Iterator[tuple[int, bytes]]]:
+    """:func:`bounded_lines` of a data file (a ``.gz`` decompressed as it is read)."""
+    with open_data_file(path) as raw, gzip.GzipFile(fileobj=raw) if path.suffix == ".gz" else raw as handle:
+        yield bounded_lines(path, handle, on_error)
+
+
 @dataclass(frozen=True)
 class Row:
     """One record of a table: its values by header name and the line it starts on."""
@@ -61,7 +150,7 @@ class Row:
         return self.values[column]
 
 
-def _decode_utf8(path: Path, data: bytes, line: int = 1) -> str:
+def decode_utf8(path: Path, data: bytes, line: int = 1) -> str:
     """``data`` (the file from ``line`` on) as text, or a :class:`DataFileError` naming the line
     and byte that are not UTF-8. A leading byte-order mark is dropped, as ``utf-8-sig`` does."""
     try:
@@ -76,6 +165,13 @@ def _decode_utf8(path: Path, data: bytes, line: int = 1) -> str:
             "convert the file (e.g. iconv -f latin1 -t utf-8)",
         ) from None
     return text.removeprefix("\ufeff") if line == 1 else text
+
+
+def _table_lines(path: Path, lines: Iterator[tuple[int, bytes]]) -> Iterator[str]:
+    """Decoded lines for :mod:`csv`, split as ``open(path, newline="")`` splits them (a lone
+    ``\\r`` ends a line too, endings kept); a line that is not UTF-8 raises :class:`DataFileError`."""
+    for number, raw in lines:
+        yield from io.StringIO(decode_utf8(path, raw, number), newline="")
 
 
 def _delimiter(path: Path, header: str) -> str:
@@ -98,25 +194,25 @@ def read_table(path: str | os.PathLike, on_error: OnError = None) -> tuple[list[
     TSV fields are taken literally (quotes are text, as in STS-B and MRPC); CSV follows the
     usual quoting rules, so a quoted field may span lines. Blank lines are skipped. A row with
     a different number of fields than the header is a :class:`DataFileError`; with ``on_error``
-    it is left out, and a file that cannot be read past some line keeps the rows before it.
+    it is left out, and a file that cannot be read past some line (malformed quoting, bytes
+    that are not UTF-8, an over-long line) keeps the rows before it.
     """
     path = Path(path)
     header: list[str] = []
     rows: list[Row] = []
-    try:
-        text = _decode_utf8(path, path.read_bytes())
-    except DataFileError as error:
-        report(error, on_error)
-        return header, rows
-    with io.StringIO(text, newline="") as handle:
-        first = handle.readline()
+    with data_lines(path, on_error) as raw_lines:
+        lines = _table_lines(path, raw_lines)
+        try:
+            first = next(lines, "")
+        except DataFileError as error:
+            report(error, on_error)
+            return header, rows
         if not first.strip():
             report(DataFileError(path, 1, "empty file: expected a header row naming the columns"), on_error)
             return header, rows
         delimiter = _delimiter(path, first)
-        handle.seek(0)
         quoting = csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL
-        reader = csv.reader(handle, delimiter=delimiter, quoting=quoting, strict=True)
+        reader = csv.reader(itertools.chain([first], lines), delimiter=delimiter, quoting=quoting, strict=True)
         try:
             header = [name.strip() for name in next(reader)]
             start = reader.line_num + 1
@@ -131,6 +227,8 @@ def read_table(path: str | os.PathLike, on_error: OnError = None) -> tuple[list[
         except csv.Error as error:
             kind = {"\t": "TSV", ",": "CSV"}.get(delimiter, f"{delimiter!r}-separated file")
             report(DataFileError(path, reader.line_num, f"malformed {kind}: {error}"), on_error)
+        except DataFileError as error:  # a line that is not UTF-8
+            report(error, on_error)
     duplicates = sorted({name for name in header if header.count(name) > 1})
     if duplicates:
         report(DataFileError(path, 1, f"duplicate column names: {', '.join(duplicates)}"), on_error)
@@ -188,8 +286,8 @@ def read_jsonl(
     """``(line number, object)`` for each non-blank line; each must be a JSON object with ``required`` keys.
     A ``.gz`` file is read through gzip (the shared data ships ``pairs.jsonl.gz``)."""
     path = Path(path)
-    with gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb") as handle:
-        for number, raw in enumerate(handle, start=1):
+    with data_lines(path, on_error) as lines:
+        for number, raw in lines:
             try:
                 item = _json_object(path, number, raw, required)
             except DataFileError as error:
@@ -205,7 +303,7 @@ def is_jsonl(path: Path) -> bool:
 
 
 def _json_object(path: Path, number: int, raw: bytes, required: Sequence[str]) -> dict | None:
-    text = _decode_utf8(path, raw, number)
+    text = decode_utf8(path, raw, number)
     if not text.strip():
         return None
     try:
@@ -278,7 +376,7 @@ def fingerprint(paths: Iterable[str | os.PathLike], **options) -> str:
     digest = hashlib.sha256()
     for path in paths:
         digest.update(Path(path).name.encode() + b"\x00")
-        with open(path, "rb") as handle:
+        with open_data_file(path) as handle:
             for block in iter(lambda: handle.read(1 << 20), b""):
                 digest.update(block)
         digest.update(b"\x00")

@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import os
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,8 @@ from .files import (
     DataFileError,
     OnError,
     Row,
+    data_lines,
+    decode_utf8,
     find_column,
     is_jsonl,
     parse_float,
@@ -256,6 +258,19 @@ def read_triplets(path: str | os.PathLike, on_error: OnError = None) -> list[Tri
     return triplets
 
 
+def _plain_lines(path: Path, on_error: OnError) -> Iterator[tuple[int, str]]:
+    """``(line, text)`` of a one-text-a-line file, split at ``\\n`` only (``\\r\\n`` alike); a line
+    that is not UTF-8 is reported and left out."""
+    with data_lines(path, on_error) as lines:
+        for number, raw in lines:
+            try:
+                text = decode_utf8(path, raw, number)
+            except DataFileError as error:
+                report(error, on_error)
+                continue
+            yield number, text.removesuffix("\n").removesuffix("\r")
+
+
 def read_texts(path: str | os.PathLike, column: str = "text", on_error: OnError = None) -> list[tuple[int, str]]:
     """``(line, text)`` of the non-empty texts: ``.jsonl`` objects' ``column``, a ``.tsv``/``.csv``
     table's ``column``, or any other file one text a line."""
@@ -266,8 +281,7 @@ def read_texts(path: str | os.PathLike, column: str = "text", on_error: OnError 
         _, rows = read_table(path, on_error)
         found = [(row.line, row.values.get(column)) for row in rows]
     else:
-        lines = path.read_text(encoding="utf-8").splitlines()
-        found = [(number, text) for number, text in enumerate(lines, start=1) if text.strip()]
+        found = [(number, text) for number, text in _plain_lines(path, on_error) if text.strip()]
     texts = []
     for line, text in found:
         if is_text(text):

@@ -10,6 +10,9 @@ Shared guarantees:
 - Malformed input (a missing column, an unparsable score or label, a malformed JSON line,
   qrels naming an unknown query or document) raises :class:`DataFileError`, a ``ValueError``
   whose message starts with ``"<path>, line <n>: "`` (1-based; line 1 is a table's header).
+- Files are read one line at a time under :mod:`grace_st.data.files`' limits: a device, a FIFO
+  or a directory where a file belongs, a file over 1 GiB or a line over 8 MiB is refused naming
+  the file (and the line), before the file is read whole.
 - ``limit`` subsamples deterministically: the same file and options always give the same
   rows, on any platform.
 - The metadata's dataset ``revision`` is a hash of the file contents and of the options, so
@@ -394,10 +397,11 @@ class LocalRetrievalTask(_LocalTaskMixin, AbsTaskRetrieval):
         self.limit = _check_limit(limit)
         self.corpus_limit = _check_limit(corpus_limit)
         self.corpus_path, self.queries_path, self.qrels_path = beir_paths(self.beir_dir, split)
+        # exists(), not is_file(): a device or FIFO in their place is refused by name when read
         for path in (self.corpus_path, self.queries_path):
-            if not path.is_file():
+            if not path.exists():
                 raise FileNotFoundError(f"{path}: not found (a BEIR folder holds corpus.jsonl, queries.jsonl, qrels/)")
-        if not self.qrels_path.is_file():
+        if not self.qrels_path.exists():
             available = sorted(p.stem for p in (self.beir_dir / "qrels").glob("*.tsv"))
             found = ", ".join(available) or "none"
             raise FileNotFoundError(f"{self.qrels_path}: not found; qrels splits in this folder: {found}")
