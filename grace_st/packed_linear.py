@@ -118,10 +118,9 @@ def _lora_layer_class():
     return Linear
 
 
-def _active_lora(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> list[str] | None:
+def _active_lora(module: nn.Module, dtypes: tuple[torch.dtype, ...], lora_class: type | None) -> list[str] | None:
     """The adapters to merge into a PEFT LoRA linear layer's packed weight, or None where the
     merged product would not equal PEFT's forward (or there is nothing to merge)."""
-    lora_class = _lora_layer_class()
     if lora_class is None or not isinstance(module, lora_class) or "forward" in module.__dict__:
         return None
     base = module.base_layer
@@ -196,9 +195,10 @@ def packed_linears(model: nn.Module, enabled: bool = True, merge_adapters: bool 
             yield
             return
     swapped, dtypes, inside_merged = [], packed_dtypes(), set()
+    lora_class = _lora_layer_class() if merge_adapters else None  # once a block, not once a module
     try:
         for module in model.modules():
-            adapters = _active_lora(module, dtypes) if merge_adapters else None
+            adapters = _active_lora(module, dtypes, lora_class)
             if adapters:
                 packed = _packed_merged_weight(module, adapters)
                 module.forward = lambda input, *args, module=module, packed=packed, **kwargs: _merged_lora_forward(
