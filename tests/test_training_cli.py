@@ -91,6 +91,22 @@ def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
     loaded = SentenceTransformer(str(path), trust_remote_code=True, device="cpu")
     assert type(loaded[0]).__name__ == "GenerativeEncoder" and loaded.encode(["x"]).shape == (1, 32)
     assert "InfoNCE" in (path / "README.md").read_text()
+    # its cost, measured as GRPO's: one line a step with the step's CPU seconds and loss
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == [1, 2]
+    assert all(line["time/step_cpu_s"] > 0 and "loss" in line for line in lines)
+
+
+def test_infonce_baseline_stops_and_saves_after_max_minutes(tmp_path):
+    """GRPO's --max-minutes for the yardstick: a run at a given cost ends at the first step past it, saved."""
+    pytest.importorskip("datasets")
+    from grace_training.contrastive import train_infonce
+
+    data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
+    cfg = GRPOConfig(batch_size=2, max_steps=4, max_prompt_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"])
+    path = train_infonce(cfg, model=make_st_model(), train_data=data, max_minutes=0)
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert (path / "modules.json").is_file()  # saved where it stopped
 
 
 def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, monkeypatch):

@@ -248,3 +248,24 @@ def test_a_run_with_budgets_by_prompt_type_saves_the_model_that_encodes_with_the
     assert saved[0].max_rationale_tokens == SHIPPED
     metrics = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     assert metrics["rollout/positive_length_mean"] > 0  # the queries were rolled out
+
+
+def test_warm_start_rolls_out_one_greedy_rationale_a_text_then_the_configured_k(tmp_path):
+    """[scale]: the first warm_start_steps train β · InfoNCE on one greedy rollout a text (the same rollouts
+    as a K = 1 run at temperature 0); the steps after it roll out the configured K, sampled."""
+    cfg = config(tmp_path / "warm", contrastive_beta=1.0, warm_start_steps=1, temperature_positive=1.0)
+    trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
+    greedy = config(
+        tmp_path / "greedy", contrastive_beta=1.0, num_rollouts=1,
+        temperature_positive=0.0, temperature_query=0.0, temperature_negative=0.0,
+    )
+    reference = GRPOTrainer(greedy, model=make_st_model(), train_data=DATA)
+    warm = trainer.rollout(trainer.batch_for_step(0), 0)
+    expected = reference.rollout(reference.batch_for_step(0), 0)
+    assert warm.num_rollouts == 1 and len(warm.positives.rationale_ids) == cfg.batch_size
+    for part in ("queries", "negatives", "positives"):
+        assert getattr(warm, part).rationale_ids == getattr(expected, part).rationale_ids
+    hybrid = trainer.rollout(trainer.batch_for_step(1), 1)
+    assert hybrid.num_rollouts == 3 and len(hybrid.positives.rationale_ids) == 3 * cfg.batch_size
+    with pytest.raises(ValueError, match="warm_start_steps: .* contrastive_beta > 0"):
+        config(tmp_path / "paper", warm_start_steps=1)

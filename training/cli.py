@@ -167,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"config": config.to_dict(), "plan": summary}, indent=2))
         return 0
     if args.method == "infonce":
-        return _train_infonce(config, directory)
+        return _train_infonce(config, directory, args.max_minutes)
     from .trainer import GRPOTrainer
 
     try:
@@ -187,8 +187,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _train_infonce(config: GRPOConfig, directory: dict[str, Any]) -> int:
-    """The InfoNCE baseline, in a directory it owns as a GRPO run does (it is redone, never resumed)."""
+def _train_infonce(config: GRPOConfig, directory: dict[str, Any], max_minutes: float | None) -> int:
+    """The InfoNCE baseline, in a directory it owns as a GRPO run does (it is redone, never resumed;
+    ``--max-minutes`` ends it early, saved)."""
     from .contrastive import train_infonce
 
     try:
@@ -196,7 +197,7 @@ def _train_infonce(config: GRPOConfig, directory: dict[str, Any]) -> int:
             claim_output_dir(config.output_dir, **{**directory, "resume": False})
     except OutputDirError as error:
         return _refuse(str(error))
-    path = train_infonce(config)
+    path = train_infonce(config, max_minutes=max_minutes)
     print(f"InfoNCE baseline saved to {path}")
     return 0
 

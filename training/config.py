@@ -109,6 +109,10 @@ class GRPOConfig:
     # or recomputed only where embedded from the prompt alone, budget 0 ("recompute_prompts": the
     # documents of a retrieval source under the shipped budgets, so their embedding is trained too)
     contrastive_anchors: str = "detached"
+    # [scale] warm start: the first N steps roll out one greedy rationale a text (K = 1, every temperature 0),
+    # so Eq. 11's advantage is zero and β · InfoNCE on the pooled states is all that trains, at about half a
+    # step's cost; from step N + 1 on, the configured K and temperatures (the full hybrid). 0: no warm start
+    warm_start_steps: int = 0
 
     # -- what is trained ----------------------------------------------------------------------
     finetune: str = "full"  # "lora": a PEFT LoRA adapter on a frozen base (KL reference = adapter disabled)
@@ -224,11 +228,15 @@ class GRPOConfig:
         """The keyword arguments of :func:`grace_training.data.load_data` this config sets."""
         return {name: getattr(self, name) for name in ("bad_rows", "data_dir", "num_negatives", "seed")}
 
-    def rollout_settings(self) -> dict[str, Any]:
-        """The keyword arguments of :func:`grace_training.rollout.asymmetric_rollouts` this config sets (Eq. 4)."""
+    def rollout_settings(self, step: int | None = None) -> dict[str, Any]:
+        """The keyword arguments of :func:`grace_training.rollout.asymmetric_rollouts` this config sets (Eq. 4)
+        at ``step`` (0-based): within the first ``warm_start_steps``, one greedy rollout a text."""
         names = ("num_rollouts", "num_negatives", "seed", "temperature_query", "temperature_negative",
                  "temperature_positive", "top_p", "query_task", "document_task")
-        return {"max_new_tokens": self.max_response_tokens, **{name: getattr(self, name) for name in names}}
+        settings = {"max_new_tokens": self.max_response_tokens, **{name: getattr(self, name) for name in names}}
+        if step is not None and step < self.warm_start_steps:
+            settings.update(num_rollouts=1, temperature_query=0.0, temperature_negative=0.0, temperature_positive=0.0)
+        return settings
 
     @property
     def longest_response(self) -> int:
@@ -262,6 +270,7 @@ class GRPOConfig:
             "contrastive_beta",
             "contrastive_temperature",
             "contrastive_anchors",
+            "warm_start_steps",
             "finetune",
             "lora_r",
             "lora_alpha",
@@ -339,6 +348,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "contrastive_beta": (NON_NEGATIVE,),
     "contrastive_temperature": (POSITIVE,),
     "contrastive_anchors": (one_of(CONTRASTIVE_ANCHORS),),
+    "warm_start_steps": (NON_NEGATIVE,),
     "finetune": (one_of(FINETUNE_MODES),),
     "lora_r": (AT_LEAST_ONE,),
     "lora_alpha": (POSITIVE,),
@@ -430,6 +440,7 @@ RESUME_CHANGES: dict[str, str] = {
     "contrastive_beta": APPLIED,
     "contrastive_temperature": APPLIED,
     "contrastive_anchors": APPLIED,
+    "warm_start_steps": APPLIED,  # which steps are warm is a function of the step
     "finetune": FIXED,  # full weights or an adapter: the checkpoint holds one or the other
     "lora_r": FIXED,  # the adapter's shapes
     "lora_alpha": FIXED,  # rescales the trained adapter at once, without a step
@@ -488,6 +499,12 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
             "finetune: lora needs rollout_backend: hf (the vLLM engine syncs full weights, not an adapter)",
         ),
         (config.epochs >= 1 or config.max_steps > 0, "epochs", "epochs: set epochs >= 1 or max_steps > 0"),
+        (
+            config.warm_start_steps == 0 or config.contrastive_beta > 0,
+            "warm_start_steps",
+            "warm_start_steps: the warm start trains β · InfoNCE alone (K = 1 has no advantage); it needs "
+            "contrastive_beta > 0",
+        ),
         (
             config.temperature_positive > 0 or config.num_rollouts == 1,
             "temperature_positive",

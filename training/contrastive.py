@@ -15,6 +15,7 @@ import dataclasses
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -27,6 +28,7 @@ from grace_st.pooling import masked_mean
 from .config import GRPOConfig
 from .data import Triplet, load_data, source_weights
 from .grpo import position_ids_from_mask
+from .metrics import MetricsLogger
 from .policy import card_base_model, load_grace_model
 from .sampling import BatchSchedule
 
@@ -93,8 +95,49 @@ def infonce_datasets(rows: list[Triplet], config: GRPOConfig, batch_size: int):
     return DatasetDict(datasets), routes
 
 
-def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] | None = None) -> Path:
-    """Fine-tune with MNRL on ``config.train_data``; returns ``<output_dir>/final`` (a GRACE model directory)."""
+def step_cost_callback(metrics: MetricsLogger, max_minutes: float | None = None):
+    """A ``TrainerCallback`` that measures the baseline as GRPO is measured, so the two can be compared at
+    equal CPU hours: each optimizer step's CPU seconds of this process (``time/step_cpu_s``, whatever else
+    ran) with the step's loss, one line a step in ``metrics.jsonl``; and GRPO's ``--max-minutes``: the run
+    stops (and is saved) at the first step that ends past that much wall time."""
+    from transformers import TrainerCallback
+
+    class StepCost(TrainerCallback):
+        def __init__(self) -> None:
+            self.pending: dict | None = None
+
+        def flush(self) -> None:
+            if self.pending is not None:
+                metrics.log(self.pending.pop("step"), self.pending)
+                self.pending = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.deadline = None if max_minutes is None else time.monotonic() + 60 * max_minutes
+            self.cpu = time.process_time()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.flush()  # a step the trainer did not log (logging_steps > 1)
+            now = time.process_time()
+            self.pending, self.cpu = {"step": state.global_step, "time/step_cpu_s": now - self.cpu}, now
+            if self.deadline is not None and time.monotonic() > self.deadline:
+                control.should_training_stop = True
+
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if self.pending is not None and self.pending["step"] == state.global_step:
+                self.pending.update({k: v for k, v in (logs or {}).items() if k in ("loss", "grad_norm", "learning_rate")})
+                self.flush()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.flush()
+
+    return StepCost()
+
+
+def train_infonce(
+    config: GRPOConfig, *, model=None, train_data: list[Triplet] | None = None, max_minutes: float | None = None
+) -> Path:
+    """Fine-tune with MNRL on ``config.train_data``; returns ``<output_dir>/final`` (a GRACE model directory).
+    ``max_minutes``: stop at the first step past that wall time (:func:`step_cost_callback`)."""
     from sentence_transformers import (
         SentenceTransformer,
         SentenceTransformerTrainer,
@@ -131,8 +174,12 @@ def train_infonce(config: GRPOConfig, *, model=None, train_data: list[Triplet] |
     )
     known = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
     args = SentenceTransformerTrainingArguments(**{k: v for k, v in arguments.items() if k in known})
-    trainer = SentenceTransformerTrainer(model=st, args=args, train_dataset=dataset, loss=loss)
+    metrics = MetricsLogger(output, config.report_to, enabled=int(os.environ.get("RANK", "0")) == 0)
+    trainer = SentenceTransformerTrainer(
+        model=st, args=args, train_dataset=dataset, loss=loss, callbacks=[step_cost_callback(metrics, max_minutes)]
+    )
     trainer.train()
+    metrics.close()
 
     encoder.model.eval()
     encoder.max_input_tokens = config.max_prompt_tokens

@@ -371,7 +371,7 @@ class GRPOTrainer:
                 step=step,
                 generate=self.generate,
                 instance_offset=self.accelerator.process_index * self.local_batch_size,
-                **cfg.rollout_settings(),
+                **cfg.rollout_settings(step),
             )
 
     def compute_rewards(self, rollouts: TripletRollouts) -> dict[str, torch.Tensor]:
