@@ -502,8 +502,8 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
         (
             config.warm_start_steps == 0 or config.contrastive_beta > 0,
             "warm_start_steps",
-            "warm_start_steps: the warm start trains β · InfoNCE alone (K = 1 has no advantage); it needs "
-            "contrastive_beta > 0",
+            "warm_start_steps: the warm start trains β · InfoNCE alone (K = 1 has no advantage); "
+            + "it needs contrastive_beta > 0",
         ),
         (
             config.temperature_positive > 0 or config.num_rollouts == 1,
