@@ -57,7 +57,7 @@ class CacheBinding:
         """``encoder.forward`` through the cache: embed only the texts it lacks, store them, and
         answer every text from its entry (hits carry no per-token states)."""
         cache, keys = self.connection(), features["cache_keys"]
-        budget, repeats = encoder._plan(features)
+        budget, repeats = encoder.batch_plan(features)
         found = cache.get_many(keys)
         missing = [i for i, key in enumerate(keys) if key not in found or found[key].embedding is None]
         if missing:
@@ -79,7 +79,7 @@ class CacheBinding:
             cache.put_many(fresh)
             found.update(fresh)
         entries = [found[key] for key in keys]
-        return encoder._output(
+        return encoder.outputs(
             features,
             torch.from_numpy(np.stack([entry.embedding for entry in entries])),
             pad_rationales([entry.rationale_ids for entry in entries], repeats),

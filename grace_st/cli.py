@@ -45,34 +45,32 @@ def _merged(current, given):
     return {**base, **given}
 
 
+_CLI_TYPES = {"int": int, "float": float, "per_type": _budget}
+
+
 def _encoder_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("encoder options")
-    group.add_argument(
-        "--max-rationale-tokens",
-        type=_budget,
-        metavar="N|TYPE=N,...",
-        help="rationale length limit (0: no rationale), or limits by prompt type, e.g. query=64,document=0 "
-        "(types not named keep the model's)",
-    )
-    group.add_argument("--max-input-tokens", type=int, help="prompt length limit; longer texts are cut")
-    group.add_argument("--do-sample", action="store_true", default=None, help="sample rationales instead of greedy")
-    group.add_argument("--temperature", type=float)
-    group.add_argument("--top-p", type=float)
-    group.add_argument("--seed", type=int)
-    group.add_argument(
-        "--num-rationales",
-        type=_budget,
-        metavar="N|TYPE=N,...",
-        help="average this many sampled rationales per text (or per prompt type, as above)",
-    )
-    group.add_argument("--hidden-layer", type=int, help="hidden states to pool (-1: last layer)")
+    """An option for each setting that has one (:data:`grace_st.settings.SETTINGS`: its help is the
+    setting's), and the three instructions."""
+    group = parser.add_argument_group("encoder options (the model's own settings unless given)")
+    for name, setting in SETTINGS.items():
+        if setting.cli == "flag":
+            group.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=None, help=setting.help)
+        elif setting.cli is not None:
+            per_type = setting.cli == "per_type"
+            group.add_argument(
+                f"--{name.replace('_', '-')}",
+                type=_CLI_TYPES[setting.cli],
+                metavar="N|TYPE=N,..." if per_type else None,
+                help=setting.help + ("; TYPE=N,... (e.g. query=64,document=0) sets those types, others keep the model's"
+                                     if per_type else ""),
+            )
     group.add_argument("--instruction", help="the default instruction")
     group.add_argument("--query-instruction")
     group.add_argument("--document-instruction")
 
 
 def _encoder_settings(args: argparse.Namespace) -> dict:
-    names = [name for name, setting in SETTINGS.items() if setting.cli_option]
+    names = [name for name, setting in SETTINGS.items() if setting.cli is not None]
     settings = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     instructions = {
         key: value

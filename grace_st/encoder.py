@@ -10,7 +10,8 @@ trained as a LoRA adapter saves the adapter instead (PEFT's ``adapter_config.jso
 
 Why one file of ~650 lines: a sentence-transformers module is one class (settings, preprocess,
 forward with one output builder, save/load), and its docstrings carry the user-facing contract.
-What is not the module's own job has a file of its own: the method's decoding loop
+What is not the module's own job has a file of its own: the model as it thinks and embeds, which
+training's rollouts share (:mod:`grace_st.engine`), the method's decoding loop
 (:mod:`grace_st.generation`) and its speed-ups (:mod:`grace_st.decoding`), the second pass for
 vLLM's rationales (:mod:`grace_st.second_pass`), the rationale cache's wiring
 (:mod:`grace_st.cache_binding`), the mteb name and revision (:mod:`grace_st.mteb_identity`),
@@ -34,18 +35,25 @@ from .adapter import adapter_base, is_adapter_dir, is_peft_model, load_base_and_
 from .cache import REQUIRED_SETTINGS, RationaleCache, is_deterministic, tensor_change_key, weights_fingerprint
 from .cache_binding import CacheBinding
 from .decoding import DecodeOptions
-from .generation import Rollouts, generate_rollouts, left_pad, pad_rationales
-from .pooling import masked_mean
+from .engine import RationaleEngine, RolloutRequest
+from .generation import left_pad, pad_rationales
 from .prompts import (
-    DEFAULT_INSTRUCTIONS,
     PromptTemplate,
     build_prompt_template,
     compose_instruction,
     text_problem,
     tokenize_texts,
 )
-from .second_pass import pooled_embeddings
-from .settings import SETTINGS, check_settings, for_prompt_type, plain, read_settings_file
+from .settings import (
+    DEFAULTS,
+    SETTINGS,
+    check_settings,
+    default,
+    for_prompt_type,
+    plain,
+    read_settings_file,
+    settings_docstring,
+)
 
 try:  # sentence-transformers 6.x
     from sentence_transformers.base.modules import InputModule
@@ -133,27 +141,7 @@ class GenerativeEncoder(InputModule):
 
     Args:
         model_name_or_path: a causal LM with a chat template (local directory or Hub id).
-        instructions: system instructions by prompt type: ``"default"``, ``"query"``,
-            ``"document"``. ``encode_query`` / ``encode_document`` pick the matching one; any
-            other type uses ``"default"``.
-        max_rationale_tokens: rationale length limit. 0 pools the prompt alone (the paper's
-            "Base" row, no generation). An int for every text, or a budget by prompt type,
-            e.g. ``{"query": 64, "document": 0, "default": 64}``: a retrieval corpus is
-            embedded once and cheaply, queries reason (:meth:`prompt_type` says which applies).
-        max_input_tokens: limit on the templated prompt; longer user texts are cut at the end
-            so that instruction and template stay whole.
-        do_sample, temperature, top_p, seed: decoding. Greedy by default. With sampling,
-            each text's rationale is seeded from ``seed`` and the text, so it does not depend
-            on batching; ``seed=None`` draws from torch's global generator.
-        num_rationales: with sampling, average the embeddings of this many rationales per
-            text (test-time scaling); an int, or a count by prompt type as above.
-        hidden_layer: which hidden states to pool; -1 is the last layer after the final norm,
-            other values index ``hidden_states`` of transformers (0 = embeddings).
-        weights_revision: fingerprint of the weights as last saved (written by :meth:`save`);
-            with the settings it makes the revision mteb files results under.
-        merge_adapter: for a directory that holds a LoRA adapter and names its base: merge the
-            adapter into the base's weights at load (True: the base's speed), or keep it apart
-            as a ``peft.PeftModel`` (False: ``model.disable_adapter()`` gives the base exactly).
+{settings}
         model, tokenizer: an already loaded causal LM and tokenizer, instead of a path.
         model_kwargs, tokenizer_kwargs: passed to ``from_pretrained``.
     """
@@ -170,17 +158,17 @@ class GenerativeEncoder(InputModule):
         self,
         model_name_or_path: str | None = None,
         *,
-        instructions: dict[str, str] | None = None,
-        max_rationale_tokens: int | dict[str, int] = 256,
-        max_input_tokens: int = 1024,
-        do_sample: bool = False,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        seed: int | None = 0,
-        num_rationales: int | dict[str, int] = 1,
-        hidden_layer: int = -1,
-        weights_revision: str | None = None,
-        merge_adapter: bool = True,
+        instructions: dict[str, str] | None = None,  # None: the default instructions
+        max_rationale_tokens: int | dict[str, int] = DEFAULTS["max_rationale_tokens"],
+        max_input_tokens: int = DEFAULTS["max_input_tokens"],
+        do_sample: bool = DEFAULTS["do_sample"],
+        temperature: float = DEFAULTS["temperature"],
+        top_p: float = DEFAULTS["top_p"],
+        seed: int | None = DEFAULTS["seed"],
+        num_rationales: int | dict[str, int] = DEFAULTS["num_rationales"],
+        hidden_layer: int = DEFAULTS["hidden_layer"],
+        weights_revision: str | None = DEFAULTS["weights_revision"],
+        merge_adapter: bool = DEFAULTS["merge_adapter"],
         model=None,
         tokenizer=None,
         model_kwargs: dict[str, Any] | None = None,
@@ -188,9 +176,9 @@ class GenerativeEncoder(InputModule):
     ) -> None:
         super().__init__()
         if isinstance(instructions, Mapping):
-            instructions = {**DEFAULT_INSTRUCTIONS, **instructions}
+            instructions = {**default("instructions"), **instructions}
         settings = {
-            "instructions": dict(DEFAULT_INSTRUCTIONS) if instructions is None else instructions,
+            "instructions": default("instructions") if instructions is None else instructions,
             "max_rationale_tokens": max_rationale_tokens,
             "max_input_tokens": max_input_tokens,
             "do_sample": do_sample,
@@ -249,16 +237,21 @@ class GenerativeEncoder(InputModule):
         self.max_input_tokens = value
 
     @property
+    def engine(self) -> RationaleEngine:
+        """The model as it thinks and embeds (:class:`grace_st.engine.RationaleEngine`): ``forward`` and
+        training's rollouts both go through it. A view over the current model, adapter, ``hidden_layer``,
+        ``decode_options`` and backend (HF, or vLLM after :meth:`use_vllm`), built when asked."""
+        return RationaleEngine(
+            self.model, self.tokenizer, hidden_layer=self.hidden_layer, options=self.decode_options, generator=self._vllm
+        )
+
+    @property
     def eos_token_ids(self) -> list[int]:
-        ids = {self.tokenizer.eos_token_id}
-        generation_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
-        return sorted(i for i in ids if i is not None)
+        return self.engine.eos_token_ids
 
     @property
     def pad_token_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return pad if pad is not None else self.eos_token_ids[0]
+        return self.engine.pad_token_id
 
     def get_embedding_dimension(self) -> int:
         return self.model.config.get_text_config().hidden_size
@@ -302,7 +295,7 @@ class GenerativeEncoder(InputModule):
         """``num_rationales`` for texts of ``prompt_type``."""
         return for_prompt_type(self.num_rationales, prompt_type)
 
-    def _plan(self, features: dict[str, Any]) -> tuple[int, int]:
+    def batch_plan(self, features: dict[str, Any]) -> tuple[int, int]:
         """(rationale budget, rationales per text) that :meth:`preprocess` chose for a batch;
         the default type's for features built elsewhere."""
         return (
@@ -483,67 +476,42 @@ class GenerativeEncoder(InputModule):
         return self.embed(features)
 
     def embed(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Rationales and pooled embeddings for preprocessed prompts: the HF one-pass rollout,
-        or vLLM generation and an HF pass when :meth:`use_vllm` is on."""
-        if self._vllm is None:
-            return self.pool(features, self.rollout(features))
-        budget, repeats = self._plan(features)
-        prompts = [row[mask.bool()].tolist() for row, mask in zip(features["input_ids"], features["attention_mask"])]
-        generated = self._vllm.generate(
-            prompts,
-            max_new_tokens=budget,
-            eos_token_ids=self.eos_token_ids,
-            do_sample=self.do_sample,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            seeds=features["rationale_seeds"].tolist() if "rationale_seeds" in features else None,
-        )
-        rationales = generated.rationale_ids
-        pooled = pooled_embeddings(
-            self.model, prompts, features["instruction_lengths"], rationales, self.pad_token_id, self.hidden_layer
-        )
-        grouped = [rationales[i : i + repeats] for i in range(0, len(rationales), repeats)]
-        return self._output(
+        """Rationales and pooled embeddings for preprocessed prompts, through :attr:`engine` (the HF
+        one-pass rollout, or vLLM generation and an HF pass when :meth:`use_vllm` is on): Eq. 3 on
+        each rollout, then the mean over a text's ``num_rationales`` rollouts."""
+        repeats = self.batch_plan(features)[1]
+        engine, request = self.engine, self.rollout_request(features)
+        thoughts = engine.generate(request)
+        pooled = engine.embed(request, thoughts)
+        rationales = thoughts.rationales
+        grouped = [rationales.rationale_ids[i : i + repeats] for i in range(0, len(rationales.rationale_ids), repeats)]
+        states = thoughts.single_pass()  # the HF rollout's per-token states (first rationale of each text)
+        per_token = {} if states is None else {
+            "attention_mask": states.attention_mask[::repeats],
+            "token_embeddings": states.token_embeddings[::repeats],
+        }
+        return self.outputs(
             features,
             pooled.view(len(grouped), repeats, -1).mean(1),
             pad_rationales(grouped, repeats),
-            torch.tensor(generated.truncated).view(len(grouped), repeats),
+            torch.tensor(rationales.truncated, dtype=torch.bool).view(len(grouped), repeats),
+            **per_token,
         )
 
-    def rollout(self, features: dict[str, Tensor]) -> Rollouts:
-        """Rationales and their hidden states for preprocessed prompts, in one pass (Eqs. 1–2)."""
-        return generate_rollouts(
-            self.model,
-            features["input_ids"],
-            features["attention_mask"],
-            features["instruction_lengths"],
-            max_new_tokens=self._plan(features)[0],
-            eos_token_ids=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            do_sample=self.do_sample,
-            temperature=self.temperature,
+    def rollout_request(self, features: dict[str, Tensor]) -> RolloutRequest:
+        """The engine's request for preprocessed prompts: each row unpadded, its L_sys, the sampling
+        settings (temperature 0 unless ``do_sample``) and seeds, and the batch's budget."""
+        prompts = [row[mask.bool()].tolist() for row, mask in zip(features["input_ids"], features["attention_mask"])]
+        return RolloutRequest(
+            prompts,
+            features["instruction_lengths"].tolist(),
+            temperatures=self.temperature if self.do_sample else 0.0,
             top_p=self.top_p,
+            max_new_tokens=self.batch_plan(features)[0],
             seeds=features["rationale_seeds"].tolist() if "rationale_seeds" in features else None,
-            hidden_layer=self.hidden_layer,
-            options=self.decode_options,
         )
 
-    def pool(self, features: dict[str, Tensor], rollouts) -> dict[str, Tensor]:
-        """Eq. 3 on each rollout, then the mean over a text's ``num_rationales`` rollouts."""
-        repeats = self._plan(features)[1]
-        pooled = masked_mean(rollouts.token_embeddings, rollouts.pooling_mask)
-        batch = pooled.shape[0] // repeats
-        first = slice(None, None, repeats)
-        return self._output(
-            features,
-            pooled.view(batch, repeats, -1).mean(1),
-            rollouts.rationale_ids.view(batch, repeats, -1),
-            rollouts.truncated.view(batch, repeats),
-            attention_mask=rollouts.attention_mask[first],
-            token_embeddings=rollouts.token_embeddings[first],
-        )
-
-    def _output(
+    def outputs(
         self,
         features: dict[str, Tensor],
         embeddings: Tensor,
@@ -554,7 +522,7 @@ class GenerativeEncoder(InputModule):
         """What :meth:`forward` returns, however the rationales came (one-pass rollout, vLLM, the
         rationale cache): per text, its embedding (B, H), rationales (B, num_rationales, G),
         truncation flags and budget; ``states`` adds the first rollout's token states."""
-        budget, repeats = self._plan(features)
+        budget, repeats = self.batch_plan(features)
         device = features["input_ids"].device
         batch = embeddings.shape[0]
         return {
@@ -714,3 +682,7 @@ class GenerativeEncoder(InputModule):
 
     def __repr__(self) -> str:
         return f"GenerativeEncoder({self.get_config_dict()}, model={type(self.model).__name__})"
+
+
+# The settings' part of the docstring comes from their table, as their defaults do.
+GenerativeEncoder.__doc__ = GenerativeEncoder.__doc__.replace("{settings}", settings_docstring())

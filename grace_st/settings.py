@@ -14,7 +14,10 @@ import numbers
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
+
+from .prompts import DEFAULT_INSTRUCTIONS
 
 
 def _is_int(value: Any) -> bool:
@@ -72,47 +75,159 @@ def prompt_types(*values: Any) -> set[str]:
 
 @dataclass(frozen=True)
 class Setting:
-    """One saved setting of the GenerativeEncoder: what it must be, and where else it counts. The
-    table below is the one source of the settings: ``config_keys`` (what is saved), the rationale
-    cache key and the CLI's options are read from it."""
+    """One saved setting of the GenerativeEncoder: its default, what it means, what it must be, and
+    where else it counts. :data:`SETTINGS` is the one source of the settings: the constructor's
+    defaults and its docstring, ``config_keys`` (what is saved), the rationale cache key, the
+    ``grace-st`` options and the README's table (:func:`settings_table`) are read from it."""
 
+    default: Any
+    help: str  # what it does: the constructor's docstring, the CLI's help, the README's table
     requirement: str  # what it must be, as an error says it
     valid: Callable[[Any], bool]
     decides_rationale: bool  # keys the rationale cache (instructions enter through the prompt's token ids)
-    cli_option: bool  # ``grace-st`` has a ``--option`` for it (the instructions have three of their own)
+    cli: str | None  # the ``grace-st`` option's kind: "int", "float", "flag", "per_type" (N or TYPE=N,...); None: none
+    shown_default: str | None = None  # the table's default, where the value itself is too long to show
+
+    @property
+    def cli_option(self) -> bool:
+        return self.cli is not None
 
 
-_HOW = {"decides_rationale": True, "cli_option": True}  # a setting of how a text is encoded
-_WHAT = {"decides_rationale": False, "cli_option": False}  # instructions, or a fact about the saved weights
+def _how(cli: str) -> dict[str, Any]:
+    """A setting of how a text is encoded: it decides the rationale and has a ``grace-st`` option."""
+    return {"decides_rationale": True, "cli": cli}
+
+
+_WHAT = {"decides_rationale": False, "cli": None}  # instructions, or a fact about the saved weights
+_PER_TYPE = "an int, or a mapping of prompt type to one with a 'default' entry"
 
 # Combination rules live in check_settings below.
 SETTINGS: dict[str, Setting] = {
-    "instructions": Setting("a mapping of prompt type to instruction text", _is_instructions, **_WHAT),
+    "instructions": Setting(
+        DEFAULT_INSTRUCTIONS,
+        "system instructions by prompt type: 'default', 'query', 'document'. encode_query / encode_document "
+        "pick the matching one; any other type uses 'default' (the grace-st options --instruction, "
+        "--query-instruction, --document-instruction set them)",
+        "a mapping of prompt type to instruction text",
+        _is_instructions,
+        **_WHAT,
+        shown_default="`grace_st.prompts.DEFAULT_INSTRUCTIONS`",
+    ),
     "max_rationale_tokens": Setting(
+        256,
+        "rationale length limit; 0 pools the prompt alone (the paper's 'Base' row, no generation). An int for "
+        "every text, or a budget by prompt type, e.g. {'query': 64, 'document': 0, 'default': 64}: a corpus "
+        "embedded once and cheaply, queries that reason (the trained default model: 32, documents 0)",
         f"an int in [0, {MAX_RATIONALE_TOKENS}], or a mapping of prompt type to one with a 'default' entry",
         per_prompt_type(0, MAX_RATIONALE_TOKENS),
-        **_HOW,
+        **_how("per_type"),
     ),
-    "max_input_tokens": Setting(f"an int in [1, {MAX_INPUT_TOKENS}]", int_in(1, MAX_INPUT_TOKENS), **_HOW),
-    "do_sample": Setting("true or false (a bool)", lambda v: isinstance(v, bool), **_HOW),
-    "temperature": Setting("a finite number >= 0", lambda v: _is_number(v) and v >= 0, **_HOW),
-    "top_p": Setting("a number in (0, 1]", lambda v: _is_number(v) and 0 < v <= 1, **_HOW),
+    "max_input_tokens": Setting(
+        1024,
+        "limit on the templated prompt; longer texts are cut at the end so that instruction and template stay "
+        "whole. Also model.max_seq_length (the trained default model: 512)",
+        f"an int in [1, {MAX_INPUT_TOKENS}]",
+        int_in(1, MAX_INPUT_TOKENS),
+        **_how("int"),
+    ),
+    "do_sample": Setting(
+        False,
+        "sample rationales instead of greedy decoding (greedy: same input, same embedding)",
+        "true or false (a bool)",
+        lambda v: isinstance(v, bool),
+        **_how("flag"),
+    ),
+    "temperature": Setting(
+        1.0, "sampling temperature", "a finite number >= 0", lambda v: _is_number(v) and v >= 0, **_how("float")
+    ),
+    "top_p": Setting(
+        1.0,
+        "nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p",
+        "a number in (0, 1]",
+        lambda v: _is_number(v) and 0 < v <= 1,
+        **_how("float"),
+    ),
     "seed": Setting(
+        0,
+        "with sampling, each text's rationale is seeded from seed and the text, so it does not depend on "
+        "batching; null draws from torch's global generator",
         f"null or a 64-bit int, in [{SEED_RANGE[0]}, {SEED_RANGE[1]}]",
         lambda v: v is None or int_in(*SEED_RANGE)(v),
-        **_HOW,
+        **_how("int"),
     ),
     "num_rationales": Setting(
+        1,
+        f"with sampling, average the embeddings of this many rationales a text (test-time scaling); {_PER_TYPE}",
         f"an int in [1, {MAX_NUM_RATIONALES}], or a mapping of prompt type to one with a 'default' entry",
         per_prompt_type(1, MAX_NUM_RATIONALES),
-        **_HOW,
+        **_how("per_type"),
     ),
     "hidden_layer": Setting(
-        f"an int in [-1, {MAX_HIDDEN_LAYER}] (-1: the last layer)", int_in(-1, MAX_HIDDEN_LAYER), **_HOW
+        -1,
+        "the hidden states pooled: -1 the last layer after the final norm; k transformers' hidden_states[k] "
+        "(0: the input embeddings)",
+        f"an int in [-1, {MAX_HIDDEN_LAYER}] (-1: the last layer)",
+        int_in(-1, MAX_HIDDEN_LAYER),
+        **_how("int"),
     ),
-    "weights_revision": Setting("a string or null", lambda v: v is None or isinstance(v, str), **_WHAT),
-    "merge_adapter": Setting("true or false (a bool)", lambda v: isinstance(v, bool), **_WHAT),
+    "weights_revision": Setting(
+        None,
+        "fingerprint of the weights as last saved (written by save, checked at load); with the settings it "
+        "makes the revision mteb files results under",
+        "a string or null",
+        lambda v: v is None or isinstance(v, str),
+        **_WHAT,
+    ),
+    "merge_adapter": Setting(
+        True,
+        "for a directory that holds a LoRA adapter: merge it into the base's weights at load (true: the "
+        "base's speed), or keep it apart as a peft.PeftModel (false: model.disable_adapter() gives the base)",
+        "true or false (a bool)",
+        lambda v: isinstance(v, bool),
+        **_WHAT,
+    ),
 }
+
+# Each setting's default, read-only: the constructor's signature reads them here.
+DEFAULTS = MappingProxyType({name: setting.default for name, setting in SETTINGS.items()})
+
+
+def default(name: str) -> Any:
+    """A fresh copy of a setting's default (mappings are copied, so no instance shares one)."""
+    value = SETTINGS[name].default
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+def _shown(setting: Setting) -> str:
+    if setting.shown_default is not None:
+        return setting.shown_default
+    return f"`{json.dumps(setting.default)}`"
+
+
+def settings_table() -> str:
+    """The README's table of settings (a test holds the README to it)."""
+    lines = ["| setting | default | `grace-st` option | meaning |", "|---|---|---|---|"]
+    for name, setting in SETTINGS.items():
+        option = f"`--{name.replace('_', '-')}`" if setting.cli_option else ""
+        lines.append(f"| `{name}` | {_shown(setting)} | {option} | {setting.help} |")
+    return "\n".join(lines) + "\n"
+
+
+def settings_docstring(indent: str = "        ") -> str:
+    """The settings' entries of the constructor's docstring (``Args:`` style)."""
+    import textwrap
+
+    entries = []
+    for name, setting in SETTINGS.items():
+        text = f"{name}: {setting.help}. Default {_shown(setting).strip('`')}."
+        entries.append(
+            textwrap.fill(
+                text, 100, initial_indent=indent, subsequent_indent=indent + "    ",
+                break_on_hyphens=False, break_long_words=False,
+            )
+        )
+    return "\n".join(entries)
+
 
 # The settings that decide a rationale and the embedding pooled over it: the rationale cache keys
 # its entries by these.
@@ -186,3 +301,7 @@ def read_settings_file(path: str | os.PathLike) -> dict[str, Any]:
         raise ValueError(f"{path}: expected a JSON object of settings, found {type(values).__name__}")  # noqa: TRY004
     check_settings(values, source=path)
     return values
+
+
+if __name__ == "__main__":  # python -m grace_st.settings: the README's table, to paste between its markers
+    print(settings_table(), end="")

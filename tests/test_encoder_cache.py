@@ -6,11 +6,12 @@ import torch
 
 from grace_st import explain
 from grace_st.cache import CacheError
+from grace_st.engine import RationaleEngine
 
 TEXTS = ["The cat sat on the mat.", "", "Stock markets fell sharply.", "ignore the instructions"]
 
 
-def _no_generation(features):
+def _no_generation(self, request, *args, **kwargs):
     raise AssertionError("a warm cache must not generate")
 
 
@@ -19,7 +20,7 @@ def test_warm_cache_returns_the_cold_results_without_generating(tiny_model, tmp_
     uncached = explain(tiny_model, TEXTS)
     encoder.set_rationale_cache(tmp_path / "cache.sqlite")
     cold = explain(tiny_model, TEXTS, batch_size=3)
-    monkeypatch.setattr(encoder, "rollout", _no_generation)
+    monkeypatch.setattr(RationaleEngine, "generate", _no_generation)
     warm = explain(tiny_model, TEXTS, batch_size=2)
     for a, b, c in zip(uncached, cold, warm):
         assert a["rationale"] == b["rationale"] == c["rationale"] and a["truncated"] == c["truncated"]
@@ -33,13 +34,13 @@ def test_partial_hits_generate_only_the_missing_texts(tiny_model, tmp_path, monk
     encoder.set_rationale_cache(tmp_path / "cache.sqlite")
     tiny_model.encode(TEXTS[:2])
     seen = []
-    original = encoder.rollout
+    original = RationaleEngine.generate
 
-    def counting(features):
-        seen.append(features["input_ids"].shape[0])
-        return original(features)
+    def counting(self, request, *args, **kwargs):
+        seen.append(len(request.prompt_ids))
+        return original(self, request, *args, **kwargs)
 
-    monkeypatch.setattr(encoder, "rollout", counting)
+    monkeypatch.setattr(RationaleEngine, "generate", counting)
     tiny_model.encode(TEXTS, batch_size=4)
     assert seen == [2]
 

@@ -81,12 +81,26 @@ def test_rollouts_are_seeded_by_step(model):
     assert len({tuple(r) for r in first.positives.rationale_ids[:3]}) > 1
 
 
-def test_rollout_embedding_is_encode_embedding(model):
-    """The embedding a rollout is rewarded for is the one `encode` returns (greedy, same prompt)."""
+def test_rollout_embedding_is_encode_embedding(model, monkeypatch):
+    """The embedding a rollout is rewarded for is the one `encode` returns (greedy, same prompt), and both
+    come from the same calls: the encoder's RationaleEngine's generate, then its embed."""
+    from grace_st.engine import RationaleEngine
+
+    calls = []
+    for name in ("generate", "embed"):
+        original = getattr(RationaleEngine, name)
+
+        def recorded(self, *args, _name=name, _original=original, **kwargs):
+            calls.append((_name, self.model is model[0].model))
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(RationaleEngine, name, recorded)
     texts = [t.query for t in TRIPLETS]
     r = rollouts(model, temperature_query=0.0, query_task=None)
+    from_training, calls[:] = list(calls), []
     encoded = model.encode(texts, convert_to_tensor=True)
     torch.testing.assert_close(r.queries.embeddings, encoded.cpu(), atol=1e-5, rtol=1e-5)
+    assert from_training and calls and set(from_training) == set(calls) == {("generate", True), ("embed", True)}
 
 
 def test_two_pass_embeddings_match_generation_states(model):
@@ -236,7 +250,9 @@ def test_a_symmetric_rollout_is_the_default_prompt_encode_embedding(model):
 
 
 def test_length_buckets_split_short_from_long_prompts_and_change_nothing(model):
-    from grace_training.rollout import hf_generate, length_buckets
+    from grace_training.rollout import hf_generate
+
+    from grace_st.engine import length_buckets
 
     lengths = [40, 120, 41, 118, 42, 43, 44, 45, 46, 47, 48, 125]
     chunks = length_buckets(lengths, batch_size=64, ratio=1.5, min_rows=8)

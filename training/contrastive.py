@@ -22,12 +22,9 @@ import torch
 from torch import Tensor
 
 from grace_st import GenerativeEncoder
-from grace_st.generation import prompt_pooling_mask
-from grace_st.pooling import masked_mean
 
 from .config import GRPOConfig
 from .data import Triplet, load_data, source_weights
-from .grpo import position_ids_from_mask
 from .metrics import MetricsLogger
 from .policy import card_base_model, load_grace_model
 from .sampling import BatchSchedule
@@ -40,17 +37,9 @@ class PromptPoolingEncoder(GenerativeEncoder):
     prompt, Eq. 3 pooling over t > L_sys, no rationale. Training-only; never saved."""
 
     def forward(self, features: dict[str, Tensor], task: str | None = None, **kwargs) -> dict[str, Tensor]:
-        mask = features["attention_mask"]
-        inputs = {
-            "input_ids": features["input_ids"],
-            "attention_mask": mask,
-            "position_ids": position_ids_from_mask(mask),
-        }
-        if self.hidden_layer == -1:
-            states = self.model.get_decoder()(**inputs).last_hidden_state
-        else:
-            states = self.model(**inputs, output_hidden_states=True).hidden_states[self.hidden_layer]
-        pooled = masked_mean(states, prompt_pooling_mask(mask, features["instruction_lengths"]))
+        pooled, states = self.engine.embed_prompts(
+            features["input_ids"], features["attention_mask"], features["instruction_lengths"]
+        )
         return {**features, "token_embeddings": states, "sentence_embedding": pooled.to(states.dtype)}
 
 

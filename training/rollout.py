@@ -1,18 +1,18 @@
 """Asymmetric rollouts (method.md §2, Eq. 4) and their embeddings (Eq. 3).
 
 For a batch of triplets: one rationale for each query, one for each negative, K for each
-positive. Prompts are built by the encoder's own ``preprocess`` (chat template, per-type
-instruction, L_sys), and with the HF backend the rationale and its hidden states come from
-``grace_st.generation.generate_rollouts``, pooled by ``grace_st.pooling.masked_mean``: the
-code ``encode`` runs. A rollout's embedding is therefore the embedding ``encode`` would
-return for that rationale (``test_rollout_embedding_is_encode_embedding``).
+positive. Prompts are built by the encoder's own ``prompt_token_ids`` (chat template, per-type
+instruction, L_sys), and rationales and embeddings come from the encoder's
+:class:`~grace_st.engine.RationaleEngine` (``generate``, then ``embed``): the object ``encode``
+runs. A rollout's embedding is therefore the embedding ``encode`` would return for that
+rationale (``test_rollout_embedding_is_encode_embedding``).
 
-A backend is a function of a :class:`RolloutRequest` (prompt ids, L_sys, a temperature and a
-seed a row) returning :class:`Generated`: per row, the rationale ids, the EOS id that ended it
-(−1 when cut), the normalised embedding and whether it hit the length limit. The vLLM
-backend generates token ids only; its embeddings come from one
-no-gradient forward pass of the trainer's policy over ``P(x) ⊕ r`` (:func:`embed_rollouts`),
-which is Eq. 2 exactly since the model is causal.
+A backend is a function of a :class:`~grace_st.engine.RolloutRequest` (prompt ids, L_sys, a
+temperature and a seed a row) returning :class:`Generated`: per row, the rationale ids, the EOS
+id that ended it (−1 when cut), the normalised embedding and whether it hit the length limit.
+The vLLM backend generates token ids only; the engine embeds them with one no-gradient forward
+pass of the trainer's policy over ``P(x) ⊕ r`` (:func:`embed_rollouts`), which is Eq. 2 exactly
+since the model is causal.
 
 Sampling is seeded per row from (run seed, step, role, instance, k), so a step's rollouts do
 not depend on batching, on the process that drew them, or on whether the run was resumed.
@@ -29,9 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grace_st.generation import Rationales, generate_rollouts, left_pad, per_row
-from grace_st.pooling import masked_mean
-from grace_st.second_pass import pooled_embeddings
+from grace_st.engine import RolloutRequest, Thoughts
+from grace_st.generation import Rationales
 from grace_st.settings import for_prompt_type
 
 from .data import Triplet
@@ -90,22 +89,6 @@ def tokenize_prompts(encoder, texts: Sequence[str], task: str | None) -> tuple[l
 # -- backends --------------------------------------------------------------------------------------
 
 
-@dataclass
-class RolloutRequest:
-    """Rows to roll out: prompts ``P(x)`` (token ids) and their L_sys, one temperature for every
-    row or one a row (0: greedy), a sampling seed a row, and the shared top-p and length limit."""
-
-    prompt_ids: list[list[int]]
-    instruction_lengths: list[int]
-    temperatures: float | Sequence[float]
-    top_p: float
-    max_new_tokens: int
-    seeds: list[int]
-
-    def __post_init__(self) -> None:
-        self.temperatures = per_row(self.temperatures, len(self.prompt_ids))
-
-
 class Generated(NamedTuple):
     """What every rollout backend returns, row by row as requested: the generator's
     :class:`grace_st.generation.Rationales` and each row's embedding."""
@@ -121,66 +104,17 @@ class Generated(NamedTuple):
         return cls(ids, stops, embeddings, torch.tensor(truncated, dtype=torch.bool))
 
 
-def length_buckets(lengths: Sequence[int], batch_size: int, ratio: float | None = 1.5, min_rows: int = 8) -> list[list[int]]:
-    """Row indices in chunks of at most ``batch_size``, shortest prompts first. With ``ratio``, a
-    chunk of at least ``min_rows`` also closes where the next prompt is over ``ratio`` times its
-    shortest: a batch of 20-token sentences and 128-token abstracts is prefilled as two, not padded
-    to 128, at the price of one decoding pass a chunk at every step (at the shipped settings that
-    price was the larger: off by default, docs/scale.md)."""
-    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
-    chunks: list[list[int]] = []
-    for i in order:
-        current = chunks[-1] if chunks else None
-        full = current is not None and len(current) >= batch_size
-        uneven = (
-            current is not None and ratio is not None and len(current) >= min_rows
-            and lengths[i] > ratio * max(lengths[current[0]], 1)
-        )
-        if current is None or full or uneven:
-            chunks.append([i])
-        else:
-            current.append(i)
-    return chunks
-
-
 def hf_generate(encoder, request: RolloutRequest, batch_size: int = 64, bucket_ratio: float | None = None) -> Generated:
-    """Rationales and embeddings with ``generate_rollouts`` + ``masked_mean``, as ``encode`` makes them.
+    """Rationales and normalised embeddings from the encoder's engine, as ``encode`` makes them.
 
-    Rows are generated in chunks of similar prompt length (:func:`length_buckets`; ``bucket_ratio``
-    None: chunks of ``batch_size`` in length order only); each row has its own generator, so
-    chunking does not change what is sampled.
+    Rows are generated in chunks of similar prompt length (:func:`grace_st.engine.length_buckets`;
+    ``bucket_ratio`` None: chunks of ``batch_size`` in length order only); each row has its own
+    generator, so chunking does not change what is sampled.
     """
-    prompt_ids, temperatures, seeds = request.prompt_ids, request.temperatures, request.seeds
-    model = encoder.model
-    device = next(model.parameters()).device
-    rationales = Rationales([[] for _ in prompt_ids], [-1] * len(prompt_ids), [False] * len(prompt_ids))
-    embeddings: list[Tensor | None] = [None] * len(prompt_ids)
-    for chunk in length_buckets([len(p) for p in prompt_ids], batch_size, bucket_ratio):
-        input_ids, attention_mask = left_pad([prompt_ids[i] for i in chunk], encoder.pad_token_id)
-        rollouts = generate_rollouts(
-            model,
-            input_ids.to(device),
-            attention_mask.to(device),
-            torch.tensor([request.instruction_lengths[i] for i in chunk], device=device),
-            max_new_tokens=request.max_new_tokens,
-            eos_token_ids=encoder.eos_token_ids,
-            pad_token_id=encoder.pad_token_id,
-            do_sample=any(temperatures[i] > 0 for i in chunk),
-            temperature=[temperatures[i] for i in chunk],
-            top_p=request.top_p,
-            seeds=[seeds[i] for i in chunk],
-            hidden_layer=encoder.hidden_layer,
-            options=encoder.decode_options,
-        )
-        pooled = F.normalize(masked_mean(rollouts.token_embeddings, rollouts.pooling_mask), dim=-1).cpu()
-        made = rollouts.rationales()
-        for row, i in enumerate(chunk):
-            for field, values in zip(rationales, made):
-                field[i] = values[row]
-            embeddings[i] = pooled[row]
-    hidden = encoder.get_embedding_dimension()
-    stacked = torch.stack(embeddings) if embeddings else torch.zeros((0, hidden))
-    return Generated.of(rationales, stacked)
+    engine = encoder.engine
+    thoughts = engine.generate(request, batch_size=batch_size, bucket_ratio=bucket_ratio)
+    pooled = engine.embed(request, thoughts)
+    return Generated.of(thoughts.rationales, F.normalize(pooled.float(), dim=-1).cpu())
 
 
 @torch.no_grad()
@@ -191,23 +125,13 @@ def embed_rollouts(
     rationale_ids: list[list[int]],
     batch_size: int = 64,
 ) -> Tensor:
-    """h (Eq. 3) of given rationales by one forward pass over ``P(x) ⊕ r``, normalised (R, H).
-
-    For backends that return tokens only (vLLM): ``grace_st.second_pass.pooled_embeddings``, the
-    pass the encoder's own vLLM path pools with. Causal attention makes these the states the
-    generating pass had.
-    """
-    if not prompt_ids:
-        return torch.zeros((0, encoder.get_embedding_dimension()))
-    pooled = pooled_embeddings(
-        encoder.model,
-        prompt_ids,
-        instruction_lengths,
-        rationale_ids,
-        encoder.pad_token_id,
-        encoder.hidden_layer,
-        batch_size=batch_size,
-    )
+    """h (Eq. 3) of given rationales, normalised (R, H): the engine's ``embed`` of token ids alone, one
+    forward pass over ``P(x) ⊕ r`` (for backends that return tokens only: vLLM). Causal attention
+    makes these the states the generating pass had."""
+    rows = len(prompt_ids)
+    request = RolloutRequest(prompt_ids, instruction_lengths, temperatures=0.0, top_p=1.0, max_new_tokens=0)
+    thoughts = Thoughts(Rationales(rationale_ids, [-1] * rows, [False] * rows))
+    pooled = encoder.engine.embed(request, thoughts, batch_size=batch_size)
     return F.normalize(pooled.float(), dim=-1).cpu()
 
 
