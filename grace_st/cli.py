@@ -11,7 +11,7 @@ import sys
 import numpy as np
 
 from .prompts import text_problem
-from .settings import SETTINGS
+from .settings import SETTINGS, cli_flag
 
 
 def _positive_int(text: str) -> int:
@@ -54,11 +54,11 @@ def _encoder_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("encoder options (the model's own settings unless given)")
     for name, setting in SETTINGS.items():
         if setting.cli == "flag":
-            group.add_argument(f"--{name.replace('_', '-')}", action="store_true", default=None, help=setting.help)
+            group.add_argument(cli_flag(name), action="store_true", default=None, help=setting.help)
         elif setting.cli is not None:
             per_type = setting.cli == "per_type"
             group.add_argument(
-                f"--{name.replace('_', '-')}",
+                cli_flag(name),
                 type=_CLI_TYPES[setting.cli],
                 metavar="N|TYPE=N,..." if per_type else None,
                 help=setting.help + ("; TYPE=N,... (e.g. query=64,document=0) sets those types, others keep the model's"
@@ -70,7 +70,7 @@ def _encoder_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _encoder_settings(args: argparse.Namespace) -> dict:
-    names = [name for name, setting in SETTINGS.items() if setting.cli is not None]
+    names = [name for name, setting in SETTINGS.items() if setting.cli_option]
     settings = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
     instructions = {
         key: value

@@ -138,6 +138,11 @@ def _every_layer_preallocated(cache) -> bool:
     return bool(cache.layers) and all(type(layer) is PreallocatedLayer for layer in cache.layers)
 
 
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions for a left-padded batch: 0 at each row's first real token."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def decoder_states(decoder, hidden_layer: int, **inputs) -> Tensor:
     """Hidden states of one pass of the decoder alone (it fills ``past_key_values`` when given one):
     the LM head's logits over the whole vocabulary are not needed when nothing is generated."""
@@ -237,7 +242,7 @@ class IncrementalDecoder:
             self.mask = attention_mask
             states, last_logits = self._forward(
                 logits, input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=(attention_mask.cumsum(-1) - 1).clamp(min=0), past_key_values=self.kv_cache,
+                position_ids=position_ids_from_mask(attention_mask), past_key_values=self.kv_cache,
             )
         return states.masked_fill(attention_mask[..., None] == 0, 0.0), last_logits
 

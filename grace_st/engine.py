@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .decoding import DecodeOptions, decoder_states
+from .decoding import DecodeOptions, decoder_states, position_ids_from_mask
 from .generation import Rationales, Rollouts, generate_rollouts, left_pad, per_row, prompt_pooling_mask
 from .pooling import masked_mean
 from .second_pass import pooled_embeddings
@@ -185,12 +185,12 @@ class RationaleEngine:
                 self.hidden_layer,
                 batch_size=batch_size,
             )
+        whole = thoughts.single_pass()
+        if whole is not None:  # one pass in request order (encode's batch): as it is, on the model's device
+            return masked_mean(whole.token_embeddings, whole.pooling_mask)
         pooled = torch.zeros((len(request.prompt_ids), self.hidden_size))
         for chunk, rollouts in thoughts.chunks:
-            vectors = masked_mean(rollouts.token_embeddings, rollouts.pooling_mask)
-            if chunk == list(range(len(pooled))):
-                return vectors  # one pass in request order: as it is, on the model's device
-            pooled[chunk] = vectors.cpu()
+            pooled[chunk] = masked_mean(rollouts.token_embeddings, rollouts.pooling_mask).cpu()
         return pooled
 
     def embed_prompts(
@@ -199,10 +199,9 @@ class RationaleEngine:
         """Eq. 3 over left-padded prompts alone (budget 0), **with** gradient: the pass the InfoNCE
         baseline trains (:mod:`grace_training.contrastive`), and the states it pooled. The positions a budget-0
         rollout pools."""
-        positions = (attention_mask.cumsum(1) - 1).clamp(min=0)
         states = decoder_states(
             self.model.get_decoder(), self.hidden_layer,
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
         )
         return masked_mean(states, prompt_pooling_mask(attention_mask, instruction_lengths)), states
 

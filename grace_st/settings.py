@@ -204,11 +204,16 @@ def _shown(setting: Setting) -> str:
     return f"`{json.dumps(setting.default)}`"
 
 
+def cli_flag(name: str) -> str:
+    """A setting's ``grace-st`` option: ``max_rationale_tokens`` → ``--max-rationale-tokens``."""
+    return f"--{name.replace('_', '-')}"
+
+
 def settings_table() -> str:
     """The README's table of settings (a test holds the README to it)."""
     lines = ["| setting | default | `grace-st` option | meaning |", "|---|---|---|---|"]
     for name, setting in SETTINGS.items():
-        option = f"`--{name.replace('_', '-')}`" if setting.cli_option else ""
+        option = f"`{cli_flag(name)}`" if setting.cli_option else ""
         lines.append(f"| `{name}` | {_shown(setting)} | {option} | {setting.help} |")
     return "\n".join(lines) + "\n"
 

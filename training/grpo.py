@@ -19,13 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from grace_st.decoding import position_ids_from_mask
 from grace_st.generation import prompt_pooling_mask
 from grace_st.pooling import masked_mean
-
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """Positions for a left-padded batch: 0 at each row's first real token."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def build_policy_batch(
