@@ -7,9 +7,11 @@ import json
 import pytest
 import torch
 from conftest import make_st_model
+from grace_training.data import Triplet
 from grace_training.grpo import (
     advantage_shares,
     build_policy_batch,
+    graded_contrastive_loss,
     group_advantages,
     policy_pass,
     pooled_contrastive_loss,
@@ -269,3 +271,50 @@ def test_warm_start_rolls_out_one_greedy_rationale_a_text_then_the_configured_k(
     assert hybrid.num_rollouts == 3 and len(hybrid.positives.rationale_ids) == 3 * cfg.batch_size
     with pytest.raises(ValueError, match="warm_start_steps: .* contrastive_beta > 0"):
         config(tmp_path / "paper", warm_start_steps=1)
+
+
+def test_cosent_ranks_the_pairs_by_their_gold_scores():
+    """The graded term: zero-ish when cosines follow the scores, large when they invert them; only the
+    order of the scores counts."""
+    first = torch.eye(3)
+    second = torch.stack([torch.tensor([1.0, 0, 0]), torch.tensor([1.0, 1.0, 0]), torch.tensor([1.0, 0, 1.0])])
+    cosines = torch.nn.functional.cosine_similarity(first, second, dim=-1)  # 1, 0.71, 0.71
+    scores = torch.tensor([5.0, 3.0, 1.0])
+    expected = torch.log(1 + sum(torch.exp(20 * (cosines[j] - cosines[i]))
+                                 for i in range(3) for j in range(3) if scores[i] > scores[j]))
+    torch.testing.assert_close(graded_contrastive_loss(first, second, scores), expected)
+    torch.testing.assert_close(graded_contrastive_loss(first, second, scores * 10 - 7), expected)
+    inverted = graded_contrastive_loss(first, second, scores.flip(0))
+    assert inverted > expected + 5
+    assert graded_contrastive_loss(first, second, torch.ones(3)) == 0  # no pair is ranked above another
+
+
+def graded_rows():
+    pairs = [("a cat sits", "a cat is sitting", 4.8), ("a man runs", "a man is running fast", 4.0),
+             ("a dog barks", "the dog is loud", 3.1), ("kids play", "children are playing", 4.5),
+             ("a car stops", "the sky is blue", 0.2), ("he eats", "she sleeps", 1.0),
+             ("rain falls", "it is raining", 4.9), ("a bird sings", "a plane lands", 0.5)]
+    return [Triplet(a, b, (), "sts/train", s, symmetric=True) for a, b, s in pairs]
+
+
+def test_a_batch_of_scored_pairs_trains_cosent_on_one_greedy_rollout_a_text(tmp_path):
+    """[scale]: a step drawn from an sts source rolls out one greedy rationale a text and its contrastive term
+    is CoSENT on the rollouts' cosines against the gold scores; other sources' steps keep K and InfoNCE."""
+    rows = graded_rows() + DATA
+    cfg = config(tmp_path / "run", contrastive_beta=1.0, batch_sampling="by_source", batch_size=4)
+    trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=rows)
+    steps = {source: next(s for s in range(50) if trainer.batch_for_step(s)[0].source == source)
+             for source in ("sts/train", DATA[0].source)}
+    step = steps["sts/train"]
+    scores = trainer.graded_scores(step)
+    rollouts = trainer.rollout(trainer.batch_for_step(step), step, graded=True)
+    assert rollouts.num_rollouts == 1 and rollouts.positives.temperature == 0.0
+    query, positives = rollouts.grouped(cfg.num_negatives)[:2]
+    expected = graded_contrastive_loss(query, positives[:, 0], scores, scale=cfg.graded_scale)
+    metrics = trainer.training_step(trainer.batch_for_step(step), step)
+    assert metrics["loss/contrastive"] == pytest.approx(expected.item(), rel=1e-4)
+    assert trainer.graded_scores(steps[DATA[0].source]) is None
+    with pytest.raises(ValueError, match="scored pairs .* by_source"):
+        GRPOTrainer(config(tmp_path / "mixed", contrastive_beta=1.0), model=make_st_model(), train_data=rows)
+    with pytest.raises(ValueError, match="'sts' source .* by_source"):
+        config(tmp_path / "spec", contrastive_beta=1.0, train_data=[{"type": "sts", "path": "x.tsv"}])

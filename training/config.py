@@ -113,6 +113,10 @@ class GRPOConfig:
     # so Eq. 11's advantage is zero and β · InfoNCE on the pooled states is all that trains, at about half a
     # step's cost; from step N + 1 on, the configured K and temperatures (the full hybrid). 0: no warm start
     warm_start_steps: int = 0
+    # [scale] graded pairs: a step drawn from an "sts" source (pairs with every gold score, no threshold) rolls
+    # out one greedy rationale a text, like a warm-start step, and trains β · CoSENT on the pooled cosines
+    # against the gold scores instead of β · InfoNCE (a ranking of the batch's pairs by score; the scale λ)
+    graded_scale: float = 20.0
 
     # -- what is trained ----------------------------------------------------------------------
     finetune: str = "full"  # "lora": a PEFT LoRA adapter on a frozen base (KL reference = adapter disabled)
@@ -228,13 +232,14 @@ class GRPOConfig:
         """The keyword arguments of :func:`grace_training.data.load_data` this config sets."""
         return {name: getattr(self, name) for name in ("bad_rows", "data_dir", "num_negatives", "seed")}
 
-    def rollout_settings(self, step: int | None = None) -> dict[str, Any]:
+    def rollout_settings(self, step: int | None = None, graded: bool = False) -> dict[str, Any]:
         """The keyword arguments of :func:`grace_training.rollout.asymmetric_rollouts` this config sets (Eq. 4)
-        at ``step`` (0-based): within the first ``warm_start_steps``, one greedy rollout a text."""
+        at ``step`` (0-based): within the first ``warm_start_steps``, or for a batch of ``graded`` pairs, one
+        greedy rollout a text."""
         names = ("num_rollouts", "num_negatives", "seed", "temperature_query", "temperature_negative",
                  "temperature_positive", "top_p", "query_task", "document_task")
         settings = {"max_new_tokens": self.max_response_tokens, **{name: getattr(self, name) for name in names}}
-        if step is not None and step < self.warm_start_steps:
+        if graded or (step is not None and step < self.warm_start_steps):
             settings.update(num_rollouts=1, temperature_query=0.0, temperature_negative=0.0, temperature_positive=0.0)
         return settings
 
@@ -349,6 +354,7 @@ RULES: dict[str, tuple[Rule, ...]] = {
     "contrastive_temperature": (POSITIVE,),
     "contrastive_anchors": (one_of(CONTRASTIVE_ANCHORS),),
     "warm_start_steps": (NON_NEGATIVE,),
+    "graded_scale": (POSITIVE,),
     "finetune": (one_of(FINETUNE_MODES),),
     "lora_r": (AT_LEAST_ONE,),
     "lora_alpha": (POSITIVE,),
@@ -441,6 +447,7 @@ RESUME_CHANGES: dict[str, str] = {
     "contrastive_temperature": APPLIED,
     "contrastive_anchors": APPLIED,
     "warm_start_steps": APPLIED,  # which steps are warm is a function of the step
+    "graded_scale": APPLIED,
     "finetune": FIXED,  # full weights or an adapter: the checkpoint holds one or the other
     "lora_r": FIXED,  # the adapter's shapes
     "lora_alpha": FIXED,  # rescales the trained adapter at once, without a step
@@ -492,6 +499,7 @@ def _hints() -> dict[str, Any]:
 
 def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
     """(holds, the key to blame, message) for rules that tie several keys together."""
+    graded = any(isinstance(source, dict) and source.get("type") == "sts" for source in config.train_data or ())
     return [
         (
             config.finetune == "full" or config.rollout_backend == "hf",
@@ -504,6 +512,12 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
             "warm_start_steps",
             "warm_start_steps: the warm start trains β · InfoNCE alone (K = 1 has no advantage); "
             + "it needs contrastive_beta > 0",
+        ),
+        (
+            not graded or (config.batch_sampling == "by_source" and config.contrastive_beta > 0),
+            "train_data",
+            "train_data: an 'sts' source (graded pairs) trains β · CoSENT on batches of its own: it needs "
+            + "batch_sampling: by_source and contrastive_beta > 0",
         ),
         (
             config.temperature_positive > 0 or config.num_rollouts == 1,

@@ -27,7 +27,9 @@ Source specs (dicts, one per source; ``path`` is relative to ``data_dir`` unless
   one label form a positive pair, negatives are mined among other labels.
 - ``{"type": "text", "path": "x.txt"}``: raw texts (``.txt`` one a line, ``.jsonl`` with
   ``"text"``, ``.tsv``/``.csv`` with ``column``) for the unsupervised objective.
-- ``{"type": "sts", "path": "stsb/dev.tsv"}`` (evaluation only): scored pairs, all kept.
+- ``{"type": "sts", "path": "stsb/dev.tsv"}``: scored pairs, all kept, with their scores. For evaluation
+  a Spearman; for training graded pairs (a batch of its own, one greedy rollout a text, β · CoSENT on
+  the scores instead of InfoNCE; ``GRPOConfig.graded_scale``).
 
 Common options: ``max_examples`` (a seeded sample), ``num_negatives``, ``miner``, ``name``;
 ``symmetric: true`` (both sides the same kind of text, e.g. STS pairs: every role takes the

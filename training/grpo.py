@@ -234,6 +234,21 @@ def pooled_contrastive_loss(
     return losses.sum()
 
 
+def graded_contrastive_loss(first: Tensor, second: Tensor, scores: Tensor, *, scale: float = 20.0) -> Tensor:
+    """CoSENT on pooled embeddings of scored pairs (the graded term, beyond the paper).
+
+    With c_i = cos(first_i, second_i) and gold scores s_i, every two pairs ranked by their scores
+    contribute: ℒ = log(1 + Σ_{s_i > s_j} exp(λ · (c_j − c_i))). Only the order of the scores counts,
+    so a pair scored 2 of 5 is pushed to sit below one scored 4 and above one scored 0, where
+    InfoNCE on pairs scored ≥ 4 only separates "paraphrase" from "not". first, second (B, H); scores (B,).
+    """
+    cosines = F.cosine_similarity(first.float(), second.float(), dim=-1) * scale
+    differences = cosines[None, :] - cosines[:, None]  # [i, j] = λ (c_j − c_i)
+    ranked = scores[:, None].to(cosines.device) > scores[None, :].to(cosines.device)  # s_i > s_j
+    terms = torch.cat([differences.new_zeros(1), differences[ranked]])  # the 1 of log(1 + ...)
+    return torch.logsumexp(terms, dim=0)
+
+
 def group_advantages(rewards: Tensor, scale: str = "none", eps: float = 1e-4) -> Tensor:
     """A(k) = R_final(k) − mean_j R_final(j) over the K rollouts of a group (Eq. 10).
 

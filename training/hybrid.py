@@ -1,4 +1,5 @@
-"""The hybrid objective's InfoNCE term (beyond the paper; β · Eq. 3-pooled InfoNCE added to Eq. 11).
+"""The hybrid objective's InfoNCE term (beyond the paper; β · Eq. 3-pooled InfoNCE added to Eq. 11),
+and its graded variant for scored pairs (β · CoSENT, :func:`graded_pairs_loss`).
 
 The update pass already runs the policy over ``P(d⁺) ⊕ r`` with gradient for the log-probs;
 :func:`hybrid_contrastive_loss` pools those same hidden states and scores them with
@@ -17,7 +18,7 @@ from collections.abc import Callable
 import torch
 
 from .config import GRPOConfig
-from .grpo import build_policy_batch, policy_pass, pooled_contrastive_loss
+from .grpo import build_policy_batch, graded_contrastive_loss, policy_pass, pooled_contrastive_loss
 from .processes import gather
 from .rollout import TripletRollouts
 from .rollout_batch import RolloutBatch
@@ -120,3 +121,32 @@ def hybrid_contrastive_loss(
         temperature=config.contrastive_temperature,
         rows=selected.reshape(batch, k),
     )
+
+
+def graded_pairs_loss(
+    candidates: tuple[torch.Tensor, ...],
+    rollouts: TripletRollouts,
+    chunk: list[int],
+    pooled: torch.Tensor,
+    scores: torch.Tensor,
+    config: GRPOConfig,
+    process_index: int,
+) -> torch.Tensor:
+    """β · CoSENT's loss for one chunk of a batch of scored pairs (one greedy rollout a text, K = 1).
+
+    The pairs are (query, positive) of the global batch, ``scores`` their gold similarities. The
+    chunk's positives are ``pooled`` (with gradient); every other embedding is the rollout's, which
+    the update pass reproduces (the weights have not moved yet), so the chunks' gradients add up to
+    the whole batch's. The value returned is the loss weighted by the chunk's share of the rows, so
+    the chunks' values also add up to the batch's loss.
+    """
+    query, positives = candidates[0], candidates[1]
+    if rollouts.num_rollouts != 1:
+        raise ValueError(f"graded pairs are rolled out once a text, got K = {rollouts.num_rollouts}")
+    offset = process_index * len(rollouts.queries)
+    index = torch.tensor([offset + row for row in chunk], device=pooled.device)
+    second = positives[:, 0].to(dtype=pooled.dtype).index_copy(0, index, pooled)
+    loss = graded_contrastive_loss(query.to(pooled.dtype), second, scores, scale=config.graded_scale)
+    share = len(chunk) / len(rollouts.positives)
+    # the full gradient for the chunk's rows, the chunk's share of the value
+    return loss + (share - 1.0) * loss.detach()

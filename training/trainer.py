@@ -54,7 +54,7 @@ from .config import GRPOConfig, check_batches, check_environment, check_launch
 from .data import Triplet, cap_per_source, load_data, source_weights
 from .evaluation import evaluate
 from .grpo import build_policy_batch, completion_log_probs, group_advantages, grpo_loss, policy_pass
-from .hybrid import hybrid_candidates, hybrid_contrastive_loss, pooled_with_grad
+from .hybrid import graded_pairs_loss, hybrid_candidates, hybrid_contrastive_loss, pooled_with_grad
 from .metrics import MetricsLogger, step_metrics
 from .policy import add_lora_adapter, card_base_model, load_grace_model
 from .processes import check_sharding, gather, processes_without_a_gpu, reduce_metrics, sum_over_processes
@@ -197,7 +197,15 @@ class GRPOTrainer:
             train_data, _ = load_data(config.train_data, objective=config.objective, **config.data_settings())
         if eval_data is None and config.eval_data:
             eval_data, _ = load_data(config.eval_data, **config.data_settings())
-        return list(train_data), cap_per_source(eval_data or [], config.eval_max_examples, config.seed)
+        train_data = list(train_data)
+        graded_ready = config.batch_sampling == "by_source" and config.contrastive_beta > 0
+        if not graded_ready and any(row.score is not None for row in train_data):
+            # a scored pair trained as a positive would pull a pair scored 0 together
+            raise ValueError(
+                "train_data: scored pairs (graded) train β · CoSENT on batches of their own: "
+                "they need batch_sampling: by_source and contrastive_beta > 0"
+            )
+        return train_data, cap_per_source(eval_data or [], config.eval_max_examples, config.seed)
 
     # ------------------------------------------------------------------------------------------
     # the loop
@@ -323,12 +331,13 @@ class GRPOTrainer:
     def training_step(self, batch: list[Triplet], step: int) -> dict[str, float]:
         """One GRPO step: Eq. 4 rollouts, Eqs. 5–9/13/28 rewards, Eq. 10 advantages, Eq. 11 update."""
         start, cpu_start = time.perf_counter(), time.process_time()
-        rollouts = self.rollout(batch, step)
+        scores = self.graded_scores(step)
+        rollouts = self.rollout(batch, step, graded=scores is not None)
         rolled = time.perf_counter()
         rewards = self.compute_rewards(rollouts)
         advantages = group_advantages(rewards["final"], self.config.scale_rewards)
         rewarded = time.perf_counter()
-        update = self.update(rollouts, advantages.reshape(-1))
+        update = self.update(rollouts, advantages.reshape(-1), scores)
         updated = time.perf_counter()
         self.last_example = {
             "text": batch[0].positive[:1000],
@@ -360,8 +369,17 @@ class GRPOTrainer:
         rank, local = self.accelerator.process_index, self.local_batch_size
         return [self.train_data[i] for i in ids[rank * local : (rank + 1) * local]]
 
-    def rollout(self, batch: list[Triplet], step: int) -> TripletRollouts:
-        """Eq. 4 (one rationale per query and negative, K per positive), embeddings by Eq. 3."""
+    def graded_scores(self, step: int) -> torch.Tensor | None:
+        """The gold scores of the step's global batch when it is one of scored pairs (an ``sts`` source:
+        the graded term replaces InfoNCE), else None."""
+        rows = [self.train_data[i] for i in self.schedule.batch(step)]
+        if any(row.score is None for row in rows):
+            return None
+        return torch.tensor([row.score for row in rows], dtype=torch.float32)
+
+    def rollout(self, batch: list[Triplet], step: int, graded: bool = False) -> TripletRollouts:
+        """Eq. 4 (one rationale per query and negative, K per positive), embeddings by Eq. 3; one greedy
+        rationale a text in a warm-start step or a batch of ``graded`` pairs."""
         cfg = self.config
         self.policy.eval()
         with self.accelerator.autocast():
@@ -371,7 +389,7 @@ class GRPOTrainer:
                 step=step,
                 generate=self.generate,
                 instance_offset=self.accelerator.process_index * self.local_batch_size,
-                **cfg.rollout_settings(step),
+                **cfg.rollout_settings(step, graded),
             )
 
     def compute_rewards(self, rollouts: TripletRollouts) -> dict[str, torch.Tensor]:
@@ -394,7 +412,9 @@ class GRPOTrainer:
             **cfg.reward_settings(),
         )
 
-    def update(self, rollouts: TripletRollouts, advantages: torch.Tensor) -> dict[str, float]:
+    def update(
+        self, rollouts: TripletRollouts, advantages: torch.Tensor, scores: torch.Tensor | None = None
+    ) -> dict[str, float]:
         """Eq. 11 on the positive rollouts: ``ppo_epochs`` optimiser steps, each accumulating
         ``gradient_accumulation_steps`` chunks; token-level aggregation over the whole batch.
 
@@ -402,7 +422,8 @@ class GRPOTrainer:
         and adds β · InfoNCE (:mod:`grace_training.hybrid`). Queries and negatives are the
         rollouts' embeddings (``contrastive_anchors: detached``) or recomputed with gradient
         (``recompute``). Within a chunk, the positives of other chunks act as in-batch negatives
-        through their rollout embeddings (no gradient); one chunk is exact.
+        through their rollout embeddings (no gradient); one chunk is exact. A batch of scored pairs
+        (``scores``) takes β · CoSENT instead (:func:`grace_training.hybrid.graded_pairs_loss`).
         """
         cfg, accelerator = self.config, self.accelerator
         lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
@@ -427,7 +448,7 @@ class GRPOTrainer:
                     started = time.perf_counter()
                     loss, terms = self.chunk_loss(
                         rollouts, batch, chunk, advantages[chunk], old_log_probs[i], ref_log_probs[i], num_tokens,
-                        candidates,
+                        candidates, scores,
                     )
                     forwarded = time.perf_counter()
                     # DDP and FSDP average gradients over processes: scaled by their number, that
@@ -498,10 +519,11 @@ class GRPOTrainer:
         return old_log_probs, ref_log_probs
 
     def chunk_loss(
-        self, rollouts, batch, chunk, advantages, old_log_probs, ref_log_probs, num_tokens, candidates
+        self, rollouts, batch, chunk, advantages, old_log_probs, ref_log_probs, num_tokens, candidates, scores=None
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """One chunk's loss with gradient: Eq. 11 (:func:`~grace_training.grpo.grpo_loss`), plus
-        β · the hybrid term over the same pass's pooled states; and its parts as numbers."""
+        β · the hybrid term over the same pass's pooled states (CoSENT for a batch of scored pairs);
+        and its parts as numbers."""
         cfg = self.config
         hybrid = cfg.contrastive_beta > 0
         temperature = rollouts.positives.temperature
@@ -525,7 +547,10 @@ class GRPOTrainer:
         )
         policy_loss = loss.detach()
         contrastive = torch.zeros((), device=self.accelerator.device)
-        if hybrid:
+        if hybrid and scores is not None:
+            contrastive = graded_pairs_loss(candidates, rollouts, chunk, pooled, scores, cfg, self.accelerator.process_index)
+            loss = loss + cfg.contrastive_beta * contrastive
+        elif hybrid:
 
             def recompute() -> torch.Tensor:
                 anchors = (rollouts.queries, rollouts.negatives)
