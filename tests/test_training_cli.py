@@ -24,7 +24,7 @@ def setup(tmp_path_factory):
         f"model_name_or_path: {root / 'model'}\n"
         f"data_dir: {root}\n"
         "train_data:\n  - {type: triplets, path: train.jsonl}\n"
-        "num_rollouts: 2\nbatch_size: 2\nmax_prompt_tokens: 160\nmax_response_tokens: 4\n"
+        "num_rollouts: 2\nbatch_size: 2\nmax_input_tokens: 160\nmax_rationale_tokens: 4\n"
         "learning_rate: 1e-4\nsave_steps: 1\nreport_to: [jsonl]\n"
     )
     return root
@@ -78,7 +78,7 @@ def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
     cfg = GRPOConfig(
         batch_size=4,
         max_steps=2,
-        max_prompt_tokens=160,
+        max_input_tokens=160,
         output_dir=str(tmp_path),
         report_to=["jsonl"],
         infonce_learning_rate=1e-3,
@@ -103,7 +103,7 @@ def test_infonce_baseline_stops_and_saves_after_max_minutes(tmp_path):
     from grace_training.contrastive import train_infonce
 
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
-    cfg = GRPOConfig(batch_size=2, max_steps=4, max_prompt_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"])
+    cfg = GRPOConfig(batch_size=2, max_steps=4, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"])
     path = train_infonce(cfg, model=make_st_model(), train_data=data, max_minutes=0)
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
     assert (path / "modules.json").is_file()  # saved where it stopped
@@ -123,7 +123,7 @@ def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, 
     cfg = GRPOConfig(
         batch_size=2,
         max_steps=4,
-        max_prompt_tokens=160,
+        max_input_tokens=160,
         output_dir=str(tmp_path),
         report_to=["jsonl"],
         infonce_learning_rate=1e-3,

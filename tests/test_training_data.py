@@ -168,8 +168,8 @@ def test_config_yaml_overrides_and_validation(tmp_path):
         defaults.tau,
         defaults.gamma,
         defaults.learning_rate,
-        defaults.max_prompt_tokens,
-        defaults.max_response_tokens,
+        defaults.max_input_tokens,
+        defaults.max_rationale_tokens,
         defaults.epochs,
     ) == (8, 64, 0.2, 0.2, 10.0, 1.0, 1e-6, 1024, 2048, 2)
     with pytest.raises(ValueError, match="unknown config key"):

@@ -57,8 +57,8 @@ def workspace(tmp_path_factory) -> Path:
         "num_rollouts": 3,
         "batch_size": 4,  # global: two instances a process
         "num_negatives": 1,
-        "max_prompt_tokens": 160,
-        "max_response_tokens": 5,
+        "max_input_tokens": 160,
+        "max_rationale_tokens": 5,
         "learning_rate": 1e-3,
         "save_steps": 2,
         "report_to": ["jsonl"],

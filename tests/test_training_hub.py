@@ -104,8 +104,8 @@ def pushing_trainer(tmp_path, api, **extra):
     cfg = GRPOConfig(
         num_rollouts=2,
         batch_size=2,
-        max_prompt_tokens=160,
-        max_response_tokens=3,
+        max_input_tokens=160,
+        max_rationale_tokens=3,
         max_steps=2,
         save_steps=1,
         save_total_limit=1,

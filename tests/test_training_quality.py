@@ -75,7 +75,7 @@ def test_group_std_scaling_and_advantage_shares():
 
 def test_mask_truncated_drops_cut_rollouts_from_the_loss(tmp_path):
     trainer = GRPOTrainer(
-        config(tmp_path, mask_truncated=True, max_response_tokens=2), model=make_st_model(), train_data=DATA
+        config(tmp_path, mask_truncated=True, max_rationale_tokens=2), model=make_st_model(), train_data=DATA
     )
     rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
     assert bool(rollouts.positives.truncated.all())  # two tokens: every rollout is cut
@@ -231,7 +231,7 @@ def test_recompute_prompts_trains_the_prompt_only_documents_and_nothing_else(tmp
                 tmp_path / f"{anchors}{budgets == 5}",
                 contrastive_beta=1.0,
                 contrastive_anchors=anchors,
-                max_response_tokens=budgets,
+                max_rationale_tokens=budgets,
             )
             trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
             rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
@@ -243,7 +243,7 @@ def test_recompute_prompts_trains_the_prompt_only_documents_and_nothing_else(tmp
 
 
 def test_a_run_with_budgets_by_prompt_type_saves_the_model_that_encodes_with_them(tmp_path):
-    cfg = config(tmp_path, contrastive_beta=1.0, max_response_tokens=SHIPPED, max_steps=1, batch_sampling="by_source")
+    cfg = config(tmp_path, contrastive_beta=1.0, max_rationale_tokens=SHIPPED, max_steps=1, batch_sampling="by_source")
     trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
     trainer.train()
     saved = SentenceTransformer(str(tmp_path / "run" / "checkpoint-00000001"), trust_remote_code=True)
@@ -307,7 +307,7 @@ def test_a_batch_of_scored_pairs_trains_cosent_on_one_greedy_rollout_a_text(tmp_
              for source in ("sts/train", DATA[0].source)}
     step = steps["sts/train"]
     scores = trainer.graded_scores(step)
-    rollouts = trainer.rollout(trainer.batch_for_step(step), step, graded=True)
+    rollouts = trainer.rollout(trainer.batch_for_step(step), step)
     assert rollouts.num_rollouts == 1 and rollouts.positives.temperature == 0.0
     query, positives = rollouts.grouped(cfg.num_negatives)[:2]
     expected = graded_contrastive_loss(query, positives[:, 0], scores, scale=cfg.graded_scale)

@@ -26,7 +26,8 @@ from grace_training.checkpoint import (
     write_checkpoint,
 )
 from grace_training.cli import main
-from grace_training.config import RULES, ConfigError, GRPOConfig
+from grace_training.config import RULES, ConfigError, GRPOConfig, config_table
+from grace_training.run_dir import config_changes
 from grace_training.data import Triplet
 from grace_training.metrics import MetricsLogger
 from grace_training.trainer import GRPOTrainer
@@ -38,8 +39,8 @@ def small_config(output_dir: Path, **overrides) -> GRPOConfig:
     settings = {
         "num_rollouts": 2,
         "batch_size": 2,
-        "max_prompt_tokens": 160,
-        "max_response_tokens": 3,
+        "max_input_tokens": 160,
+        "max_rationale_tokens": 3,
         "learning_rate": 1e-3,
         "max_steps": 2,
         "save_steps": 1,
@@ -274,8 +275,8 @@ def test_the_cli_resume_without_a_loadable_checkpoint_is_one_error_line(trained_
     config = tmp_path / "config.yaml"
     config.write_text(
         f"model_name_or_path: {model_dir}\ntrain_data: [{{type: triplets, path: {data}}}]\n"
-        f"output_dir: {run}\nbatch_size: 2\nnum_rollouts: 2\nmax_steps: 2\nmax_prompt_tokens: 160\n"
-        "max_response_tokens: 3\nreport_to: [jsonl]\n"
+        f"output_dir: {run}\nbatch_size: 2\nnum_rollouts: 2\nmax_steps: 2\nmax_input_tokens: 160\n"
+        "max_rationale_tokens: 3\nreport_to: [jsonl]\n"
     )
     assert main(["--config", str(config), "--resume"]) == 1
     err = capsys.readouterr().err
@@ -286,8 +287,28 @@ def test_the_cli_resume_without_a_loadable_checkpoint_is_one_error_line(trained_
 # -- 9. typed config validation ---------------------------------------------------------------------
 
 
-def test_every_config_key_has_a_rule():
-    assert set(RULES) == {f.name for f in dataclasses.fields(GRPOConfig)}
+def test_every_config_key_has_its_help_rules_and_resume_kind_once_and_the_docs_table_is_the_code():
+    """[engine]: a key is one field: default, help, range rules, resume kind; the docs' table is generated."""
+    for item in dataclasses.fields(GRPOConfig):
+        assert item.metadata["doc"], item.name
+        assert item.metadata["resume"] in ("free", "applied", "fixed"), item.name
+        assert RULES[item.name] == item.metadata["rules"]
+    docs = (Path(__file__).parents[1] / "docs" / "training.md").read_text(encoding="utf-8")
+    start, end = "<!-- config table: python -m grace_training.config -->\n", "\n<!-- end of config table -->"
+    assert docs[docs.index(start) + len(start) : docs.index(end)] == config_table(), (
+        "docs/training.md's config table is stale: paste `python -m grace_training.config` between its markers"
+    )
+
+
+def test_the_old_budget_names_are_read_with_a_warning(caplog):
+    old = GRPOConfig.from_dict({"max_prompt_tokens": 100, "max_response_tokens": {"default": 8, "document": 0}})
+    assert old.max_input_tokens == 100 and old.max_rationale_tokens == {"default": 8, "document": 0}
+    assert "max_response_tokens is now called max_rationale_tokens" in caplog.text
+    with pytest.raises(ConfigError, match="max_prompt_tokens is the old name of max_input_tokens"):
+        GRPOConfig.from_dict({"max_prompt_tokens": 100, "max_input_tokens": 100})
+    # a checkpoint saved under the old names resumes as unchanged
+    saved = {{"max_input_tokens": "max_prompt_tokens"}.get(k, k): v for k, v in old.to_dict().items()}
+    assert "max_prompt_tokens" in saved and config_changes(saved, old) == []
 
 
 @pytest.mark.parametrize(
@@ -358,7 +379,7 @@ def cli_setup(tmp_path_factory):
     (root / "config.yaml").write_text(
         f"model_name_or_path: {root / 'model'}\ndata_dir: {root}\n"
         "train_data:\n  - {type: triplets, path: train.jsonl}\n"
-        "num_rollouts: 2\nbatch_size: 2\nmax_prompt_tokens: 160\nmax_response_tokens: 4\n"
+        "num_rollouts: 2\nbatch_size: 2\nmax_input_tokens: 160\nmax_rationale_tokens: 4\n"
         f"output_dir: {root / 'run'}\nreport_to: [jsonl]\n"
     )
     return root

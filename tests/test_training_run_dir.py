@@ -315,7 +315,7 @@ def cli_setup(tmp_path_factory):
     (root / "config.yaml").write_text(
         f"model_name_or_path: {root / 'model'}\ndata_dir: {root}\n"
         "train_data:\n  - {type: triplets, path: train.jsonl}\n"
-        "num_rollouts: 2\nbatch_size: 2\nmax_prompt_tokens: 160\nmax_response_tokens: 3\n"
+        "num_rollouts: 2\nbatch_size: 2\nmax_input_tokens: 160\nmax_rationale_tokens: 3\n"
         "learning_rate: 1.0e-4\nsave_steps: 1\nreport_to: [jsonl]\n"
     )
     return root

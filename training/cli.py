@@ -103,9 +103,9 @@ def plan(config: GRPOConfig, sample: int = 256) -> dict[str, Any]:
         if not texts:
             return 0.0
         template = build_prompt_template(tokenizer, instructions.get(task, instructions["default"]))
-        budget = config.max_prompt_tokens - len(template.prefix_ids) - len(template.suffix_ids)
+        budget = config.max_input_tokens - len(template.prefix_ids) - len(template.suffix_ids)
         if budget < 0:
-            raise ValueError(f"the {task!r} instruction and chat template alone exceed max_prompt_tokens")
+            raise ValueError(f"the {task!r} instruction and chat template alone exceed max_input_tokens")
         return statistics.mean(len(template.build(ids[:budget])) for ids in tokenize_texts(tokenizer, texts))
 
     import random

@@ -4,9 +4,11 @@ A YAML file holds the same keys (``training/configs/paper.yaml`` is the paper's 
 overrides any key with ``key=value``. Paper values that differ between the paper's text and
 its reference code are noted where they are set.
 
-Why one file of ~660 lines: each key's type, default and range rule sit together (``RULES`` beside
-the dataclass), and the rules that tie keys together and what a resume may change (``RESUME_CHANGES``)
-beside them, so a new key is added in one place.
+Each key is one field (:func:`key`): its type, default, what it does, its range rules and what
+``--resume`` does when it changed. ``RULES``, ``RESUME_CHANGES``, the model card's summary and the docs'
+table (:func:`config_table`, ``python -m grace_training.config``) are read from the fields, so a new key
+is added in one place. Why one file of ~570 lines: the fields are most of it; the rules that tie keys
+together sit beside them.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import dataclasses
 import difflib
 import functools
 import json
+import logging
 import os
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +29,8 @@ from grace_st.settings import per_prompt_type
 
 from .sampling import SAMPLINGS
 from .validation import NON_EMPTY, ConfigError, Rule, above, at_least, between, check_value, coerce, one_of, subset_of
+
+logger = logging.getLogger(__name__)
 
 REWARD_MODES = ("paper", "per_rollout")
 OBJECTIVES = ("supervised", "unsupervised")
@@ -39,6 +44,40 @@ BAD_ROWS = ("skip", "error")
 LR_SCHEDULERS = ("constant", "linear")
 
 
+# -- each key's rules, and what a resume may change ----------------------------------------------
+# Types come from the annotations; a key's range rules and its resume kind sit in its field (``key``).
+# A resumed run goes on under the config it is given; each key changed since the checkpoint is one of
+#   FREE     bookkeeping, the run's length, how (not what) it computes: changes, and is recorded;
+#   APPLIED  what is trained: refused unless asked (--allow-config-change), then applied from the
+#            next step (optimizer settings included) and recorded in config_changes.jsonl;
+#   FIXED    what the checkpoint was built from: refused always (a new run in another output_dir).
+
+FREE, APPLIED, FIXED = "free", "applied", "fixed"
+POSITIVE, NON_NEGATIVE, AT_LEAST_ONE = above(0), at_least(0), at_least(1)
+PROBABILITY_OPEN_TOP = between(0, 1, high_open=True)
+REPORTERS = ("jsonl", "tensorboard")
+SEED_RANGE = between(0, 2**32 - 1)  # NumPy's seeding takes nothing outside [0, 2**32)
+REPO_ID = Rule(
+    lambda value: len(value.split("/")) <= 2 and all(value.split("/")) and not any(c.isspace() for c in value),
+    "be 'name' or 'owner/name' without spaces",
+)
+BUDGETS = Rule(
+    lambda v: v >= 1 if not isinstance(v, dict) else per_prompt_type(0)(v) and max(v.values()) >= 1,
+    "be an integer >= 1, or a mapping of prompt type to an integer >= 0 with a 'default' entry and one >= 1"
+    " (GRPO needs a rationale)",
+)
+# Old names of keys, still read from YAML files, overrides and saved configs (with a warning).
+ALIASES = {"max_prompt_tokens": "max_input_tokens", "max_response_tokens": "max_rationale_tokens"}
+
+
+def key(default: Any = MISSING, doc: str = "", *rules: Rule, resume: str, card: bool = False, factory=MISSING):
+    """A config key: its default, what it does (``doc``, the docs table's text), its range ``rules``, what
+    ``--resume`` does when it changed (``resume``: FREE, APPLIED or FIXED) and whether the model card lists
+    it (``card``)."""
+    metadata = {"doc": doc, "rules": rules, "resume": resume, "card": card}
+    return field(default=default, default_factory=factory, metadata=metadata)
+
+
 @dataclass
 class GRPOConfig:
     """GRACE GRPO training settings (Eqs. 4–11, 28; paper defaults).
@@ -49,127 +88,219 @@ class GRPOConfig:
     """
 
     # -- model ------------------------------------------------------------------------------
-    model_name_or_path: str | None = None  # None: the untrained embedded SmolLM2, default_model_path(trained=False)
-    base_model: str | None = None  # Hub id named on model cards (default: model_name_or_path if a Hub id)
-    query_task: str = "query"  # which of the encoder's instructions P(·) wraps queries in
-    document_task: str = "document"  # ... positives and negatives; "default" for symmetric data
-    # The encoder's max_input_tokens and max_rationale_tokens under the names of the paper's code
-    # (the saved model encodes with them); YAML files keep these keys.
-    max_prompt_tokens: int = 1024  # paper: prompt ≤ 1024 tokens
-    # paper: rationale ≤ 2048 tokens in training. Or budgets by prompt type, as the encoder's
-    # max_rationale_tokens takes them (e.g. {default: 32, query: 32, document: 0}): each side is
-    # trained at the budget it is encoded with, and a retrieval source whose documents get 0 rolls
-    # out its queries (rollout.py)
-    max_response_tokens: int | dict[str, int] = 2048
+    model_name_or_path: str | None = key(
+        None, "the model to train; null: the untrained embedded SmolLM2 (`default_model_path(trained=False)`)",
+        NON_EMPTY, resume=FIXED,  # the weights (the base of a LoRA adapter) the run started from
+    )
+    base_model: str | None = key(
+        None, "the Hub id model cards name as the base (default: `model_name_or_path` when it is a Hub id)",
+        NON_EMPTY, resume=FREE,
+    )
+    query_task: str = key("query", "the encoder's instruction P(·) queries are wrapped in", NON_EMPTY, resume=APPLIED)
+    document_task: str = key(
+        "document", "the instruction of positives and negatives (`default` for symmetric data)", NON_EMPTY,
+        resume=APPLIED,
+    )
+    # The encoder's own names: the saved model encodes with them (paper: prompt ≤ 1024, rationale ≤ 2048).
+    max_input_tokens: int = key(1024, "prompt limit (the paper's 1024)", AT_LEAST_ONE, resume=APPLIED, card=True)
+    max_rationale_tokens: int | dict[str, int] = key(
+        2048, "rationale limit (the paper's 2048), or budgets by prompt type as the encoder takes them, e.g. "
+        "`{default: 32, query: 32, document: 0}`: each side is trained at the budget it is encoded with, and a "
+        "retrieval source whose documents get 0 rolls out its queries",
+        BUDGETS, resume=APPLIED, card=True,
+    )
 
     # -- data -------------------------------------------------------------------------------
-    objective: str = "supervised"  # "unsupervised": raw text, Eqs. 12–13
-    data_dir: str | None = None  # relative source paths resolve against it (e.g. ../shared/data)
-    train_data: list[dict[str, Any]] = field(default_factory=list)
-    eval_data: list[dict[str, Any]] = field(default_factory=list)
-    num_negatives: int = 1  # negatives per triplet used in Eq. 5 (extra ones are dropped)
-    # "shuffled": one permutation of all triplets an epoch; "by_source": each step's batch from one
-    # source, drawn by the sources' ``weight`` (sampling.py)
-    batch_sampling: str = "shuffled"
-    bad_rows: str = "skip"  # "skip": report (file, line) and go on; "error": refuse before training
+    objective: str = key(
+        "supervised", "`unsupervised`: raw text, an anchor rollout and K rollouts of x (Eqs. 12–13)",
+        one_of(OBJECTIVES), resume=FIXED, card=True,  # supervised and unsupervised GRACE are different methods
+    )
+    data_dir: str | None = key(
+        None, "relative source paths resolve against it (e.g. `../shared/data`)", NON_EMPTY,
+        resume=FREE,  # where the data is, not which: a changed data size is warned of on resume
+    )
+    train_data: list[dict[str, Any]] = key(
+        doc="training sources, one dict each (Data, below)", resume=APPLIED, factory=list
+    )  # each source is checked by _check_source; empty is refused where data is loaded
+    eval_data: list[dict[str, Any]] = key(doc="evaluation sources (the dev curve)", resume=FREE, factory=list)
+    num_negatives: int = key(
+        1, "negatives a triplet takes into Eq. 5 (extra ones are dropped)", NON_NEGATIVE, resume=APPLIED, card=True
+    )
+    batch_sampling: str = key(
+        "shuffled", "`shuffled`: one permutation of all triplets an epoch; `by_source`: each step's batch from "
+        "one source, drawn by the sources' `weight`", one_of(SAMPLINGS), resume=APPLIED,
+    )
+    bad_rows: str = key(
+        "skip", "`skip`: report each bad row (file, line) and go on; `error`: refuse before training",
+        one_of(BAD_ROWS), resume=FREE,  # the rows trained on are the same
+    )
 
     # -- rollouts (Eq. 4) -------------------------------------------------------------------
-    num_rollouts: int = 8  # K, rationales per positive
-    temperature_positive: float = 1.0  # paper: K positive rollouts at 1.0
-    temperature_query: float = 0.5  # reference code: queries and negatives at 0.5
-    temperature_negative: float = 0.5
-    top_p: float = 1.0
-    rollout_backend: str = "hf"  # "vllm": an engine in this process (GPU), see vllm_backend.py
-    rollout_batch_size: int = 64  # rows generated at once by the HF backend (memory bound)
-    # HF backend: a chunk also closes where prompts grow past this ratio (rollout.length_buckets), so short
-    # prompts are not padded to long ones; null (default): chunks of rollout_batch_size in length order only.
-    # Measured slower at the shipped settings (docs/scale.md: more decode passes cost more than the padding)
-    rollout_bucket_ratio: float | None = None
-    vllm_gpu_memory_utilization: float = 0.5  # paper: vLLM at 50 % of the GPU
-    vllm_tensor_parallel_size: int = 1
-    vllm_enable_sleep_mode: bool = False
+    num_rollouts: int = key(8, "K, rationales per positive", AT_LEAST_ONE, resume=APPLIED, card=True)
+    temperature_positive: float = key(
+        1.0, "the K positive rollouts' temperature (paper: 1.0; 0 is greedy)", NON_NEGATIVE, resume=APPLIED, card=True
+    )
+    temperature_query: float = key(
+        0.5, "queries' rollout temperature (the reference code's 0.5)", NON_NEGATIVE, resume=APPLIED, card=True
+    )
+    temperature_negative: float = key(
+        0.5, "negatives' rollout temperature (the reference code's 0.5)", NON_NEGATIVE, resume=APPLIED, card=True
+    )
+    top_p: float = key(1.0, "nucleus sampling of every rollout", between(0, 1, low_open=True), resume=APPLIED)
+    rollout_backend: str = key(
+        "hf", "`vllm`: an engine in this process (GPU, `vllm_backend.py`)", one_of(BACKENDS),
+        resume=APPLIED,  # another sampler implementation
+    )
+    rollout_batch_size: int = key(64, "rows the HF backend generates at once (memory)", AT_LEAST_ONE, resume=FREE)
+    rollout_bucket_ratio: float | None = key(
+        None, "HF rollouts in length buckets: a chunk also closes where prompts grow past this ratio of its "
+        "shortest; measured slower at the shipped settings (docs/scale.md)", at_least(1), resume=FREE,
+    )
+    vllm_gpu_memory_utilization: float = key(
+        0.5, "the vLLM engine's share of the GPU (paper: 50 %)", between(0, 1, low_open=True), resume=FREE
+    )
+    vllm_tensor_parallel_size: int = key(1, "GPUs the vLLM engine spans", AT_LEAST_ONE, resume=FREE)
+    vllm_enable_sleep_mode: bool = key(False, "the vLLM engine frees its memory during the update", resume=FREE)
 
     # -- rewards (Eqs. 5–9, 13, 28) ---------------------------------------------------------
-    reward_mode: str = "paper"  # "per_rollout": negatives act per rollout (method.md §2)
-    lambda_consistency: float = 0.2  # λ1 (Eq. 8)
-    lambda_hard_negative: float = 0.2  # λ2 (Eq. 8)
-    tau: float = 10.0  # Eq. 9; the paper's text says 10, its reference code divides by 0.1
-    gamma: float = 1.0  # Eq. 28 length penalty
-    length_penalty_mode: str = "add"  # "add": R̂ − γ; "replace": a truncated rollout's reward is −γ; "off"
-    # "scaled": γ is in the units of R̂ (paper); "reward": in the units of R_total (cosines), i.e. −γ/τ,
-    # so the penalty keeps its size relative to the contrastive terms whatever τ is.
-    length_penalty_units: str = "scaled"
-    mask_truncated: bool = False  # drop rollouts cut at the limit from Eq. 11 (TRL's mask_truncated_completions)
-    scale_rewards: str = "none"  # "group": divide Eq. 10's advantages by the group's std (GRPO); "none": Dr. GRPO / paper
+    reward_mode: str = key(
+        "paper", "`per_rollout`: negatives act through each rollout (method.md §2)", one_of(REWARD_MODES),
+        resume=APPLIED, card=True,
+    )
+    lambda_consistency: float = key(
+        0.2, "λ1 (Eq. 8); 0 for the ablation", NON_NEGATIVE,  # a negative weight would reward the opposite
+        resume=APPLIED, card=True,
+    )
+    lambda_hard_negative: float = key(0.2, "λ2 (Eq. 8)", NON_NEGATIVE, resume=APPLIED, card=True)
+    tau: float = key(
+        10.0, "Eq. 9, R̂ = R_total / τ (the paper's text; the reference code divides by 0.1, rewards ×10)",
+        POSITIVE, resume=APPLIED, card=True,
+    )
+    gamma: float = key(1.0, "γ, Eq. 28's length penalty", NON_NEGATIVE, resume=APPLIED, card=True)
+    length_penalty_mode: str = key(
+        "add", "Eq. 28: `add` (R̂ − γ for a rollout cut at the limit), `replace` (its reward is −γ, the reference "
+        "code), `off`", one_of(LENGTH_PENALTY_MODES), resume=APPLIED, card=True,
+    )
+    length_penalty_units: str = key(
+        "scaled", "`scaled`: γ in R̂'s units (paper); `reward`: in cosine units, applied as γ/τ so it keeps its "
+        "size relative to the contrastive terms", one_of(LENGTH_PENALTY_UNITS), resume=APPLIED, card=True,
+    )
+    mask_truncated: bool = key(
+        False, "rollouts cut at the limit leave Eq. 11 (TRL's `mask_truncated_completions`, DAPO)",
+        resume=APPLIED, card=True,
+    )
+    scale_rewards: str = key(
+        "none", "`group`: Eq. 10's advantages divided by the group's std (DeepSeek GRPO); `none`: Dr. GRPO, "
+        "the paper", one_of(REWARD_SCALING), resume=APPLIED, card=True,
+    )
 
-    # -- hybrid objective (beyond the paper): β · InfoNCE on the pooled states of the update pass --
-    contrastive_beta: float = 0.0  # β; 0 is the paper's GRACE exactly
-    contrastive_temperature: float = 0.05
-    # queries and negatives: the rollouts' embeddings ("detached"), recomputed with gradient ("recompute"),
-    # or recomputed only where embedded from the prompt alone, budget 0 ("recompute_prompts": the
-    # documents of a retrieval source under the shipped budgets, so their embedding is trained too)
-    contrastive_anchors: str = "detached"
-    # [scale] warm start: the first N steps roll out one greedy rationale a text (K = 1, every temperature 0),
-    # so Eq. 11's advantage is zero and β · InfoNCE on the pooled states is all that trains, at about half a
-    # step's cost; from step N + 1 on, the configured K and temperatures (the full hybrid). 0: no warm start
-    warm_start_steps: int = 0
-    # [scale] graded pairs: a step drawn from an "sts" source (pairs with every gold score, no threshold) rolls
-    # out one greedy rationale a text, like a warm-start step, and trains β · CoSENT on the pooled cosines
-    # against the gold scores instead of β · InfoNCE (a ranking of the batch's pairs by score; the scale λ)
-    graded_scale: float = 20.0
+    # -- hybrid objective (beyond the paper) -----------------------------------------------------
+    contrastive_beta: float = key(
+        0.0, "β of the hybrid objective: + β · InfoNCE on the update pass's pooled states; 0 is the paper's GRACE",
+        NON_NEGATIVE, resume=APPLIED, card=True,
+    )
+    contrastive_temperature: float = key(0.05, "the InfoNCE term's temperature", POSITIVE, resume=APPLIED, card=True)
+    contrastive_anchors: str = key(
+        "detached", "queries and negatives of the hybrid term: the rollouts' embeddings (`detached`), pooled "
+        "again with gradient (`recompute`), or only where embedded from the prompt alone (`recompute_prompts`: "
+        "a retrieval source's documents under budget 0)", one_of(CONTRASTIVE_ANCHORS), resume=APPLIED, card=True,
+    )
+    warm_start_steps: int = key(
+        0, "the first N steps roll out one greedy rationale a text (K = 1, temperatures 0): no advantage, so "
+        "β · InfoNCE alone trains, at about half a step's cost; then the configured K and temperatures. Needs β > 0",
+        NON_NEGATIVE, resume=APPLIED, card=True,  # which steps are warm is a function of the step
+    )
+    graded_scale: float = key(
+        20.0, "λ of the graded term: a step drawn from an `sts` source (scored pairs, every score kept) rolls out "
+        "one greedy rationale a text and trains β · CoSENT, log(1 + Σ_{s_i > s_j} exp(λ (c_j − c_i))) over the "
+        "batch's pooled cosines c and gold scores s, instead of β · InfoNCE. Needs `batch_sampling: by_source`, β > 0",
+        POSITIVE, resume=APPLIED,
+    )
 
     # -- what is trained ----------------------------------------------------------------------
-    finetune: str = "full"  # "lora": a PEFT LoRA adapter on a frozen base (KL reference = adapter disabled)
-    lora_r: int = 8
-    lora_alpha: int = 16
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] | str = "all-linear"
+    finetune: str = key(
+        "full", "`lora`: a PEFT LoRA adapter on a frozen base (the KL reference is the adapter disabled)",
+        one_of(FINETUNE_MODES), resume=FIXED, card=True,  # the checkpoint holds full weights or an adapter
+    )
+    lora_r: int = key(8, "the adapter's rank", AT_LEAST_ONE, resume=FIXED, card=True)  # its shapes
+    lora_alpha: int = key(
+        16, "the adapter's scale α (ΔW · α / r)", POSITIVE, resume=FIXED, card=True  # rescales it at once, no step
+    )
+    lora_dropout: float = key(0.0, "dropout on the adapter's input", PROBABILITY_OPEN_TOP, resume=APPLIED)
+    lora_target_modules: list[str] | str = key(
+        "all-linear", "the layers the adapter wraps (PEFT's `target_modules`)", NON_EMPTY, resume=FIXED
+    )
 
     # -- policy optimisation (Eqs. 10–11) ---------------------------------------------------
-    learning_rate: float = 1e-6  # AdamW, constant, no warm-up
-    lr_scheduler: str = "constant"  # or "linear" (decay to 0 over the run)
-    warmup_steps: int = 0
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    ppo_epochs: int = 1  # optimisation passes over one batch's rollouts; > 1 uses the clipped ratio
-    clip_epsilon: float = 0.2
-    kl_coef: float = 0.0  # > 0: KL to the initial model (k3 estimator), keeps a frozen copy
-    gradient_accumulation_steps: int = 1  # the positive rollouts of a step are split in this many chunks
-    # The update pass runs the prompt the K rollouts of a positive share once, its keys and values
-    # expanded to the K rows (the same loss and gradients; off with gradient checkpointing, which drops the KV cache)
-    share_prompt_pass: bool = True
+    learning_rate: float = key(
+        1e-6, "AdamW's rate (set on the optimizer and the schedule on resume)", POSITIVE, resume=APPLIED, card=True
+    )
+    lr_scheduler: str = key("constant", "`linear`: decays to 0 over the run", one_of(LR_SCHEDULERS), resume=APPLIED)
+    warmup_steps: int = key(0, "linear warm-up steps", NON_NEGATIVE, resume=APPLIED)
+    weight_decay: float = key(0.0, "AdamW's weight decay", NON_NEGATIVE, resume=APPLIED)
+    adam_beta1: float = key(0.9, "AdamW's β1 (< 1)", PROBABILITY_OPEN_TOP, resume=APPLIED)
+    adam_beta2: float = key(0.999, "AdamW's β2 (< 1)", PROBABILITY_OPEN_TOP, resume=APPLIED)
+    adam_epsilon: float = key(1e-8, "AdamW's ε", POSITIVE, resume=APPLIED)
+    max_grad_norm: float = key(1.0, "gradient clipping; 0: none", NON_NEGATIVE, resume=APPLIED)
+    ppo_epochs: int = key(
+        1, "optimisation passes over one batch's rollouts; > 1 uses the clipped ratio", AT_LEAST_ONE, resume=APPLIED
+    )
+    clip_epsilon: float = key(0.2, "the ratio's clip range (Eq. 11)", POSITIVE, resume=APPLIED)
+    kl_coef: float = key(0.0, "> 0: KL to the initial model (k3 estimator), keeps a frozen copy", NON_NEGATIVE,
+                         resume=APPLIED)
+    gradient_accumulation_steps: int = key(
+        1, "the step's positive rollouts in this many chunks, one optimiser step", AT_LEAST_ONE,
+        resume=APPLIED,  # the hybrid term sees the chunks (trainer.update)
+    )
+    share_prompt_pass: bool = key(
+        True, "the update pass runs the prompt K rollouts share once, its keys and values expanded to the K rows "
+        "(the same loss and gradients; off with gradient checkpointing, which drops the KV cache)", resume=FREE,
+    )
 
     # -- loop -------------------------------------------------------------------------------
-    batch_size: int = 64  # B triplets per step, over all processes
-    epochs: int = 2
-    max_steps: int = -1  # > 0 stops there (takes precedence over epochs)
-    seed: int = 42
-    bf16: bool = False  # mixed precision through accelerate (GPU)
-    gradient_checkpointing: bool = False
-    output_dir: str = "runs/grace"
-    logging_steps: int = 1
-    save_steps: int = 100
-    save_total_limit: int | None = 3  # keep-last-k checkpoints
-    eval_steps: int = 0  # 0: evaluate only before and after training (when eval_data is set)
-    eval_max_examples: int = 200
-    eval_batch_size: int = 16
-    report_to: list[str] = field(default_factory=lambda: ["jsonl", "tensorboard"])
+    batch_size: int = key(64, "B triplets a step, over all processes", AT_LEAST_ONE, resume=APPLIED, card=True)
+    epochs: int = key(
+        2, "passes over the data (0 only with max_steps > 0)", NON_NEGATIVE,
+        resume=FREE, card=True,  # the run's length (a linear schedule decays over the new length)
+    )
+    max_steps: int = key(-1, "> 0: stop there (wins over epochs)", at_least(-1), resume=FREE, card=True)
+    seed: int = key(42, "the data order and the rollouts' seeds", SEED_RANGE, resume=APPLIED, card=True)
+    bf16: bool = key(False, "mixed precision through accelerate (GPU)", resume=APPLIED)  # every pass's precision
+    gradient_checkpointing: bool = key(False, "recompute activations in the backward pass (memory)", resume=FREE)
+    output_dir: str = key("runs/grace", "the run's directory (checkpoints, metrics)", NON_EMPTY, resume=FREE)
+    logging_steps: int = key(1, "a step logs when step % logging_steps == 0", AT_LEAST_ONE, resume=FREE)
+    save_steps: int = key(100, "checkpoint interval; 0: only the final checkpoint", NON_NEGATIVE, resume=FREE)
+    save_total_limit: int | None = key(3, "keep the last k checkpoints; null: all", AT_LEAST_ONE, resume=FREE)
+    eval_steps: int = key(
+        0, "evaluate every N steps; 0: before and after training only (when eval_data is set)", NON_NEGATIVE,
+        resume=FREE,
+    )
+    eval_max_examples: int = key(200, "examples an evaluation source keeps; 0: all", NON_NEGATIVE, resume=FREE)
+    eval_batch_size: int = key(16, "texts encoded at once in an evaluation", AT_LEAST_ONE, resume=FREE)
+    report_to: list[str] = key(
+        doc="`jsonl` (metrics.jsonl), `tensorboard`", resume=FREE, factory=lambda: ["jsonl", "tensorboard"]
+    )
 
     # -- hub --------------------------------------------------------------------------------
-    push_to_hub: bool = False
-    hub_model_id: str | None = None
-    hub_private: bool = True
-    push_steps: int = 0  # 0: push every saved checkpoint; N: every checkpoint whose step is a multiple of N
-    hub_retry_backoff_s: float = 5.0  # first wait after a failed push; doubles up to 5 minutes
-    hub_final_wait_s: float = 600.0  # at the end, wait this long for pending pushes; the journal keeps the rest
+    push_to_hub: bool = key(False, "push checkpoints to the Hub in the background", resume=FREE)
+    hub_model_id: str | None = key(None, "the repository pushed to", REPO_ID, resume=FREE)
+    hub_private: bool = key(True, "create the repository private", resume=FREE)
+    push_steps: int = key(
+        0, "0: push every saved checkpoint; N: those whose step is a multiple of N", NON_NEGATIVE, resume=FREE
+    )
+    hub_retry_backoff_s: float = key(
+        5.0, "first wait after a failed push; doubles up to 5 minutes", POSITIVE, resume=FREE
+    )
+    hub_final_wait_s: float = key(
+        600.0, "at the end, wait this long for pending pushes; the journal keeps the rest", NON_NEGATIVE, resume=FREE
+    )
 
     # -- InfoNCE baseline (contrastive.py; the paper's "w/ CL" row) ---------------------------
-    infonce_learning_rate: float = 1e-5
-    infonce_batch_size: int | None = None  # None: batch_size
-    infonce_temperature: float = 0.05  # MultipleNegativesRankingLoss scale = 1 / temperature
+    infonce_learning_rate: float = key(1e-5, "the baseline's rate (not GRPO's)", POSITIVE, resume=FREE)
+    infonce_batch_size: int | None = key(None, "the baseline's batch; null: batch_size", AT_LEAST_ONE, resume=FREE)
+    infonce_temperature: float = key(
+        0.05, "MultipleNegativesRankingLoss's scale is 1 / temperature", POSITIVE, resume=FREE
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -203,6 +334,7 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GRPOConfig:
+        values = canonical_keys(values)
         hints = _hints()
         unknown = sorted(str(key) for key in values if key not in hints)
         if unknown:
@@ -238,7 +370,7 @@ class GRPOConfig:
         greedy rollout a text."""
         names = ("num_rollouts", "num_negatives", "seed", "temperature_query", "temperature_negative",
                  "temperature_positive", "top_p", "query_task", "document_task")
-        settings = {"max_new_tokens": self.max_response_tokens, **{name: getattr(self, name) for name in names}}
+        settings = {"max_new_tokens": self.max_rationale_tokens, **{name: getattr(self, name) for name in names}}
         if graded or (step is not None and step < self.warm_start_steps):
             settings.update(num_rollouts=1, temperature_query=0.0, temperature_negative=0.0, temperature_positive=0.0)
         return settings
@@ -246,7 +378,7 @@ class GRPOConfig:
     @property
     def longest_response(self) -> int:
         """The largest rationale budget of any prompt type (KV sizes, token estimates)."""
-        budgets = self.max_response_tokens
+        budgets = self.max_rationale_tokens
         return max(budgets.values()) if isinstance(budgets, dict) else budgets
 
     def reward_settings(self) -> dict[str, Any]:
@@ -257,239 +389,39 @@ class GRPOConfig:
         return {"mode": self.reward_mode, **{name: getattr(self, name) for name in names}}
 
     def summary(self) -> dict[str, Any]:
-        """The settings worth a line on a model card (flat, JSON-friendly)."""
-        keys = [
-            "objective",
-            "reward_mode",
-            "num_rollouts",
-            "batch_size",
-            "num_negatives",
-            "lambda_consistency",
-            "lambda_hard_negative",
-            "tau",
-            "gamma",
-            "length_penalty_mode",
-            "length_penalty_units",
-            "mask_truncated",
-            "scale_rewards",
-            "contrastive_beta",
-            "contrastive_temperature",
-            "contrastive_anchors",
-            "warm_start_steps",
-            "finetune",
-            "lora_r",
-            "lora_alpha",
-            "learning_rate",
-            "max_prompt_tokens",
-            "max_response_tokens",
-            "temperature_positive",
-            "temperature_query",
-            "temperature_negative",
-            "epochs",
-            "max_steps",
-            "seed",
-        ]
-        return {key: getattr(self, key) for key in keys}
+        """The settings worth a line on a model card (the keys marked ``card``; flat, JSON-friendly)."""
+        return {item.name: getattr(self, item.name) for item in dataclasses.fields(self) if item.metadata["card"]}
 
     def __str__(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
 
 
-# -- per-key rules -------------------------------------------------------------------------------
-# Types come from the annotations; these are the ranges. Every key has an entry (a test holds
-# RULES to the dataclass's fields), so a new key cannot skip validation by omission.
-
-POSITIVE, NON_NEGATIVE, AT_LEAST_ONE = above(0), at_least(0), at_least(1)
-PROBABILITY_OPEN_TOP = between(0, 1, high_open=True)
-REPORTERS = ("jsonl", "tensorboard")
-SEED_RANGE = between(0, 2**32 - 1)  # NumPy's seeding takes nothing outside [0, 2**32)
+RULES: dict[str, tuple[Rule, ...]] = {item.name: item.metadata["rules"] for item in dataclasses.fields(GRPOConfig)}
+RESUME_CHANGES: dict[str, str] = {item.name: item.metadata["resume"] for item in dataclasses.fields(GRPOConfig)}
 
 
-def _is_repo_id(value: str) -> bool:
-    parts = value.split("/")
-    return len(parts) <= 2 and all(parts) and not any(c.isspace() for c in value)
+def canonical_keys(values: Mapping[str, Any], warn: bool = True) -> dict[str, Any]:
+    """``values`` with each old key name (``ALIASES``) under its current one; a warning names each rename."""
+    renamed = {}
+    for name, value in values.items():
+        current = ALIASES.get(name, name)
+        if current != name:
+            if current in values:
+                raise ConfigError(f"{name} is the old name of {current}; give one of them", key=current)
+            if warn:
+                logger.warning("config key %s is now called %s (the old name still works)", name, current)
+        renamed[current] = value
+    return renamed
 
 
-RULES: dict[str, tuple[Rule, ...]] = {
-    "model_name_or_path": (NON_EMPTY,),
-    "base_model": (NON_EMPTY,),
-    "query_task": (NON_EMPTY,),
-    "document_task": (NON_EMPTY,),
-    "max_prompt_tokens": (AT_LEAST_ONE,),
-    "max_response_tokens": (
-        Rule(
-            lambda v: v >= 1 if not isinstance(v, dict) else per_prompt_type(0)(v) and max(v.values()) >= 1,
-            "be an integer >= 1, or a mapping of prompt type to an integer >= 0 with a 'default' entry and one >= 1"
-            " (GRPO needs a rationale)",
-        ),
-    ),
-    "objective": (one_of(OBJECTIVES),),
-    "data_dir": (NON_EMPTY,),
-    "train_data": (),  # each source is checked by _check_source; empty is refused where data is loaded
-    "eval_data": (),
-    "num_negatives": (NON_NEGATIVE,),
-    "batch_sampling": (one_of(SAMPLINGS),),
-    "bad_rows": (one_of(BAD_ROWS),),
-    "num_rollouts": (AT_LEAST_ONE,),
-    "temperature_positive": (NON_NEGATIVE,),  # 0 is greedy
-    "temperature_query": (NON_NEGATIVE,),
-    "temperature_negative": (NON_NEGATIVE,),
-    "top_p": (between(0, 1, low_open=True),),
-    "rollout_backend": (one_of(BACKENDS),),
-    "rollout_batch_size": (AT_LEAST_ONE,),
-    "rollout_bucket_ratio": (at_least(1),),
-    "vllm_gpu_memory_utilization": (between(0, 1, low_open=True),),
-    "vllm_tensor_parallel_size": (AT_LEAST_ONE,),
-    "vllm_enable_sleep_mode": (),
-    "reward_mode": (one_of(REWARD_MODES),),
-    "lambda_consistency": (NON_NEGATIVE,),  # a negative weight would reward the opposite of Eq. 8
-    "lambda_hard_negative": (NON_NEGATIVE,),
-    "tau": (POSITIVE,),
-    "gamma": (NON_NEGATIVE,),
-    "length_penalty_mode": (one_of(LENGTH_PENALTY_MODES),),
-    "length_penalty_units": (one_of(LENGTH_PENALTY_UNITS),),
-    "mask_truncated": (),
-    "scale_rewards": (one_of(REWARD_SCALING),),
-    "contrastive_beta": (NON_NEGATIVE,),
-    "contrastive_temperature": (POSITIVE,),
-    "contrastive_anchors": (one_of(CONTRASTIVE_ANCHORS),),
-    "warm_start_steps": (NON_NEGATIVE,),
-    "graded_scale": (POSITIVE,),
-    "finetune": (one_of(FINETUNE_MODES),),
-    "lora_r": (AT_LEAST_ONE,),
-    "lora_alpha": (POSITIVE,),
-    "lora_dropout": (PROBABILITY_OPEN_TOP,),
-    "lora_target_modules": (NON_EMPTY,),
-    "learning_rate": (POSITIVE,),
-    "lr_scheduler": (one_of(LR_SCHEDULERS),),
-    "warmup_steps": (NON_NEGATIVE,),
-    "weight_decay": (NON_NEGATIVE,),
-    "adam_beta1": (PROBABILITY_OPEN_TOP,),  # AdamW refuses a beta of 1 or more
-    "adam_beta2": (PROBABILITY_OPEN_TOP,),
-    "adam_epsilon": (POSITIVE,),
-    "max_grad_norm": (NON_NEGATIVE,),  # 0: no clipping
-    "ppo_epochs": (AT_LEAST_ONE,),
-    "clip_epsilon": (POSITIVE,),
-    "kl_coef": (NON_NEGATIVE,),
-    "gradient_accumulation_steps": (AT_LEAST_ONE,),
-    "share_prompt_pass": (),
-    "batch_size": (AT_LEAST_ONE,),
-    "epochs": (NON_NEGATIVE,),  # 0 only with max_steps > 0 (a combination rule)
-    "max_steps": (at_least(-1),),  # -1 or 0: run the epochs
-    "seed": (SEED_RANGE,),
-    "bf16": (),  # whether this machine can run it is check_environment's question
-    "gradient_checkpointing": (),
-    "output_dir": (NON_EMPTY,),
-    "logging_steps": (AT_LEAST_ONE,),  # a step logs when step % logging_steps == 0
-    "save_steps": (NON_NEGATIVE,),  # 0: only the final checkpoint; a negative one would save every step
-    "save_total_limit": (AT_LEAST_ONE,),  # null keeps every checkpoint
-    "eval_steps": (NON_NEGATIVE,),
-    "eval_max_examples": (NON_NEGATIVE,),  # 0: no cap
-    "eval_batch_size": (AT_LEAST_ONE,),
-    "report_to": (subset_of(REPORTERS),),
-    "push_to_hub": (),
-    "hub_model_id": (Rule(_is_repo_id, "be 'name' or 'owner/name' without spaces"),),
-    "hub_private": (),
-    "push_steps": (NON_NEGATIVE,),
-    "hub_retry_backoff_s": (POSITIVE,),  # 0 would retry a failing push in a busy loop
-    "hub_final_wait_s": (NON_NEGATIVE,),
-    "infonce_learning_rate": (POSITIVE,),
-    "infonce_batch_size": (AT_LEAST_ONE,),
-    "infonce_temperature": (POSITIVE,),
-}
-
-
-# -- what --resume may change ---------------------------------------------------------------------
-# A resumed run goes on under the config it is given; each key changed since the checkpoint is one of
-#   FREE     bookkeeping, the run's length, how (not what) it computes: changes, and is recorded;
-#   APPLIED  what is trained: refused unless asked (--allow-config-change), then applied from the
-#            next step (optimizer settings included) and recorded in config_changes.jsonl;
-#   FIXED    what the checkpoint was built from: refused always (a new run in another output_dir).
-# Every key has an entry (a test holds this table to the dataclass's fields, as RULES).
-
-FREE, APPLIED, FIXED = "free", "applied", "fixed"
-
-RESUME_CHANGES: dict[str, str] = {
-    "model_name_or_path": FIXED,  # the weights (the base of a LoRA adapter) the run started from
-    "base_model": FREE,  # a name on the model card
-    "query_task": APPLIED,
-    "document_task": APPLIED,
-    "max_prompt_tokens": APPLIED,
-    "max_response_tokens": APPLIED,
-    "objective": FIXED,  # supervised and unsupervised GRACE are different methods (Eqs. 5-9 vs 13)
-    "data_dir": FREE,  # where the data is, not which: a changed data size is warned of on resume
-    "train_data": APPLIED,  # the data mix
-    "eval_data": FREE,
-    "num_negatives": APPLIED,
-    "batch_sampling": APPLIED,
-    "bad_rows": FREE,  # skip or refuse: the rows trained on are the same
-    "num_rollouts": APPLIED,
-    "temperature_positive": APPLIED,
-    "temperature_query": APPLIED,
-    "temperature_negative": APPLIED,
-    "top_p": APPLIED,
-    "rollout_backend": APPLIED,  # another sampler implementation
-    "rollout_batch_size": FREE,  # rows generated at once: memory
-    "rollout_bucket_ratio": FREE,
-    "vllm_gpu_memory_utilization": FREE,
-    "vllm_tensor_parallel_size": FREE,
-    "vllm_enable_sleep_mode": FREE,
-    "reward_mode": APPLIED,
-    "lambda_consistency": APPLIED,
-    "lambda_hard_negative": APPLIED,
-    "tau": APPLIED,
-    "gamma": APPLIED,
-    "length_penalty_mode": APPLIED,
-    "length_penalty_units": APPLIED,
-    "mask_truncated": APPLIED,
-    "scale_rewards": APPLIED,
-    "contrastive_beta": APPLIED,
-    "contrastive_temperature": APPLIED,
-    "contrastive_anchors": APPLIED,
-    "warm_start_steps": APPLIED,  # which steps are warm is a function of the step
-    "graded_scale": APPLIED,
-    "finetune": FIXED,  # full weights or an adapter: the checkpoint holds one or the other
-    "lora_r": FIXED,  # the adapter's shapes
-    "lora_alpha": FIXED,  # rescales the trained adapter at once, without a step
-    "lora_dropout": APPLIED,
-    "lora_target_modules": FIXED,
-    "learning_rate": APPLIED,  # the optimizer's and the schedule's rates are set to it on resume
-    "lr_scheduler": APPLIED,
-    "warmup_steps": APPLIED,
-    "weight_decay": APPLIED,
-    "adam_beta1": APPLIED,
-    "adam_beta2": APPLIED,
-    "adam_epsilon": APPLIED,
-    "max_grad_norm": APPLIED,
-    "ppo_epochs": APPLIED,
-    "clip_epsilon": APPLIED,
-    "kl_coef": APPLIED,
-    "gradient_accumulation_steps": APPLIED,  # the hybrid term sees the chunks (trainer.update)
-    "share_prompt_pass": FREE,  # the same loss and gradients
-    "batch_size": APPLIED,
-    "epochs": FREE,  # the run's length (a linear schedule decays over the new length)
-    "max_steps": FREE,
-    "seed": APPLIED,  # the data order and the rollouts' seeds
-    "bf16": APPLIED,  # the precision of every pass
-    "gradient_checkpointing": FREE,  # recomputes the same activations
-    "output_dir": FREE,
-    "logging_steps": FREE,
-    "save_steps": FREE,
-    "save_total_limit": FREE,
-    "eval_steps": FREE,
-    "eval_max_examples": FREE,
-    "eval_batch_size": FREE,
-    "report_to": FREE,
-    "push_to_hub": FREE,
-    "hub_model_id": FREE,
-    "hub_private": FREE,
-    "push_steps": FREE,
-    "hub_retry_backoff_s": FREE,
-    "hub_final_wait_s": FREE,
-    "infonce_learning_rate": FREE,  # the InfoNCE baseline's, not GRPO's
-    "infonce_batch_size": FREE,
-    "infonce_temperature": FREE,
-}
+def config_table() -> str:
+    """The docs' table of every key (docs/training.md; a test holds it to this function)."""
+    rows = ["| key | default | on `--resume` | what it does |", "|---|---|---|---|"]
+    for item in dataclasses.fields(GRPOConfig):
+        default = item.default if item.default is not MISSING else item.default_factory()
+        shown = json.dumps(default, ensure_ascii=False) if not isinstance(default, str) else default
+        rows.append(f"| `{item.name}` | `{shown}` | {item.metadata['resume']} | {item.metadata['doc']} |")
+    return "\n".join(rows)
 
 
 @functools.cache
@@ -695,3 +627,7 @@ def _strict_loader():
             return super().construct_mapping(node, deep=deep)
 
     return StrictLoader
+
+
+if __name__ == "__main__":
+    print(config_table())

@@ -151,7 +151,7 @@ def train_infonce(
         model=encoder.model,
         tokenizer=encoder.tokenizer,
         max_rationale_tokens=0,
-        max_input_tokens=config.max_prompt_tokens,
+        max_input_tokens=config.max_input_tokens,
         **settings,
     )
     st = SentenceTransformer(modules=[trainable, Normalize()], device=str(next(encoder.model.parameters()).device))
@@ -171,7 +171,7 @@ def train_infonce(
     metrics.close()
 
     encoder.model.eval()
-    encoder.max_input_tokens = config.max_prompt_tokens
+    encoder.max_input_tokens = config.max_input_tokens
     final = _save_final(model, config, output, args.per_device_train_batch_size, trainer.state.global_step)
     logger.info("InfoNCE baseline: %d steps, saved to %s", trainer.state.global_step, final)
     return final

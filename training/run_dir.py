@@ -347,11 +347,11 @@ def config_changes(saved: Mapping[str, Any] | None, config) -> list[ConfigChange
     """Each key of ``config`` (a :class:`~grace_training.config.GRPOConfig`) that differs from
     ``saved``; a key the saved config lacks (added since) is compared with its default, the
     value the older code ran with."""
-    from .config import RESUME_CHANGES
+    from .config import RESUME_CHANGES, canonical_keys
 
     if saved is None:
         return []
-    saved, new = _plain(dict(saved)), _plain(config.to_dict())
+    saved, new = _plain(canonical_keys(saved, warn=False)), _plain(config.to_dict())
     defaults = _plain(_defaults(type(config)))
     return [
         ConfigChange(key, saved.get(key, defaults[key]), value, RESUME_CHANGES[key])

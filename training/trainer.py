@@ -168,8 +168,8 @@ class GRPOTrainer:
         self.st_model = model if model is not None else load_grace_model(config, str(self.accelerator.device))
         self.encoder = self.st_model[0]
         # The saved model encodes with the prompt and rationale budget it was trained with.
-        self.encoder.max_input_tokens = config.max_prompt_tokens
-        self.encoder.max_rationale_tokens = config.max_response_tokens
+        self.encoder.max_input_tokens = config.max_input_tokens
+        self.encoder.max_rationale_tokens = config.max_rationale_tokens
         if config.finetune == "lora":
             self.encoder.model = add_lora_adapter(self.encoder.model, config)
         self.policy = self.encoder.model
@@ -332,7 +332,7 @@ class GRPOTrainer:
         """One GRPO step: Eq. 4 rollouts, Eqs. 5–9/13/28 rewards, Eq. 10 advantages, Eq. 11 update."""
         start, cpu_start = time.perf_counter(), time.process_time()
         scores = self.graded_scores(step)
-        rollouts = self.rollout(batch, step, graded=scores is not None)
+        rollouts = self.rollout(batch, step)
         rolled = time.perf_counter()
         rewards = self.compute_rewards(rollouts)
         advantages = group_advantages(rewards["final"], self.config.scale_rewards)
@@ -377,9 +377,9 @@ class GRPOTrainer:
             return None
         return torch.tensor([row.score for row in rows], dtype=torch.float32)
 
-    def rollout(self, batch: list[Triplet], step: int, graded: bool = False) -> TripletRollouts:
+    def rollout(self, batch: list[Triplet], step: int) -> TripletRollouts:
         """Eq. 4 (one rationale per query and negative, K per positive), embeddings by Eq. 3; one greedy
-        rationale a text in a warm-start step or a batch of ``graded`` pairs."""
+        rationale a text in a warm-start step or a step of scored pairs (:meth:`graded_scores`)."""
         cfg = self.config
         self.policy.eval()
         with self.accelerator.autocast():
@@ -389,7 +389,7 @@ class GRPOTrainer:
                 step=step,
                 generate=self.generate,
                 instance_offset=self.accelerator.process_index * self.local_batch_size,
-                **cfg.rollout_settings(step, graded),
+                **cfg.rollout_settings(step, graded=self.graded_scores(step) is not None),
             )
 
     def compute_rewards(self, rollouts: TripletRollouts) -> dict[str, torch.Tensor]:

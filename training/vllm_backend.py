@@ -169,7 +169,7 @@ def build_rollout_engine(encoder, st_model, config, accelerator) -> VLLMRolloutE
         path,
         gpu_memory_utilization=config.vllm_gpu_memory_utilization,
         tensor_parallel_size=config.vllm_tensor_parallel_size,
-        max_model_len=config.max_prompt_tokens + config.longest_response + 1,
+        max_model_len=config.max_input_tokens + config.longest_response + 1,
         dtype="bfloat16" if config.bf16 else "auto",
         seed=config.seed,
         enable_sleep_mode=config.vllm_enable_sleep_mode,
