@@ -52,14 +52,14 @@ bench: $(VENV)/.installed model
 # Reproduces the shipped adapter (grace_st/default_adapter) from its recipe on this 2-core CPU
 # (~45 minutes; resumable: run it again after an interruption), then exports it into the package.
 train-default: $(VENV)/.installed model
-	$(VENV)/bin/grace-train --config training/configs/default_grace.yaml --resume
+	$(VENV)/bin/grace-train --config grace_training/configs/default_grace.yaml --resume
 	$(PY) -m grace_training.export_adapter runs/default_grace/checkpoint-00000100
 
 # The [scale] run (docs/scale.md): one chunk of at most 55 minutes a call, resumed from its latest
 # checkpoint; call it again until the run reaches max_steps. SCALE_ANCHORS picks the arm of the run.
 SCALE_ANCHORS ?= detached
 train-scale: $(VENV)/.installed model
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config training/configs/scale_grace.yaml \
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml \
 		output_dir=runs/scale_$(SCALE_ANCHORS) contrastive_anchors=$(SCALE_ANCHORS) --resume --max-minutes 55
 
 # On a machine with a CUDA GPU: HF vs vLLM encode, GRPO steps with vLLM rollouts in bf16, one JSON

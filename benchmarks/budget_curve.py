@@ -1,7 +1,7 @@
 """Test-time scaling: what a token of rationale buys, measured on the development data.
 
 Quality against cost for one GRACE model on ../shared/data (dev/train splits, the fixed samples
-of benchmarks/dev_eval.py): STS-B dev and SICK-R trial (Spearman), SciFact (nDCG@10 of the 72
+of benchmarks/scoreboard.py): STS-B dev and SICK-R trial (Spearman), SciFact (nDCG@10 of the 72
 held-back claims against >= 1,000 documents). Points:
 
   symmetric     every text at rationale budget G, for G in --budgets; greedy, and with seeded
@@ -39,30 +39,29 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import dev_eval
+from grace_st import scoreboard
 
 RESULTS = Path(__file__).resolve().parent / "results"
 TASKS = ("STS-B dev", "SICK-R trial", "SciFact")
 
 
 def load_tasks(sts: int, queries: int, corpus: int) -> dict:
-    data = dev_eval.DATA
+    data = scoreboard.data_dir()
     if not data.is_dir():
         sys.exit(f"budget_curve: {data} is missing (set GRACE_ST_DATA)")
     return {
-        "STS-B dev": dev_eval.sts_pairs(data / "stsb" / "dev.tsv", sts),
-        "SICK-R trial": dev_eval.sts_pairs(data / "sickr" / "trial.tsv", sts),
-        "SciFact": dev_eval.scifact(data / "scifact", queries, corpus),
+        "STS-B dev": scoreboard.sts_pairs(data / "stsb" / "dev.tsv", sts),
+        "SICK-R trial": scoreboard.sts_pairs(data / "sickr" / "trial.tsv", sts),
+        "SciFact": scoreboard.scifact(data / "scifact", queries, corpus),
     }
 
 
 def score(model, tasks: dict, names: tuple[str, ...], batch_size: int) -> tuple[dict, dict]:
-    encode = dev_eval.Encoder(model, batch_size)
+    encode = scoreboard.Encoder(model, batch_size)
     scores = {
-        name: dev_eval.scifact_score(encode, tasks[name])
+        name: scoreboard.scifact_score(encode, tasks[name])
         if name == "SciFact"
-        else dev_eval.sts_score(encode, tasks[name])
+        else scoreboard.sts_score(encode, tasks[name])
         for name in names
     }
     per_kind = {kind: encode.seconds_by_kind[kind] / encode.texts_by_kind[kind] for kind in encode.texts_by_kind}
@@ -205,7 +204,7 @@ def main() -> None:
     out = Path(args.out)
     if args.combine:
         report = combine([json.loads(Path(f).read_text(encoding="utf-8")) for f in args.combine])
-        dev_eval.write_json(report, str(out))
+        scoreboard.write_json(report, str(out))
         write_outputs(report, out)
         return
     if args.replot:
@@ -259,7 +258,7 @@ def main() -> None:
             + f"; {cost['texts_per_s']:.2f} texts/s",
             flush=True,
         )
-        dev_eval.write_json(report, str(out))
+        scoreboard.write_json(report, str(out))
     write_outputs(report, out)
 
 
@@ -283,7 +282,7 @@ def side_label(side: dict) -> str:
 def encode_side(model, side: dict, texts: list[str], kind: str, args) -> tuple[np.ndarray, float]:
     """One side of SciFact at one setting: the embeddings and the seconds per text, this run."""
     apply(model[0], side, args.temperature, args.seed)
-    encode = dev_eval.Encoder(model, args.batch_size)
+    encode = scoreboard.Encoder(model, args.batch_size)
     embeddings = encode(texts, kind)
     return embeddings, encode.seconds / len(texts)
 
@@ -337,13 +336,13 @@ def scifact_grid(model, task, args, report: dict, out: Path) -> None:
             similarity = query_embeddings @ doc_embeddings.T
             # each claim's own nDCG@10 too: two cells' difference can then be tested claim by claim (paired)
             by_claim = [
-                dev_eval.ndcg_at_10(similarity[i : i + 1], doc_ids, relevant[i : i + 1]) for i in range(len(relevant))
+                scoreboard.ndcg_at_10(similarity[i : i + 1], doc_ids, relevant[i : i + 1]) for i in range(len(relevant))
             ]
             per = {"query": per_query, "document": per_document}
             row = grid_row(query, document, float(np.mean(by_claim)), per, report)
             report["points"].append({**row, "per_claim": by_claim})
         print(f"documents at {side_label(document)}: {per_document:.3f} s each", flush=True)
-        dev_eval.write_json(report, str(out))
+        scoreboard.write_json(report, str(out))
 
 
 def grid_table(report: dict) -> str:

@@ -18,11 +18,12 @@ import time
 from pathlib import Path
 
 import torch
-from encode_throughput import load_texts, matmul_peak_flops
+from encode_throughput import matmul_peak_flops  # the script folder is on sys.path when run
 
 import grace_st
 from grace_st.decoding import DecodeOptions
 from grace_st.pooling import masked_mean
+from grace_st.scoreboard import sentences
 
 
 def main() -> None:
@@ -37,7 +38,7 @@ def main() -> None:
 
     model_path = args.model or grace_st.default_model_path()
     encoder = grace_st.load(model_path, device="cpu")[0]
-    texts, source = load_texts(args.batch_size)
+    texts, source = sentences(args.batch_size)
     params = sum(p.numel() for p in encoder.model.parameters())
     # (KV cache, linear layers, instruction prefix): the first is where the first session left it
     variants = [(cache, kernel, "per row") for cache in ("dynamic", "preallocated") for kernel in ("mkl", "onednn")]

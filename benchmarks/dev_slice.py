@@ -4,8 +4,8 @@ A run logs these scores every ``eval_steps`` (``eval/<source>/<metric>`` in ``me
 puts another model on the same slice, with the same code (``grace_training.evaluation.evaluate``),
 so a curve can be read against the shipped default or the untrained base.
 
-    python benchmarks/dev_slice.py --config training/configs/scale_grace.yaml                 # the shipped default
-    python benchmarks/dev_slice.py --config training/configs/scale_grace.yaml --model PATH --out x.json
+    python benchmarks/dev_slice.py --config grace_training/configs/scale_grace.yaml                 # the shipped default
+    python benchmarks/dev_slice.py --config grace_training/configs/scale_grace.yaml --model PATH --out x.json
 
 Each model encodes with its own saved budgets (``max_rationale_tokens``) unless ``--rationale-tokens G`` sets
 one budget for every prompt type (G = 0: the prompt alone, what the InfoNCE baseline is trained on).
@@ -22,11 +22,10 @@ import torch
 
 
 def main() -> None:
+    import grace_st
     from grace_training.config import GRPOConfig
     from grace_training.data import cap_per_source, load_data
     from grace_training.evaluation import evaluate
-
-    import grace_st
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True)

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import grace_st
+from grace_st.scoreboard import data_dir, sentences
 
 try:
     from grace_st.second_pass import two_pass_reference
@@ -42,28 +43,6 @@ except ImportError:  # a grace-st from before packed linear layers, benchmarked 
 
     def packed_dtypes() -> tuple:
         return ()
-
-STSB_DEV = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "stsb" / "dev.tsv"
-FALLBACK_TEXTS = [
-    "A man is playing a guitar on stage.",
-    "The central bank raised interest rates again this quarter.",
-    "Proteins fold into shapes that decide what they do in the cell.",
-    "A child is riding a bicycle down a quiet street.",
-    "Scientists found water ice in craters near the moon's south pole.",
-    "The recipe calls for two cups of flour and a pinch of salt.",
-    "Heavy rain flooded several roads in the city overnight.",
-    "The committee approved the new budget after a long debate.",
-]
-
-
-def load_texts(count: int) -> tuple[list[str], str]:
-    if STSB_DEV.is_file():
-        lines = STSB_DEV.read_text(encoding="utf-8").splitlines()[1:]
-        texts = [line.split("\t")[1] for line in lines if line.count("\t") >= 2]
-        return texts[:count], f"STS-B dev sentence1, first {count}"
-    repeated = (FALLBACK_TEXTS * (count // len(FALLBACK_TEXTS) + 1))[:count]
-    return repeated, f"{len(FALLBACK_TEXTS)} built-in sentences, repeated to {count}"
-
 
 def matmul_peak_flops(dtype: torch.dtype, size: int = 2048, trials: int = 4, seconds: float = 0.25) -> tuple[float, str]:
     """This machine's matmul peak in ``dtype``: the best of several timed runs of a large square
@@ -184,9 +163,10 @@ def build_times(model_path: str) -> dict:
 def sts_spearman(model, pairs: int, batch_size: int) -> float:
     from scipy.stats import spearmanr
 
-    if not STSB_DEV.is_file():
-        raise SystemExit(f"--sts-pairs needs {STSB_DEV}")
-    rows = [line.split("\t") for line in STSB_DEV.read_text(encoding="utf-8").splitlines()[1 : pairs + 1]]
+    dev = data_dir() / "stsb" / "dev.tsv"
+    if not dev.is_file():
+        raise SystemExit(f"--sts-pairs needs {dev}")
+    rows = [line.split("\t") for line in dev.read_text(encoding="utf-8").splitlines()[1 : pairs + 1]]
     first = model.encode([r[1] for r in rows], batch_size=batch_size, normalize_embeddings=True)
     second = model.encode([r[2] for r in rows], batch_size=batch_size, normalize_embeddings=True)
     return float(spearmanr((first * second).sum(1), [float(r[0]) for r in rows]).statistic)
@@ -215,7 +195,7 @@ def run_dtype(model_path: str, dtype: torch.dtype, args) -> dict:
     print(header)
     resident = PeakRSS._rss()
     for batch_size in args.batch_sizes:
-        texts, source = load_texts(args.texts or max(8, 2 * batch_size))
+        texts, source = sentences(args.texts or max(8, 2 * batch_size))
         run["texts_source"] = source
         prompt_lengths = [len(row) for row in prompt_tokens(encoder, texts)]
         batches = -(-len(texts) // batch_size)
@@ -285,7 +265,7 @@ def cold_vs_warm(model_path: str, args) -> dict:
     model = grace_st.load(model_path, device="cpu")
     encoder = model[0]
     encoder.max_rationale_tokens = args.rationale_tokens[-1]
-    texts, source = load_texts(args.cache_texts)
+    texts, source = sentences(args.cache_texts)
     batch_size = max(args.batch_sizes)
     with tempfile.TemporaryDirectory() as folder:
         encoder.set_rationale_cache(Path(folder) / "rationales.sqlite")

@@ -83,19 +83,18 @@ def torch_problem() -> str | None:
 def _data() -> Path:
     """../shared/data (or $GRACE_ST_DATA), as the dev scoreboard reads it; imported late: the
     preflight needs the standard library only."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import dev_eval
+    from grace_st.scoreboard import data_dir
 
-    return dev_eval.DATA
+    return data_dir()
 
 
 def sentences(count: int) -> list[str]:
     dev = _data() / "stsb" / "dev.tsv"
     if not dev.is_file():
         return [SENTENCES[i % len(SENTENCES)] for i in range(count)]
-    import dev_eval
+    from grace_st.scoreboard import sts_pairs
 
-    first, second, _ = dev_eval.sts_pairs(dev, (count + 1) // 2)
+    first, second, _ = sts_pairs(dev, (count + 1) // 2)
     return [text for pair in zip(first, second) for text in pair][:count]
 
 

@@ -1,7 +1,7 @@
 """The [quality] study: same data, same steps, same budget; one table.
 
 Every training row starts from the untrained embedded base (SmolLM2-135M-Instruct) and runs
-``training/configs/default_grace.yaml`` (the shipped recipe) with the overrides below, so rows
+``grace_training/configs/default_grace.yaml`` (the shipped recipe) with the overrides below, so rows
 differ only where their names say. The InfoNCE yardstick runs sentence-transformers' own
 trainer (``grace-train --method infonce``) on the same triplets. Every row is then scored by
 ``benchmarks/dev_eval.py`` (the development scoreboard, held-back perplexity included) at the

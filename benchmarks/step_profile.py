@@ -1,7 +1,7 @@
 """Where a training step's time goes, and what the step speed-ups buy: variants side by side.
 
 One trainer per variant, all from the untrained embedded base with the shipped recipe
-(``training/configs/default_grace.yaml``) plus the variant's overrides. They run the same steps
+(``grace_training/configs/default_grace.yaml``) plus the variant's overrides. They run the same steps
 (same batches, same rollout seeds) alternately, step by step, so the machine's noise falls on
 every variant alike. Each step's stages come from the trainer's own metrics: rollout (Eq. 4 +
 Eq. 3 pooling), rewards (Eqs. 5–10), the update's forward, backward and optimizer step.
@@ -65,10 +65,9 @@ STAGES = [
 
 
 def build(name: str, overrides: list[str], output: Path):
+    from grace_st.decoding import DecodeOptions
     from grace_training.config import GRPOConfig
     from grace_training.trainer import GRPOTrainer
-
-    from grace_st.decoding import DecodeOptions
 
     _, changes, decode = VARIANTS[name]
     config = GRPOConfig.from_yaml(

@@ -2,7 +2,7 @@
 
 A causal LM writes a rationale about a text, then its own hidden states over the
 instruction-wrapped text and the rationale are mean-pooled into the embedding
-(``../shared/docs/method.md`` §1, Eqs. 1–3).
+(``docs/method.md`` §1, Eqs. 1–3).
 """
 
 from __future__ import annotations

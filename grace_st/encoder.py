@@ -8,7 +8,7 @@ trained as a LoRA adapter saves the adapter instead (PEFT's ``adapter_config.jso
 ``adapter_model.safetensors``, naming its base): see :mod:`grace_st.adapter`.
 ``modules.json`` names the installed package's class, ``grace_st.encoder.GenerativeEncoder``.
 
-Why one file of ~650 lines: a sentence-transformers module is one class (settings, preprocess,
+Why one file of ~690 lines: a sentence-transformers module is one class (settings, preprocess,
 forward with one output builder, save/load), and its docstrings carry the user-facing contract.
 What is not the module's own job has a file of its own: the model as it thinks and embeds, which
 training's rollouts share (:mod:`grace_st.engine`), the method's decoding loop
@@ -32,7 +32,7 @@ from torch import Tensor
 
 from . import mteb_identity
 from .adapter import adapter_base, is_adapter_dir, is_peft_model, load_base_and_adapter, save_adapter
-from .cache import REQUIRED_SETTINGS, RationaleCache, is_deterministic, tensor_change_key, weights_fingerprint
+from .cache import REQUIRED_SETTINGS, RationaleCache, is_deterministic
 from .cache_binding import CacheBinding
 from .decoding import DecodeOptions
 from .engine import RationaleEngine, RolloutRequest
@@ -54,6 +54,7 @@ from .settings import (
     read_settings_file,
     settings_docstring,
 )
+from .weights import tensor_change_key, weights_fingerprint
 
 try:  # sentence-transformers 6.x
     from sentence_transformers.base.modules import InputModule
@@ -373,8 +374,8 @@ class GenerativeEncoder(InputModule):
         self._vllm = None
 
     def weights_key(self) -> str:
-        """:func:`grace_st.cache.weights_fingerprint` of the policy, recomputed only when a
-        parameter may have changed (:func:`grace_st.cache.tensor_change_key`)."""
+        """:func:`grace_st.weights.weights_fingerprint` of the policy, recomputed only when a
+        parameter may have changed (:func:`grace_st.weights.tensor_change_key`)."""
         with torch.no_grad():
             versions = tuple(tensor_change_key(p) for p in self.model.parameters())
         if self._fingerprint is None or self._fingerprint[0] != versions:

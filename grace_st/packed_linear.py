@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .cache import tensor_change_key
+from .weights import tensor_change_key
 
 # module -> (tensor_change_key of the weight it was packed from, packed weight).
 # Kept beside the modules, not on them: packed tensors are not picklable and must not reach a state dict.

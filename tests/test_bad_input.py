@@ -221,8 +221,8 @@ def test_13_eval_file_with_invalid_utf8_names_file_and_line(saved_model, tmp_pat
 
 def test_13_jsonl_with_invalid_utf8_names_file_and_line(tmp_path):
     pytest.importorskip("mteb")
-    from grace_st.evaluation import DataFileError
     from grace_st.data.files import read_jsonl
+    from grace_st.evaluation import DataFileError
 
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_bytes(b'{"_id": "1", "text": "a"}\n\n{"_id": "2", "text": "\xc3("}\n')

@@ -16,8 +16,8 @@ from grace_st.cache import (
     RationaleCache,
     entry_key,
     is_deterministic,
-    weights_fingerprint,
 )
+from grace_st.weights import weights_fingerprint
 
 SETTINGS = {
     "max_rationale_tokens": 256,

@@ -6,7 +6,6 @@ import json
 
 import pytest
 from conftest import deadline
-from grace_training.data import load_source
 
 from grace_st.data import (
     DataFileError,
@@ -17,6 +16,7 @@ from grace_st.data import (
     read_texts,
     read_triplets,
 )
+from grace_training.data import load_source
 
 
 def write(path, text):

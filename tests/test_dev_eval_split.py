@@ -1,4 +1,4 @@
-"""benchmarks/dev_eval.py holds back exactly the SciFact claims training leaves out (no data folder needed)."""
+"""The dev scoreboard (grace_st.scoreboard, run by benchmarks/dev_eval.py) holds back exactly the SciFact claims training leaves out (no data folder needed)."""
 
 from __future__ import annotations
 
@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 
 import pytest
-from grace_training.data import load_beir
 
+from grace_st import scoreboard
 from grace_st.data import id_fraction
+from grace_training.data import load_beir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,13 +43,13 @@ def beir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_scifact_claims_are_the_complement_of_training(dev_eval, beir):
+def test_scifact_claims_are_the_complement_of_training(beir):
     issues: list[str] = []
     training = load_beir(
         beir, "train", issues, "scifact", num_negatives=1, miner="random", seed=0, query_fraction=(0.0, 0.9)
     )
     assert not issues
-    queries, corpus, qrels = dev_eval.scifact(beir, 0, 80)
+    queries, corpus, qrels = scoreboard.scifact(beir, 0, 80)
     trained = {t.query for t in training}
     held_back = set(queries.values())
     assert held_back, "the fixture should hold some claims back"
@@ -60,10 +61,10 @@ def test_scifact_claims_are_the_complement_of_training(dev_eval, beir):
     assert len(corpus) == 80
 
 
-def test_scifact_sample_is_fixed_and_held_back(dev_eval, beir):
-    first, _, _ = dev_eval.scifact(beir, 2, 10)
-    again, _, _ = dev_eval.scifact(beir, 2, 10)
-    everything, _, _ = dev_eval.scifact(beir, 0, 10)
+def test_scifact_sample_is_fixed_and_held_back(beir):
+    first, _, _ = scoreboard.scifact(beir, 2, 10)
+    again, _, _ = scoreboard.scifact(beir, 2, 10)
+    everything, _, _ = scoreboard.scifact(beir, 0, 10)
     assert list(first) == list(again) and len(first) == min(2, len(everything))
     assert set(first) <= set(everything)
 
@@ -76,9 +77,9 @@ def test_parse_model(dev_eval):
     assert dev_eval.parse_model("runs/x/checkpoint-00000100@saved", 64) == ("runs/x/checkpoint-00000100", None, True)
 
 
-def test_write_json_replaces_atomically(dev_eval, tmp_path):
+def test_write_json_replaces_atomically(tmp_path):
     out = tmp_path / "results" / "dev_eval.json"
-    dev_eval.write_json({"rows": [1]}, str(out))
-    dev_eval.write_json({"rows": [1, 2]}, str(out))
+    scoreboard.write_json({"rows": [1]}, str(out))
+    scoreboard.write_json({"rows": [1, 2]}, str(out))
     assert json.loads(out.read_text()) == {"rows": [1, 2]}
     assert [p.name for p in out.parent.iterdir()] == ["dev_eval.json"]

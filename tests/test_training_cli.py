@@ -6,10 +6,11 @@ import json
 
 import pytest
 from conftest import CORPUS, make_st_model
+from sentence_transformers import SentenceTransformer
+
 from grace_training.cli import main
 from grace_training.config import GRPOConfig
 from grace_training.data import Triplet
-from sentence_transformers import SentenceTransformer
 
 
 @pytest.fixture(scope="module")

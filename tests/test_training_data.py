@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from grace_training.config import GRPOConfig, parse_overrides
 from grace_training.data import load_data, load_source
 from grace_training.mining import BM25, mine_negatives

@@ -221,6 +221,7 @@ def test_fsdp_with_hf_rollouts_on_several_processes_is_refused():
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
+
     from grace_training.config import ConfigError, GRPOConfig
     from grace_training.processes import check_sharding as _check_sharding
 

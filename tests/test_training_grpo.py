@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from conftest import make_model, make_tokenizer
+
 from grace_training.grpo import build_policy_batch, completion_log_probs, group_advantages, grpo_loss
 
 
@@ -101,8 +102,9 @@ def test_token_level_aggregation_splits_into_chunks():
 def test_a_prompt_shared_by_k_rollouts_runs_once_with_the_same_loss_and_gradients():
     """The update pass over the K rollouts of a positive: each distinct prompt is run once and its
     keys and values expanded; log-probs, pooled states and LoRA gradients equal the full pass's."""
-    from grace_training.grpo import policy_pass
     from peft import LoraConfig, get_peft_model
+
+    from grace_training.grpo import policy_pass
 
     tokenizer = make_tokenizer()
     model = get_peft_model(make_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 from conftest import CORPUS, make_st_model
+
 from grace_training.checkpoint import list_checkpoints
 from grace_training.config import GRPOConfig
 from grace_training.data import Triplet

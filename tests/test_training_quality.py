@@ -7,6 +7,10 @@ import json
 import pytest
 import torch
 from conftest import make_st_model
+from sentence_transformers import SentenceTransformer
+from test_training_trainer import DATA, config
+
+import grace_st
 from grace_training.data import Triplet
 from grace_training.grpo import (
     advantage_shares,
@@ -18,10 +22,6 @@ from grace_training.grpo import (
 )
 from grace_training.rewards import compute_rewards, reward_parts
 from grace_training.trainer import GRPOTrainer
-from sentence_transformers import SentenceTransformer
-from test_training_trainer import DATA, config
-
-import grace_st
 
 
 def saved_base(tmp_path):

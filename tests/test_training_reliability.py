@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CORPUS, make_st_model
+
 from grace_training import checkpoint as checkpoint_module
 from grace_training.checkpoint import (
     CheckpointError,
@@ -27,9 +28,9 @@ from grace_training.checkpoint import (
 )
 from grace_training.cli import main
 from grace_training.config import RULES, ConfigError, GRPOConfig, config_table
-from grace_training.run_dir import config_changes
 from grace_training.data import Triplet
 from grace_training.metrics import MetricsLogger
+from grace_training.run_dir import config_changes
 from grace_training.trainer import GRPOTrainer
 
 DATA = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "toy") for i in range(8)]
@@ -388,8 +389,9 @@ def cli_setup(tmp_path_factory):
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Refused configs must be refused before any tokenizer or model is loaded."""
-    import grace_training.trainer as trainer_module
     import transformers
+
+    import grace_training.trainer as trainer_module
 
     def loaded(*args, **kwargs):
         raise AssertionError("a model or tokenizer was loaded for a config that should be refused")

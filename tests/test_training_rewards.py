@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from grace_training.grpo import group_advantages
 from grace_training.rewards import (
     compute_rewards,

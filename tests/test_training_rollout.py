@@ -7,6 +7,7 @@ import types
 import pytest
 import torch
 from conftest import CORPUS, make_st_model
+
 from grace_training.data import Triplet
 from grace_training.rollout import (
     RolloutRequest,
@@ -250,9 +251,8 @@ def test_a_symmetric_rollout_is_the_default_prompt_encode_embedding(model):
 
 
 def test_length_buckets_split_short_from_long_prompts_and_change_nothing(model):
-    from grace_training.rollout import hf_generate
-
     from grace_st.engine import length_buckets
+    from grace_training.rollout import hf_generate
 
     lengths = [40, 120, 41, 118, 42, 43, 44, 45, 46, 47, 48, 125]
     chunks = length_buckets(lengths, batch_size=64, ratio=1.5, min_rows=8)

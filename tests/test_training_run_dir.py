@@ -11,16 +11,17 @@ import shutil
 import site
 from pathlib import Path
 
-import grace_training
 import pytest
 import torch
 from conftest import CORPUS, make_st_model
+from test_training_reliability import DATA, small_config
+
+import grace_training
 from grace_training.checkpoint import CheckpointError, RunFamily, list_checkpoints, read_run_id, write_checkpoint
 from grace_training.cli import main
 from grace_training.config import RESUME_CHANGES, ConfigError, GRPOConfig, check_environment
 from grace_training.run_dir import MARKER, ConfigChangeError, OutputDirError, read_marker
 from grace_training.trainer import GRPOTrainer
-from test_training_reliability import DATA, small_config
 
 
 def train(output_dir: Path, resume=False, **overrides) -> GRPOTrainer:

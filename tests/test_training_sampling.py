@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+
 from grace_training.data import Triplet, load_data, source_weights
 from grace_training.sampling import BatchSchedule
 

@@ -5,15 +5,16 @@ from __future__ import annotations
 import json
 import math
 
-import grace_training.trainer as trainer_module
 import pytest
 import torch
 from conftest import CORPUS, make_st_model
+from sentence_transformers import SentenceTransformer
+
+import grace_training.trainer as trainer_module
 from grace_training.checkpoint import latest_checkpoint, list_checkpoints, rotate_checkpoints
 from grace_training.config import GRPOConfig
 from grace_training.data import Triplet
 from grace_training.trainer import GRPOTrainer
-from sentence_transformers import SentenceTransformer
 
 DATA = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "toy") for i in range(8)]
 
@@ -241,8 +242,9 @@ def test_save_model_dir_writes_the_gathered_weights_given_not_the_ones_in_memory
     """FSDP holds shards: the trainer gathers the full state dict and the saved directory must hold
     those weights. Stand-in here: a state dict with every weight changed; the model in memory keeps
     its own, and a later save writes those again."""
-    from grace_training.checkpoint import save_model_dir
     from safetensors.torch import load_file
+
+    from grace_training.checkpoint import save_model_dir
 
     if lora:
         from test_adapter import adapter_model

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from grace_st.scoreboard import spearman
+
 from .data import Triplet
 
 
@@ -48,12 +50,6 @@ def triplet_scores(query: torch.Tensor, positive: torch.Tensor, negatives: list[
         "recall@1": float((ranks == 1).float().mean()),
         "mrr": float((1.0 / ranks.float()).mean()),
     }
-
-
-def spearman(a: Sequence[float], b: Sequence[float]) -> float:
-    from scipy.stats import spearmanr
-
-    return float(spearmanr(a, b).correlation)
 
 
 def evaluate(

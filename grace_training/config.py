@@ -1,6 +1,6 @@
 """One dataclass with every training setting; its defaults are the paper's (method.md §2).
 
-A YAML file holds the same keys (``training/configs/paper.yaml`` is the paper's run); the CLI
+A YAML file holds the same keys (``grace_training/configs/paper.yaml`` is the paper's run); the CLI
 overrides any key with ``key=value``. Paper values that differ between the paper's text and
 its reference code are noted where they are set.
 
@@ -278,7 +278,8 @@ class GRPOConfig:
     eval_max_examples: int = key(200, "examples an evaluation source keeps; 0: all", NON_NEGATIVE, resume=FREE)
     eval_batch_size: int = key(16, "texts encoded at once in an evaluation", AT_LEAST_ONE, resume=FREE)
     report_to: list[str] = key(
-        doc="`jsonl` (metrics.jsonl), `tensorboard`", resume=FREE, factory=lambda: ["jsonl", "tensorboard"]
+        MISSING, "`jsonl` (metrics.jsonl), `tensorboard`", subset_of(REPORTERS), resume=FREE,
+        factory=lambda: ["jsonl", "tensorboard"],
     )
 
     # -- hub --------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """``grace-train``: GRPO training (or the InfoNCE baseline) from a YAML config.
 
-grace-train --config training/configs/cpu_smollm2.yaml                 # train
+grace-train --config grace_training/configs/cpu_smollm2.yaml                 # train
 grace-train --config FILE max_steps=10 output_dir=runs/x              # key=value overrides
 grace-train --config FILE --resume                                    # continue the latest checkpoint
 grace-train --config FILE --resume --max-minutes 55                   # one chunk of a long run

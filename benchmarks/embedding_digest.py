@@ -1,0 +1,70 @@
+"""The shipped default's embeddings of a fixed text list, as digests: run it under two code versions and
+compare the JSON files to show a refactor changed no embedding bit.
+
+    python benchmarks/embedding_digest.py --out now.json
+    PYTHONPATH=OLD_TREE python benchmarks/embedding_digest.py --out old.json --compare now.json   # the old code
+
+Texts: the first --texts STS-B dev sentences (built-in sentences without the data folder), encoded three
+ways, as a user does: ``encode`` (the ``default`` prompt type, 32-token rationale), ``encode_query`` (32) and
+``encode_document`` (0: the prompt alone). Each gets the sha256 of its float32 bytes; with ``--compare`` each
+is checked against the other file's (whose texts it encodes), and the largest absolute difference is printed
+where they differ. Only ``grace_st.default_model_path`` is needed of the package, so an older tree runs it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+
+import grace_st
+
+
+def digests(texts: list[str], batch_size: int) -> tuple[dict[str, str], dict[str, np.ndarray]]:
+    from sentence_transformers import SentenceTransformer
+
+    model = SentenceTransformer(grace_st.default_model_path(), device="cpu")
+    calls = {"encode": model.encode, "encode_query": model.encode_query, "encode_document": model.encode_document}
+    arrays = {name: np.asarray(call(texts, batch_size=batch_size), dtype=np.float32) for name, call in calls.items()}
+    return {name: hashlib.sha256(array.tobytes()).hexdigest() for name, array in arrays.items()}, arrays
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--texts", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--out", required=True, help="JSON: the digests, and the embeddings as lists")
+    parser.add_argument("--compare", help="an earlier --out file to check against")
+    args = parser.parse_args()
+    earlier = json.loads(Path(args.compare).read_text()) if args.compare else None
+    if earlier:
+        texts, source = earlier["texts"], earlier["source"]
+    else:
+        from grace_st.scoreboard import sentences
+
+        texts, source = sentences(args.texts)
+    found, arrays = digests(texts, args.batch_size)
+    report = {
+        "source": source,
+        "texts": texts,
+        "batch_size": args.batch_size,
+        "sha256": found,
+        "embeddings": {name: array.tolist() for name, array in arrays.items()},
+    }
+    Path(args.out).write_text(json.dumps(report))
+    for name, digest in found.items():
+        print(f"{name:<16} {digest}")
+    if earlier:
+        for name, digest in found.items():
+            if earlier["sha256"][name] == digest:
+                print(f"{name:<16} bit-identical to {args.compare}")
+            else:
+                gap = np.abs(np.asarray(earlier["embeddings"][name], dtype=np.float32) - arrays[name]).max()
+                print(f"{name:<16} DIFFERS from {args.compare}: max |difference| {gap:.3g}")
+
+
+if __name__ == "__main__":
+    main()

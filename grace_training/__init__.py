@@ -1,0 +1,1 @@
+"""grace_training: the GRACE GRPO trainer."""
