@@ -56,11 +56,10 @@ train-default: $(VENV)/.installed model
 	$(PY) -m grace_training.export_adapter runs/default_grace/checkpoint-00000100
 
 # The [scale] run (docs/scale.md): one chunk of at most 55 minutes a call, resumed from its latest
-# checkpoint; call it again until the run reaches max_steps. SCALE_ANCHORS picks the arm of the run.
-SCALE_ANCHORS ?= detached
+# checkpoint; call it again until the run reaches max_steps (warm start, then the hybrid, in one run).
 train-scale: $(VENV)/.installed model
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml \
-		output_dir=runs/scale_$(SCALE_ANCHORS) contrastive_anchors=$(SCALE_ANCHORS) --resume --max-minutes 55
+		output_dir=runs/scale_grace --resume --max-minutes 55
 
 # On a machine with a CUDA GPU: HF vs vLLM encode, GRPO steps with vLLM rollouts in bf16, one JSON
 # report (benchmarks/results/gpu_check.json). vLLM brings its own CUDA torch, hence a venv of its
