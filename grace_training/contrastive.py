@@ -1,5 +1,6 @@
 """The InfoNCE baseline (the paper's "w/ CL" row): the same causal LM, the same data, trained
-with sentence-transformers' own trainer and ``MultipleNegativesRankingLoss``.
+with sentence-transformers' own trainer and ``MultipleNegativesRankingLoss`` (``CoSENTLoss`` on a graded
+source's scored pairs, as GRPO's graded term).
 
 InfoNCE needs a gradient through the embedding, and a sampled rationale has none, so the
 baseline trains the embedding of the prompt alone: Eq. 3's pooling over ``P(x)`` (positions
@@ -44,11 +45,14 @@ class PromptPoolingEncoder(GenerativeEncoder):
 
 
 def infonce_dataset(rows: list[Triplet]):
-    """(anchor, positive[, negative]) columns; the negative column only when every row has one."""
+    """(anchor, positive[, negative]) columns; the negative column only when every row has one. Scored pairs
+    (a graded source): (anchor, positive, score), which sentence-transformers reads as the label."""
     from datasets import Dataset
 
     columns = {"anchor": [r.query for r in rows], "positive": [r.positive for r in rows]}
-    if rows and all(r.negatives for r in rows):
+    if rows and all(r.score is not None for r in rows):
+        columns["score"] = [float(r.score) for r in rows]
+    elif rows and all(r.negatives for r in rows):
         columns["negative"] = [r.negatives[0] for r in rows]
     return Dataset.from_dict(columns)
 
@@ -66,6 +70,8 @@ def infonce_datasets(rows: list[Triplet], config: GRPOConfig, batch_size: int):
     from datasets import DatasetDict
 
     retrieval = {"anchor": config.query_task, "positive": config.document_task, "negative": config.document_task}
+    if config.batch_sampling != "by_source" and any(r.score is not None for r in rows):
+        raise ValueError("train_data: scored pairs (graded) need batch_sampling: by_source (a dataset of their own)")
     if config.batch_sampling != "by_source" and not any(r.symmetric for r in rows):
         return infonce_dataset(rows), retrieval
     weights = source_weights(config.train_data, rows, config.data_dir) if config.train_data else None
@@ -135,9 +141,9 @@ def train_infonce(
 
     try:
         from sentence_transformers.base.modules import Normalize
-        from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+        from sentence_transformers.sentence_transformer.losses import CoSENTLoss, MultipleNegativesRankingLoss
     except ImportError:  # sentence-transformers 5.x
-        from sentence_transformers.losses import MultipleNegativesRankingLoss
+        from sentence_transformers.losses import CoSENTLoss, MultipleNegativesRankingLoss
         from sentence_transformers.models import Normalize
 
     if model is None:
@@ -155,12 +161,16 @@ def train_infonce(
         **settings,
     )
     st = SentenceTransformer(modules=[trainable, Normalize()], device=str(next(encoder.model.parameters()).device))
-    loss = MultipleNegativesRankingLoss(st, scale=1.0 / config.infonce_temperature)
     output = Path(config.output_dir)
     arguments = _trainer_arguments(config, output)
     dataset, arguments["router_mapping"] = infonce_datasets(
         train_data, config, arguments["per_device_train_batch_size"]
     )
+    infonce = MultipleNegativesRankingLoss(st, scale=1.0 / config.infonce_temperature)
+    loss = infonce
+    if hasattr(dataset, "items"):  # one dataset a source: CoSENT for the graded ones
+        graded = CoSENTLoss(st, scale=config.graded_scale)
+        loss = {name: graded if "score" in part.column_names else infonce for name, part in dataset.items()}
     known = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
     args = SentenceTransformerTrainingArguments(**{k: v for k, v in arguments.items() if k in known})
     metrics = MetricsLogger(output, config.report_to, enabled=int(os.environ.get("RANK", "0")) == 0)

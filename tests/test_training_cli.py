@@ -140,3 +140,37 @@ def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, 
     tasks = _record_prompt_types(monkeypatch)
     train_infonce(cfg, model=make_st_model(), train_data=pairs + retrieval)
     assert set(tasks) == {"default", "query", "document"}
+
+
+def test_the_baseline_trains_a_graded_source_with_cosent_on_its_scores(tmp_path, monkeypatch):
+    """[scale]: scored pairs (an sts source) are a dataset of their own, (anchor, positive, score), trained with
+    sentence-transformers' CoSENTLoss, as GRPO trains them with its graded term; refused outside by_source."""
+    pytest.importorskip("datasets")
+    from grace_training.contrastive import infonce_datasets, train_infonce
+
+    graded = [Triplet(CORPUS[i], CORPUS[i + 1], (), "graded", float(i % 5), symmetric=True) for i in range(8)]
+    retrieval = [Triplet(CORPUS[i + 1], CORPUS[i], (CORPUS[i + 3],), "beir") for i in range(8)]
+    specs = [{"type": "sts", "path": "sts.tsv", "name": "graded"}, {"type": "beir", "path": "beir", "name": "beir"}]
+    settings = dict(batch_size=2, max_steps=2, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"],
+                    contrastive_beta=1.0, batch_sampling="by_source", train_data=specs)
+    cfg = GRPOConfig(**settings)
+    datasets, _ = infonce_datasets(graded + retrieval, cfg, 2)
+    assert datasets["graded"].column_names == ["anchor", "positive", "score"]
+    part = datasets["graded"]
+    assert set(zip(part["anchor"], part["positive"], part["score"])) <= {(t.query, t.positive, t.score) for t in graded}
+    losses = []
+    import sentence_transformers
+
+    original = sentence_transformers.SentenceTransformerTrainer.__init__
+
+    def recorded(self, *args, **kwargs):
+        losses.append(kwargs["loss"])
+        original(self, *args, **kwargs)
+
+    monkeypatch.setattr(sentence_transformers.SentenceTransformerTrainer, "__init__", recorded)
+    train_infonce(cfg, model=make_st_model(), train_data=graded + retrieval)
+    assert {name: type(loss).__name__ for name, loss in losses[0].items()} == {
+        "graded": "CoSENTLoss", "beir": "MultipleNegativesRankingLoss"
+    }
+    with pytest.raises(ValueError, match="scored pairs .* by_source"):
+        infonce_datasets(graded, GRPOConfig(**{**settings, "batch_sampling": "shuffled", "train_data": []}), 2)
