@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 import torch
-from encode_throughput import matmul_peak_flops  # the script folder is on sys.path when run
 
 import grace_st
 from grace_st.decoding import DecodeOptions
+from grace_st.packed_linear import matmul_peak_flops
 from grace_st.pooling import masked_mean
 from grace_st.scoreboard import sentences
 

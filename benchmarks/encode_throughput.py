@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 import grace_st
+from grace_st.packed_linear import matmul_peak_flops
 from grace_st.scoreboard import data_dir, sentences
 
 try:
@@ -43,33 +44,6 @@ except ImportError:  # a grace-st from before packed linear layers, benchmarked 
 
     def packed_dtypes() -> tuple:
         return ()
-
-def matmul_peak_flops(dtype: torch.dtype, size: int = 2048, trials: int = 4, seconds: float = 0.25) -> tuple[float, str]:
-    """This machine's matmul peak in ``dtype``: the best of several timed runs of a large square
-    product with each kernel the encoder may use (MKL through ``torch.mm``; oneDNN with a packed
-    weight, see grace_st.packed_linear). Early runs read low (thread start-up, clock ramp) and a
-    low peak would flatter every floor fraction; the best kernel sets the bar.
-    Returns (FLOP/s, kernel name)."""
-    a = torch.randn(size, size, dtype=dtype)
-    b = torch.randn(size, size, dtype=dtype)
-    kernels = {"mkl": lambda: torch.mm(a, b)}
-    bf16_kernels = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
-    if hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and (
-        dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_kernels)
-    ):
-        packed = torch.ops.mkldnn._reorder_linear_weight(b)
-        kernels["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
-    best = (0.0, "")
-    for _ in range(trials):
-        for name, kernel in kernels.items():
-            kernel()
-            runs, start = 0, time.perf_counter()
-            while time.perf_counter() - start < seconds:
-                kernel()
-                runs += 1
-            best = max(best, (2 * size**3 * runs / (time.perf_counter() - start), name))
-    return best
-
 
 class PeakRSS:
     """Peak resident memory of this process while the block runs (sampled from /proc), above

@@ -34,6 +34,7 @@ differ from PEFT's own forward by float32 rounding. Adapters PEFT would not merg
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -214,3 +215,30 @@ def packed_linears(model: nn.Module, enabled: bool = True, merge_adapters: bool 
     finally:
         for module in swapped:
             del module.forward
+
+
+def matmul_peak_flops(dtype: torch.dtype, size: int = 2048, trials: int = 4, seconds: float = 0.25) -> tuple[float, str]:
+    """This machine's matmul peak in ``dtype``: the best of several timed runs of a large square
+    product with each kernel the encoder may use (MKL through ``torch.mm``; oneDNN with a packed
+    weight, see grace_st.packed_linear). Early runs read low (thread start-up, clock ramp) and a
+    low peak would flatter every floor fraction; the best kernel sets the bar. The benchmarks' floor
+    (``benchmarks/encode_throughput.py``, ``decode_ablation.py``); returns (FLOP/s, kernel name)."""
+    a = torch.randn(size, size, dtype=dtype)
+    b = torch.randn(size, size, dtype=dtype)
+    kernels = {"mkl": lambda: torch.mm(a, b)}
+    bf16_kernels = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)()
+    if hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and bf16_kernels)
+    ):
+        packed = torch.ops.mkldnn._reorder_linear_weight(b)
+        kernels["onednn"] = lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], "")
+    best = (0.0, "")
+    for _ in range(trials):
+        for name, kernel in kernels.items():
+            kernel()
+            runs, start = 0, time.perf_counter()
+            while time.perf_counter() - start < seconds:
+                kernel()
+                runs += 1
+            best = max(best, (2 * size**3 * runs / (time.perf_counter() - start), name))
+    return best
