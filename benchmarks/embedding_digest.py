@@ -26,7 +26,7 @@ import grace_st
 def digests(texts: list[str], batch_size: int) -> tuple[dict[str, str], dict[str, np.ndarray]]:
     from sentence_transformers import SentenceTransformer
 
-    model = SentenceTransformer(grace_st.default_model_path(), device="cpu")
+    model = SentenceTransformer(grace_st.default_model_path(), device="cpu", trust_remote_code=True)
     calls = {"encode": model.encode, "encode_query": model.encode_query, "encode_document": model.encode_document}
     arrays = {name: np.asarray(call(texts, batch_size=batch_size), dtype=np.float32) for name, call in calls.items()}
     return {name: hashlib.sha256(array.tobytes()).hexdigest() for name, array in arrays.items()}, arrays
