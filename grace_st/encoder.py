@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import mteb_identity
+from . import mteb_identity, quantization
 from .adapter import adapter_base, is_adapter_dir, is_peft_model, load_base_and_adapter, save_adapter
 from .cache import REQUIRED_SETTINGS, RationaleCache, is_deterministic
 from .cache_binding import CacheBinding
@@ -90,10 +90,15 @@ def _model_and_tokenizer(
         return model, tokenizer
     if model_name_or_path is None:
         raise ValueError("GenerativeEncoder needs a `model_name_or_path`, or a `model` and a `tokenizer`.")
+    model_kwargs = dict(model_kwargs or {})
+    # grace-st's own load option, not transformers': applied once the weights (and adapter) are in
+    scheme = model_kwargs.pop(quantization.LOAD_KEY, None)
     if is_adapter_dir(model_name_or_path):
         model = load_base_and_adapter(model_name_or_path, merge=merge_adapter, model_kwargs=model_kwargs)
     else:
-        model = causal_lm_from_pretrained(model_name_or_path, **(model_kwargs or {}))
+        model = causal_lm_from_pretrained(model_name_or_path, **model_kwargs)
+    if scheme is not None:
+        quantization.quantize_weights(model, scheme)
     return model, AutoTokenizer.from_pretrained(model_name_or_path, **(tokenizer_kwargs or {}))
 
 
@@ -134,7 +139,9 @@ def _naming_damaged_weights(model_name_or_path: str | None) -> Iterator[None]:
 
 
 # model_kwargs that load the weights in another form than saved (their fingerprint differs by design).
-_CHANGES_WEIGHTS = frozenset({"dtype", "torch_dtype", "quantization_config", "device_map", "load_in_8bit", "load_in_4bit"})
+_CHANGES_WEIGHTS = frozenset(
+    {"dtype", "torch_dtype", "quantization_config", "device_map", "load_in_8bit", "load_in_4bit", quantization.LOAD_KEY}
+)
 
 
 class GenerativeEncoder(InputModule):
@@ -559,6 +566,11 @@ class GenerativeEncoder(InputModule):
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         if not safe_serialization:
             raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
+        if quantization.quantization_scheme(self.model) is not None:
+            raise ValueError(
+                "this model was loaded with weight_quantization: its int8 weights are a load-time form of the "
+                "saved float weights. Save the model loaded without it (quantize again at load)"
+            )
         given = self._weights_to_save
         self.weights_revision = (weights_fingerprint(self.model, given) if given is not None else self.weights_key())[:16]
         if is_peft_model(self.model):
