@@ -1,0 +1,89 @@
+"""The LM perplexity of each checkpoint of training runs: how far training has moved the model's own
+language model, against the step ([scale]: a trained default must still generate, within +5 % of its base).
+
+The same measure and texts as the dev scoreboard's perplexity column (``grace_st.scoreboard.perplexity``
+on its held-back SICK-R trial sentences), so a point here is the scoreboard's number for that checkpoint.
+Prints a table and writes JSON.
+
+    python benchmarks/perplexity_curve.py runs/scale_kl runs/scale_kl0 --out benchmarks/results/scale_curves/perplexity.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+from grace_st.scoreboard import data_dir, perplexity, sts_pairs, write_json
+
+
+def checkpoints(run: Path) -> list[tuple[int, Path]]:
+    found = [(int(m.group(1)), p) for p in run.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
+    return sorted(found)
+
+
+def step_cpu_hours(run: Path) -> dict[int, float]:
+    """CPU hours spent up to each logged step (``time/step_cpu_s`` summed), from the run's metrics file."""
+    spent, total = {}, 0.0
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text().splitlines():
+            row = json.loads(line)
+            if "time/step_cpu_s" in row:
+                total += row["time/step_cpu_s"]
+                spent[row["step"]] = total / 3600
+    return spent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path, help="training output directories")
+    parser.add_argument("--base", help="a model directory to score as step 0 (default: the untrained embedded base)")
+    parser.add_argument("--sentences", type=int, default=200, help="held-back sentences (the scoreboard's 200)")
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--out", default="benchmarks/results/perplexity_curve.json")
+    args = parser.parse_args()
+
+    from sentence_transformers import SentenceTransformer
+
+    import grace_st
+
+    texts = sts_pairs(data_dir() / "sickr" / "trial.tsv", args.sentences)[0]
+
+    def load(path):
+        return SentenceTransformer(str(path), device="cpu", trust_remote_code=True)
+
+    base = args.base or grace_st.default_model_path(trained=False)
+    report = {
+        "sentences": len(texts),
+        "base": str(base),
+        "base_perplexity": perplexity(load(base), texts, args.batch_size),
+    }
+    report["runs"] = {}
+    print(f"base: {report['base_perplexity']:.1f}")
+    for run in args.runs:
+        hours = step_cpu_hours(run)
+        points = report["runs"][str(run)] = []
+        for step, path in checkpoints(run):
+            value = perplexity(load(path), texts, args.batch_size)
+            points.append(
+                {
+                    "step": step,
+                    "cpu_h": hours.get(step),
+                    "perplexity": value,
+                    "vs_base": value / report["base_perplexity"] - 1,
+                }
+            )
+            write_json(report, args.out)
+    print("| run | step | CPU h | perplexity | vs base |")
+    print("|---|---|---|---|---|")
+    for run, points in report["runs"].items():
+        for p in points:
+            hours = "" if p["cpu_h"] is None else f"{p['cpu_h']:.2f}"
+            print(f"| {run} | {p['step']} | {hours} | {p['perplexity']:.1f} | {p['vs_base']:+.1%} |")
+    write_json(report, args.out)
+
+
+if __name__ == "__main__":
+    main()
