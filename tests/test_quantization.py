@@ -83,3 +83,19 @@ def test_many_rows_take_the_expanded_weight_and_agree_with_the_kernel(monkeypatc
         kernel = layer(inputs)
     # the same bfloat16 inputs, scales and rounding: at most one bfloat16 step apart, from the order of the sums
     torch.testing.assert_close(expanded, kernel, rtol=8e-3, atol=1e-2)
+
+
+def test_langchain_and_llamaindex_pass_the_load_option_through(saved):
+    langchain = pytest.importorskip("langchain_huggingface")
+    llamaindex = pytest.importorskip("llama_index.embeddings.huggingface")
+    chain = langchain.HuggingFaceEmbeddings(
+        model_name=str(saved),
+        model_kwargs={"trust_remote_code": True, "device": "cpu", "model_kwargs": {"weight_quantization": "int8"}},
+    )
+    index = llamaindex.HuggingFaceEmbedding(
+        model_name=str(saved), trust_remote_code=True, device="cpu", model_kwargs={"weight_quantization": "int8"}
+    )
+    for model in (chain._client, index._model):
+        assert quantization_scheme(model[0].model) == "int8"
+    for vector in (chain.embed_query("The cat sat."), index.get_query_embedding("The cat sat.")):
+        assert len(vector) == 32 and np.all(np.isfinite(vector))
