@@ -12,28 +12,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 from pathlib import Path
 
 from grace_st.scoreboard import data_dir, perplexity, sts_pairs, write_json
+from grace_training.checkpoint import list_checkpoints
+from grace_training.metrics import cpu_hours
 
 
-def checkpoints(run: Path) -> list[tuple[int, Path]]:
-    found = [(int(m.group(1)), p) for p in run.glob("checkpoint-*") if (m := re.fullmatch(r"checkpoint-(\d+)", p.name))]
-    return sorted(found)
-
-
-def step_cpu_hours(run: Path) -> dict[int, float]:
-    """CPU hours spent up to each logged step (``time/step_cpu_s`` summed), from the run's metrics file."""
-    spent, total = {}, 0.0
+def logged_steps(run: Path) -> list[dict]:
+    """The run's step rows from its metrics file (none when it has no file)."""
     metrics = run / "metrics.jsonl"
-    if metrics.is_file():
-        for line in metrics.read_text().splitlines():
-            row = json.loads(line)
-            if "time/step_cpu_s" in row:
-                total += row["time/step_cpu_s"]
-                spent[row["step"]] = total / 3600
-    return spent
+    if not metrics.is_file():
+        return []
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [row for row in rows if "time/step_cpu_s" in row]
 
 
 def main() -> None:
@@ -63,9 +55,9 @@ def main() -> None:
     report["runs"] = {}
     print(f"base: {report['base_perplexity']:.1f}")
     for run in args.runs:
-        hours = step_cpu_hours(run)
+        hours = cpu_hours(logged_steps(run))
         points = report["runs"][str(run)] = []
-        for step, path in checkpoints(run):
+        for step, path in list_checkpoints(run):
             value = perplexity(load(path), texts, args.batch_size)
             points.append(
                 {

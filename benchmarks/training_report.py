@@ -12,6 +12,8 @@ import argparse
 import json
 from pathlib import Path
 
+from grace_training.metrics import cpu_hours
+
 CURVE = [
     ("reward/final", "R_final"),
     ("reward/contrastive", "R_CL"),
@@ -51,18 +53,6 @@ def report(run: Path, window: int) -> str:
             hours = f"{cpu.get(r['step'], 0.0):.2f}" if cpu else ""
             lines.append(f"| {r['step']} | {hours} | " + " | ".join(f"{r[k]:.4f}" if k in r else "" for k in keys) + " |")
     return "\n".join(lines)
-
-
-def cpu_hours(steps: list[dict]) -> dict[int, float]:
-    """CPU hours spent by the end of each step (``time/step_cpu_s``, the processes' CPU time; runs
-    that predate it have none). Evaluations are not counted: they are the same for every recipe."""
-    if not steps or "time/step_cpu_s" not in steps[0]:
-        return {}
-    total, hours = 0.0, {0: 0.0}
-    for row in steps:
-        total += row["time/step_cpu_s"]
-        hours[row["step"]] = total / 3600
-    return hours
 
 
 def main() -> None:

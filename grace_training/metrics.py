@@ -179,3 +179,15 @@ def _replace_text(path: Path, text: str) -> None:
         os.replace(temporary, path)
     finally:
         temporary.unlink(missing_ok=True)
+
+
+def cpu_hours(steps: list[dict]) -> dict[int, float]:
+    """CPU hours spent by the end of each step (``time/step_cpu_s``, the processes' CPU time; runs
+    that predate it have none). Evaluations are not counted: they are the same for every recipe."""
+    if not steps or "time/step_cpu_s" not in steps[0]:
+        return {}
+    total, hours = 0.0, {0: 0.0}
+    for row in steps:
+        total += row["time/step_cpu_s"]
+        hours[row["step"]] = total / 3600
+    return hours
