@@ -248,6 +248,11 @@ class GRPOConfig:
     clip_epsilon: float = key(0.2, "the ratio's clip range (Eq. 11)", POSITIVE, resume=APPLIED)
     kl_coef: float = key(0.0, "> 0: KL to the initial model (k3 estimator), keeps a frozen copy", NON_NEGATIVE,
                          resume=APPLIED)
+    text_kl_coef: float = key(
+        0.0, "> 0: KL(initial model ‖ policy) of the next-token distribution at every position of the text being "
+        "embedded (full vocabulary): holds the LM's perplexity on human text, which kl_coef does not "
+        "(docs/scale.md §10); keeps a frozen copy under full fine-tuning", NON_NEGATIVE, resume=APPLIED,
+    )
     gradient_accumulation_steps: int = key(
         1, "the step's positive rollouts in this many chunks, one optimiser step", AT_LEAST_ONE,
         resume=APPLIED,  # the hybrid term sees the chunks (trainer.update)

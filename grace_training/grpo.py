@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +38,12 @@ def build_policy_batch(
     Returns ``input_ids`` and ``attention_mask`` (R, N + G), ``completion_mask`` (R, G) over the
     tokens the policy chose, and ``prompt_width`` N. With ``instruction_lengths`` (L_sys of each
     prompt) also ``pooling_mask`` (R, N + G): the positions Eq. 3 pools in ``encode``, t > L_sys
-    and the rationale, never the EOS token nor padding. With ``share_prompts``, when some rows
+    and the rationale, never the EOS token nor padding; and ``text_mask`` (R, N): the prompt
+    positions whose next token is one of those prompt tokens (the human text and the template after
+    it), where :func:`text_kl` holds the LM. With ``share_prompts``, when some rows
     share a prompt (the K rollouts of one positive), also ``prompt_rows`` (U,): the first row of
-    each distinct prompt, and ``prompt_index`` (R,): each row's entry in it; :func:`policy_pass`
+    each distinct prompt (always given as ``text_rows``, where :func:`text_kl` counts each text
+    once), and ``prompt_index`` (R,): each row's entry in it; :func:`policy_pass`
     then runs each distinct prompt once.
     """
     rows = len(prompt_ids)
@@ -70,13 +74,15 @@ def build_policy_batch(
             rationale[i, : len(ids)] = True
         prompt = prompt_pooling_mask(attention_mask[:, :width], spans) & attention_mask[:, :width].bool()
         batch["pooling_mask"] = torch.cat([prompt, rationale], dim=1)
-    if share_prompts:
-        distinct: dict[tuple[int, ...], int] = {}
-        index = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
-        if len(distinct) < rows:
-            first = {slot: row for row, slot in reversed(list(enumerate(index)))}
-            batch["prompt_rows"] = torch.tensor([first[slot] for slot in range(len(distinct))], dtype=torch.long)
-            batch["prompt_index"] = torch.tensor(index, dtype=torch.long)
+        batch["text_mask"] = torch.zeros_like(prompt)
+        batch["text_mask"][:, :-1] = prompt[:, 1:]  # position t predicts token t + 1
+    distinct: dict[tuple[int, ...], int] = {}
+    index = [distinct.setdefault(tuple(p), len(distinct)) for p in prompt_ids]
+    first = {slot: row for row, slot in reversed(list(enumerate(index)))}
+    batch["text_rows"] = torch.tensor([first[slot] for slot in range(len(distinct))], dtype=torch.long)
+    if share_prompts and len(distinct) < rows:
+        batch["prompt_rows"] = batch["text_rows"]
+        batch["prompt_index"] = torch.tensor(index, dtype=torch.long)
     return batch
 
 
@@ -90,11 +96,22 @@ def completion_log_probs(model, batch: dict[str, Tensor], temperature: float = 1
     return policy_pass(model, batch, temperature)[0]
 
 
+class PolicyPass(NamedTuple):
+    """What :func:`policy_pass` computes. ``text_logits`` (U, N, V): the next-token logits at every
+    prompt position of each distinct prompt, the batch's ``text_rows`` (only when asked for)."""
+
+    log_probs: Tensor
+    pooled: Tensor | None
+    text_logits: Tensor | None = None
+
+
 def policy_pass(
-    model, batch: dict[str, Tensor], temperature: float = 1.0, *, pool_from=None, hidden_layer: int = -1
-) -> tuple[Tensor, Tensor | None]:
-    """One forward pass over ``P(x) ⊕ r ⊕ EOS``: (log π_θ of each completion token (R, G),
-    Eq. 3's pooled embedding (R, H) or None).
+    model, batch: dict[str, Tensor], temperature: float = 1.0, *, pool_from=None, hidden_layer: int = -1,
+    text: bool = False,
+) -> PolicyPass:
+    """One forward pass over ``P(x) ⊕ r ⊕ EOS``: log π_θ of each completion token (R, G), Eq. 3's
+    pooled embedding (R, H) or None, and with ``text`` the prompt positions' logits for
+    :func:`text_kl` (the same pass: no second forward over the prompts).
 
     ``pool_from`` is the unwrapped causal LM whose decoder's states are pooled (the call itself
     goes through ``model``, which may be wrapped for DDP/FSDP); pooling needs the batch's
@@ -108,38 +125,77 @@ def policy_pass(
     if pool_from is not None and hidden_layer == -1:
         hook = _capture_decoder_output(pool_from, captured)
     wants_states = pool_from is not None and hidden_layer != -1
+    text_logits = None
     with hook:
         if "prompt_index" in batch and generated > 0:
-            logits, states = _shared_prompt_forward(model, batch, width, captured, wants_states, hidden_layer)
+            logits, states, text_logits = _shared_prompt_forward(
+                model, batch, width, captured, wants_states, hidden_layer, text
+            )
         else:
             output = model(
                 input_ids=batch["input_ids"],
                 attention_mask=batch["attention_mask"],
                 position_ids=position_ids_from_mask(batch["attention_mask"]),
-                logits_to_keep=generated + 1,
+                logits_to_keep=0 if text else generated + 1,  # 0: every position
                 use_cache=False,
                 output_hidden_states=wants_states,
             )
-            logits = output.logits[:, :-1, :]
+            logits = output.logits[:, -(generated + 1) : -1, :]
+            text_logits = output.logits[batch["text_rows"].to(output.logits.device), :width] if text else None
             states = output.hidden_states[hidden_layer] if wants_states else captured.get("states")
     pooled = None
     if pool_from is not None:
         pooled = masked_mean(states, batch["pooling_mask"].to(states.device))
     if generated == 0:
-        return torch.zeros((batch["input_ids"].shape[0], 0), device=batch["input_ids"].device), pooled
+        return PolicyPass(torch.zeros((batch["input_ids"].shape[0], 0), device=batch["input_ids"].device), pooled)
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
     targets = batch["input_ids"][:, width:]
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1), pooled
+    log_probs = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    return PolicyPass(log_probs, pooled, text_logits)
+
+
+def text_log_probs(model, batch: dict[str, Tensor]) -> Tensor:
+    """log-probabilities of the next token at every prompt position (U, N, V), float32, of each
+    distinct prompt (``text_rows``): the reference side of :func:`text_kl` (run it under ``no_grad``)."""
+    width = int(batch["prompt_width"])
+    rows = batch["text_rows"].to(batch["input_ids"].device)
+    mask = batch["attention_mask"][rows, :width]
+    output = model(
+        input_ids=batch["input_ids"][rows, :width],
+        attention_mask=mask,
+        position_ids=position_ids_from_mask(mask),
+        use_cache=False,
+    )
+    return torch.log_softmax(output.logits.float(), dim=-1)
+
+
+def text_kl(logits: Tensor, reference_log_probs: Tensor, text_mask: Tensor, num_positions: float) -> Tensor:
+    """KL(π_ref ‖ π_θ) of the next-token distribution, summed over the text positions and divided by
+    ``num_positions`` (the whole batch's count, so chunks add up): the LM-hold term (beyond the paper).
+
+    Σ_t Σ_v π_ref(v | x_≤t) · (log π_ref(v | x_≤t) − log π_θ(v | x_≤t)), over every position of the
+    human text being embedded, with the full vocabulary: no sampling. Its gradient is that of the
+    cross-entropy against the reference's distribution, so it holds what perplexity on human text
+    measures, where ``kl_coef`` only holds the tokens the policy writes (docs/scale.md §9).
+    logits (U, N, V) of the policy, reference_log_probs (U, N, V), text_mask (U, N): the batch's
+    ``text_mask`` at its ``text_rows``.
+    """
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    per_position = (reference_log_probs.exp() * (reference_log_probs - log_probs)).sum(-1)
+    mask = text_mask.to(per_position.device).float()
+    return (per_position * mask).sum() / max(num_positions, 1.0)
 
 
 def _shared_prompt_forward(
-    model, batch: dict[str, Tensor], width: int, captured: dict, wants_states: bool, hidden_layer: int
-) -> tuple[Tensor, Tensor | None]:
+    model, batch: dict[str, Tensor], width: int, captured: dict, wants_states: bool, hidden_layer: int,
+    text: bool = False,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The pass of :func:`policy_pass` with each distinct prompt run once (``prompt_rows``), its
     keys and values expanded to the rows that share it (``prompt_index``), then the completions
-    fed on top: (logits of the G completion positions (R, G, V), hidden states (R, N + G, H) or None).
+    fed on top: (logits of the G completion positions (R, G, V), hidden states (R, N + G, H) or None,
+    with ``text`` the distinct prompts' logits at every prompt position (U, N, V), else None).
 
     The model is causal, so a prompt's states do not depend on the completion after it: this is
     the same computation as the full pass, and the expansion's backward sums the K rollouts'
@@ -154,7 +210,7 @@ def _shared_prompt_forward(
         input_ids=batch["input_ids"][prompts, :width],
         attention_mask=mask[prompts, :width],
         position_ids=positions[prompts, :width],
-        logits_to_keep=1,
+        logits_to_keep=0 if text else 1,
         use_cache=True,
         output_hidden_states=wants_states,
     )
@@ -175,7 +231,7 @@ def _shared_prompt_forward(
     states = None
     if head_states is not None:
         states = torch.cat([head_states.index_select(0, index), tail_states], dim=1)
-    return logits, states
+    return logits, states, head.logits if text else None
 
 
 @contextlib.contextmanager

@@ -137,6 +137,7 @@ def step_metrics(
             "grad_norm": update["grad_norm"],
             "clip_fraction": update["clip_fraction"],
             "kl": update["kl"],
+            "text_kl": update["text_kl"],
             "lr": update["lr"],
             "epoch": epoch,
             "time/rollout_s": timings["rollout"],

@@ -19,6 +19,7 @@ _REDUCTIONS = {
             "loss/contrastive",
             "clip_fraction",
             "kl",
+            "text_kl",
             "rollout/count",
             "throughput/generated_tokens",
             "throughput/generated_tokens_per_s",

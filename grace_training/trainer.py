@@ -53,7 +53,15 @@ from .checkpoint import (
 from .config import GRPOConfig, check_batches, check_environment, check_launch
 from .data import Triplet, cap_per_source, load_data, source_weights
 from .evaluation import evaluate
-from .grpo import build_policy_batch, completion_log_probs, group_advantages, grpo_loss, policy_pass
+from .grpo import (
+    build_policy_batch,
+    completion_log_probs,
+    group_advantages,
+    grpo_loss,
+    policy_pass,
+    text_kl,
+    text_log_probs,
+)
 from .hybrid import graded_pairs_loss, hybrid_candidates, hybrid_contrastive_loss, pooled_with_grad
 from .metrics import MetricsLogger, step_metrics
 from .policy import add_lora_adapter, card_base_model, load_grace_model
@@ -182,7 +190,7 @@ class GRPOTrainer:
         config = self.config
         # KL reference: with LoRA the base is the adapter disabled (no second copy in memory).
         self.reference = None
-        if config.kl_coef > 0 and config.finetune == "full":
+        if (config.kl_coef > 0 or config.text_kl_coef > 0) and config.finetune == "full":
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
         optimizer = build_optimizer(self.policy, config)
         # The scheduler is stepped once per training step here, not through accelerate (which
@@ -435,8 +443,14 @@ class GRPOTrainer:
         candidates = hybrid_candidates(rollouts, cfg.num_negatives, accelerator) if hybrid else None  # every chunk's
         advantages = advantages.to(accelerator.device)
         old_log_probs, ref_log_probs = self.fixed_log_probs(batches, rollouts.positives.temperature)
+        ref_text, num_text = [None] * len(batches), 0.0
+        if cfg.text_kl_coef > 0:
+            ref_text = self.reference_text_log_probs(batches)
+            (num_text,) = sum_over_processes(
+                accelerator, float(sum(b["text_mask"][b["text_rows"]].sum() for b in batches))
+            )
 
-        totals = dict.fromkeys(("loss", "clip_fraction", "kl", "policy_loss", "contrastive_loss"), 0.0)
+        totals = dict.fromkeys(("loss", "clip_fraction", "kl", "text_kl", "policy_loss", "contrastive_loss"), 0.0)
         seconds = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)  # the step profile's parts
         grad_norm = torch.tensor(0.0)
         for _ in range(cfg.ppo_epochs):
@@ -448,7 +462,7 @@ class GRPOTrainer:
                     started = time.perf_counter()
                     loss, terms = self.chunk_loss(
                         rollouts, batch, chunk, advantages[chunk], old_log_probs[i], ref_log_probs[i], num_tokens,
-                        candidates, scores,
+                        candidates, scores, ref_text[i], num_text,
                     )
                     forwarded = time.perf_counter()
                     # DDP and FSDP average gradients over processes: scaled by their number, that
@@ -495,7 +509,9 @@ class GRPOTrainer:
                 [positives.rationale_ids[i] for i in chunk],
                 [positives.stop_ids[i] for i in chunk],
                 self.encoder.pad_token_id,
-                [positives.instruction_lengths[i] for i in chunk] if cfg.contrastive_beta > 0 else None,
+                [positives.instruction_lengths[i] for i in chunk]
+                if cfg.contrastive_beta > 0 or cfg.text_kl_coef > 0
+                else None,
                 share_prompts=cfg.share_prompt_pass and not cfg.gradient_checkpointing,
             )
             if cfg.mask_truncated:  # DAPO / TRL: a rationale cut at the limit is no evidence either way
@@ -519,20 +535,23 @@ class GRPOTrainer:
         return old_log_probs, ref_log_probs
 
     def chunk_loss(
-        self, rollouts, batch, chunk, advantages, old_log_probs, ref_log_probs, num_tokens, candidates, scores=None
+        self, rollouts, batch, chunk, advantages, old_log_probs, ref_log_probs, num_tokens, candidates, scores=None,
+        ref_text=None, num_text=0.0,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """One chunk's loss with gradient: Eq. 11 (:func:`~grace_training.grpo.grpo_loss`), plus
-        β · the hybrid term over the same pass's pooled states (CoSENT for a batch of scored pairs);
-        and its parts as numbers."""
+        β · the hybrid term over the same pass's pooled states (CoSENT for a batch of scored pairs),
+        plus ``text_kl_coef`` · KL to the reference over the text's positions
+        (:func:`~grace_training.grpo.text_kl`); and its parts as numbers."""
         cfg = self.config
         hybrid = cfg.contrastive_beta > 0
         temperature = rollouts.positives.temperature
-        log_probs, pooled = policy_pass(
+        log_probs, pooled, text_logits = policy_pass(
             self.policy_wrapped,
             batch,
             temperature,
             pool_from=self.policy if hybrid else None,
             hidden_layer=self.encoder.hidden_layer,
+            text=ref_text is not None,
         )
         old = old_log_probs if old_log_probs is not None else log_probs.detach()
         loss, stats = grpo_loss(
@@ -566,12 +585,17 @@ class GRPOTrainer:
                 candidates, rollouts, chunk, pooled, cfg, self.accelerator.process_index, recomputed
             ) / (len(rollouts.positives) * self.accelerator.num_processes)
             loss = loss + cfg.contrastive_beta * contrastive
+        held = torch.zeros((), device=self.accelerator.device)
+        if ref_text is not None:
+            held = text_kl(text_logits, ref_text, batch["text_mask"][batch["text_rows"]], num_text)
+            loss = loss + cfg.text_kl_coef * held
         terms = {
             "loss": loss.item(),
             "policy_loss": policy_loss.item(),
             "contrastive_loss": contrastive.item(),
             "clip_fraction": stats["clip_fraction"].item(),
             "kl": stats.get("kl", torch.tensor(0.0)).item(),
+            "text_kl": held.item(),
         }
         return loss, terms
 
@@ -590,6 +614,15 @@ class GRPOTrainer:
             return completion_log_probs(self.reference, batch, temperature)
         with self.policy.disable_adapter():
             return completion_log_probs(self.policy_wrapped, batch, temperature)
+
+    def reference_text_log_probs(self, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
+        """Per chunk, the reference's next-token log-probabilities over the prompts' positions, for
+        ``text_kl_coef``: the frozen copy (full fine-tuning) or the adapter disabled (LoRA)."""
+        with torch.no_grad(), self.accelerator.autocast():
+            if self.reference is not None:
+                return [text_log_probs(self.reference, batch) for batch in batches]
+            with self.policy.disable_adapter():
+                return [text_log_probs(self.policy_wrapped, batch) for batch in batches]
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.policy_wrapped.parameters() if p.requires_grad]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
@@ -121,7 +122,7 @@ def test_a_prompt_shared_by_k_rollouts_runs_once_with_the_same_loss_and_gradient
         model.zero_grad()
         batch = build_policy_batch(prompts, rationales, stops, tokenizer.pad_token_id, [1] * 6, share_prompts=share)
         assert ("prompt_index" in batch) == share
-        log_probs, pooled = policy_pass(model, batch, 0.7, pool_from=model)
+        log_probs, pooled, _ = policy_pass(model, batch, 0.7, pool_from=model)
         loss, _ = grpo_loss(log_probs, log_probs.detach(), advantages, batch["completion_mask"])
         (loss + pooled.pow(2).sum()).backward()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
@@ -136,3 +137,55 @@ def test_a_prompt_shared_by_k_rollouts_runs_once_with_the_same_loss_and_gradient
         torch.testing.assert_close(shared[2][name], grad, atol=1e-4, rtol=1e-3)
     # distinct prompts only: nothing to share, the plain pass
     assert "prompt_index" not in build_policy_batch([[1], [2]], [[3], [4]], [-1, -1], 0, share_prompts=True)
+
+
+def test_text_kl_is_the_kl_to_the_reference_over_the_texts_own_positions():
+    """The LM-hold term: KL(π_ref ‖ π_θ) of the full next-token distribution at each position whose
+    next token is text after the instruction span; zero for the adapter's initial (zero) update; the
+    same from the shared-prompt pass as from the full one, with gradients into LoRA."""
+    from peft import LoraConfig, get_peft_model
+
+    from grace_training.grpo import policy_pass, text_kl, text_log_probs
+
+    tokenizer = make_tokenizer()
+    model = get_peft_model(make_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    prompts = [[3, 20, 21, 22, 23]] * 2 + [[3, 30, 31]]
+    rationales, stops = [[40, 41], [50], [60]], [tokenizer.eos_token_id, -1, -1]
+    batch = build_policy_batch(prompts, rationales, stops, tokenizer.pad_token_id, [2, 2, 1], share_prompts=True)
+    # position t holds the LM where token t + 1 is past the instruction span (left-padded rows)
+    assert batch["text_mask"].tolist() == [[False, True, True, True, False]] * 2 + [[False, False, True, True, False]]
+    assert batch["text_rows"].tolist() == [0, 2]
+    with torch.no_grad(), model.disable_adapter():
+        reference = text_log_probs(model, batch)
+    rows_mask = batch["text_mask"][batch["text_rows"]]
+    count = float(rows_mask.sum())
+    logits = policy_pass(model, batch, text=True).text_logits
+    assert float(text_kl(logits, reference, rows_mask, count)) == pytest.approx(0.0, abs=1e-6)  # B = 0: no change yet
+
+    torch.manual_seed(2)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.1)
+    values, grads = {}, {}
+    for share in (False, True):
+        model.zero_grad()
+        b = build_policy_batch(prompts, rationales, stops, tokenizer.pad_token_id, [2, 2, 1], share_prompts=share)
+        with torch.no_grad(), model.disable_adapter():
+            ref = text_log_probs(model, b)
+        mask = b["text_mask"][b["text_rows"]]
+        value = text_kl(policy_pass(model, b, text=True).text_logits, ref, mask, float(mask.sum()))
+        value.backward()
+        values[share] = value.detach()
+        grads[share] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    # by hand, one row and position: Σ_v p_ref (log p_ref − log p_θ)
+    with torch.no_grad():
+        policy = torch.log_softmax(policy_pass(model, batch, text=True).text_logits.float(), -1)
+    by_hand = sum(
+        float((reference[r, t].exp() * (reference[r, t] - policy[r, t])).sum())
+        for r in range(2) for t in range(5) if rows_mask[r, t]
+    ) / count
+    assert float(values[True]) > 0 and float(values[True]) == pytest.approx(by_hand, rel=1e-4)
+    torch.testing.assert_close(values[False], values[True], atol=1e-6, rtol=1e-4)  # each text once, shared or not
+    assert grads[True] and all("lora_" in n for n in grads[True])
+    for name, grad in grads[True].items():
+        torch.testing.assert_close(grad, grads[False][name], atol=1e-5, rtol=1e-3)

@@ -117,7 +117,7 @@ def test_update_pass_pools_the_embedding_encode_returns(tmp_path):
             role.prompt_ids, role.rationale_ids, role.stop_ids, trainer.encoder.pad_token_id, role.instruction_lengths
         )
         with torch.no_grad():
-            _, pooled = policy_pass(trainer.policy, batch, role.temperature, pool_from=trainer.policy)
+            pooled = policy_pass(trainer.policy, batch, role.temperature, pool_from=trainer.policy).pooled
         torch.testing.assert_close(torch.nn.functional.normalize(pooled, dim=-1), role.embeddings, atol=1e-5, rtol=1e-4)
 
 
@@ -178,7 +178,10 @@ def test_hybrid_chunks_add_up_to_the_batch_loss(tmp_path):
 
 
 def test_lora_run_checkpoints_an_adapter_that_loads_and_resumes(tmp_path):
-    cfg = config(tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=2, save_steps=1, kl_coef=0.1)
+    # both LM-hold terms on: their reference is the adapter disabled
+    cfg = config(
+        tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=2, save_steps=1, kl_coef=0.1, text_kl_coef=0.5
+    )
     base = saved_base(tmp_path)
     before = {k: v.clone() for k, v in base[0].model.state_dict().items()}
     GRPOTrainer(cfg, model=base, train_data=DATA).train()
@@ -203,6 +206,7 @@ def test_lora_run_checkpoints_an_adapter_that_loads_and_resumes(tmp_path):
             max_steps=steps,
             save_steps=1,
             kl_coef=0.1,
+            text_kl_coef=0.5,
             output_dir=str(tmp_path / "resumed"),
         )
 

@@ -220,16 +220,19 @@ def test_gradient_accumulation_matches_one_pass(tmp_path):
     [
         {"objective": "unsupervised", "num_negatives": 0},
         {"reward_mode": "per_rollout", "ppo_epochs": 2, "kl_coef": 0.05, "lambda_consistency": 0.0},
+        {"text_kl_coef": 1.0, "max_steps": 2},  # full fine-tuning: a frozen reference copy
     ],
 )
 def test_objectives_and_modes_run(tmp_path, overrides):
-    cfg = config(tmp_path, max_steps=1, **overrides)
+    cfg = config(tmp_path, **{"max_steps": 1, **overrides})
     data = [Triplet(t.query, t.query, ()) for t in DATA] if overrides.get("objective") == "unsupervised" else DATA
     result = GRPOTrainer(cfg, model=make_st_model(), train_data=data).train()
     metrics = result["metrics"]
     assert all(math.isfinite(v) for v in metrics.values())
     if cfg.kl_coef:
         assert metrics["kl"] >= 0 and "clip_fraction" in metrics
+    if cfg.text_kl_coef:  # step 1 starts at the reference (KL 0); step 2 has moved away from it
+        assert metrics["text_kl"] > 0
 
 
 def test_too_little_data_and_uneven_batches_are_refused(tmp_path):
