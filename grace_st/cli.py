@@ -55,6 +55,8 @@ def _encoder_options(parser: argparse.ArgumentParser) -> None:
     for name, setting in SETTINGS.items():
         if setting.cli == "flag":
             group.add_argument(cli_flag(name), action="store_true", default=None, help=setting.help)
+        elif setting.cli == "choice":
+            group.add_argument(cli_flag(name), choices=setting.choices, help=setting.help)
         elif setting.cli is not None:
             per_type = setting.cli == "per_type"
             group.add_argument(

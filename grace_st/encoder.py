@@ -35,7 +35,7 @@ from .adapter import adapter_base, is_adapter_dir, is_peft_model, load_base_and_
 from .cache import REQUIRED_SETTINGS, RationaleCache, is_deterministic
 from .cache_binding import CacheBinding
 from .decoding import DecodeOptions
-from .engine import RationaleEngine, RolloutRequest
+from .engine import ENGINES, RationaleEngine, RolloutRequest
 from .generation import left_pad, pad_rationales
 from .prompts import (
     PromptTemplate,
@@ -166,6 +166,7 @@ class GenerativeEncoder(InputModule):
         self,
         model_name_or_path: str | None = None,
         *,
+        method: str = DEFAULTS["method"],
         instructions: dict[str, str] | None = None,  # None: the default instructions
         max_rationale_tokens: int | dict[str, int] = DEFAULTS["max_rationale_tokens"],
         max_input_tokens: int = DEFAULTS["max_input_tokens"],
@@ -186,6 +187,7 @@ class GenerativeEncoder(InputModule):
         if isinstance(instructions, Mapping):
             instructions = {**default("instructions"), **instructions}
         settings = {
+            "method": method,
             "instructions": default("instructions") if instructions is None else instructions,
             "max_rationale_tokens": max_rationale_tokens,
             "max_input_tokens": max_input_tokens,
@@ -246,10 +248,11 @@ class GenerativeEncoder(InputModule):
 
     @property
     def engine(self) -> RationaleEngine:
-        """The model as it thinks and embeds (:class:`grace_st.engine.RationaleEngine`): ``forward`` and
-        training's rollouts both go through it. A view over the current model, adapter, ``hidden_layer``,
-        ``decode_options`` and backend (HF, or vLLM after :meth:`use_vllm`), built when asked."""
-        return RationaleEngine(
+        """The model as it thinks and embeds: ``forward`` and training both go through it. The class is
+        ``method``'s (:data:`grace_st.engine.ENGINES`: a rationale, or GIRCSE's soft tokens). A view over
+        the current model, adapter, ``hidden_layer``, ``decode_options`` and backend (HF, or vLLM after
+        :meth:`use_vllm`), built when asked."""
+        return ENGINES[self.method](
             self.model, self.tokenizer, hidden_layer=self.hidden_layer, options=self.decode_options, generator=self._vllm
         )
 
@@ -371,6 +374,8 @@ class GenerativeEncoder(InputModule):
         """
         from .vllm_backend import VLLMRationaleGenerator
 
+        if self.method != "grace":
+            raise ValueError(f"use_vllm writes rationales; method {self.method!r} feeds back soft tokens, which vLLM cannot")
         path = model_path or self._source_path
         if path is None:
             raise ValueError("use_vllm needs a model directory: save the model first, or pass model_path")
@@ -477,7 +482,9 @@ class GenerativeEncoder(InputModule):
         Adds ``sentence_embedding`` (B, H), ``token_embeddings`` and ``attention_mask`` of the
         first rationale's ``P(x) ⊕ r``, ``rationale_token_ids`` (B, num_rationales, G; -1 pads),
         ``rationale_truncated`` (B, num_rationales) and ``rationale_budget`` (B,), the token
-        limit each text's rationale had.
+        limit each text's rationale had. With ``method="gircse"`` the "rationale" is each soft
+        token's most probable token, and ``soft_token_ids`` / ``soft_token_probs`` (B, K, 5) hold
+        each step's five most probable tokens (not for texts answered from the rationale cache).
         """
         if "cache_keys" in features:
             return self._rationale_cache.forward(self, features)
@@ -498,6 +505,9 @@ class GenerativeEncoder(InputModule):
             "attention_mask": states.attention_mask[::repeats],
             "token_embeddings": states.token_embeddings[::repeats],
         }
+        soft = getattr(states, "soft", None)
+        if soft is not None:  # GIRCSE's readable trace: each step's most probable tokens (explain)
+            per_token.update(soft_token_ids=soft.top_ids, soft_token_probs=soft.top_probs)
         return self.outputs(
             features,
             pooled.view(len(grouped), repeats, -1).mean(1),

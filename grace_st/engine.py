@@ -18,12 +18,12 @@ states it decodes with: :meth:`embed` pools those, no second pass. A token gener
 no-gradient HF pass over ``P(x) ⊕ r`` (:func:`grace_st.second_pass.pooled_embeddings`), the same
 states since the model is causal.
 
-Another way of thinking is one more class with the same two calls. GIRCSE's soft tokens
-(docs: ``gircse.md``, Eqs. 2–6) would be a ``SoftTokenEngine`` whose ``generate`` feeds the LM head's
-distribution back as an input embedding K times and returns :class:`Thoughts` with the K states and
-a readable trace (the top tokens of each step) instead of sampled ids, and whose ``embed`` pools the
-generated states (Eq. 4). The encoder would pick the class by a saved setting (``method: grace |
-gircse``) through a table like :data:`ENGINES`; nothing that calls ``generate``/``embed`` changes.
+Another way of thinking is one more class with the same two calls: :class:`SoftTokenEngine` (GIRCSE,
+``gircse.md``, Eqs. 2–6) feeds the LM head's distribution back as an input embedding K times
+(:mod:`grace_st.soft_tokens`) and returns :class:`Thoughts` with the K states and a readable trace
+(the top tokens of each step) instead of sampled ids; its ``embed`` pools the generated states
+(Eq. 4). The encoder picks the class by its saved ``method`` setting through :data:`ENGINES`;
+nothing that calls ``generate``/``embed`` changes.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from .decoding import DecodeOptions, decoder_states, position_ids_from_mask
 from .generation import Rationales, Rollouts, generate_rollouts, left_pad, per_row, prompt_pooling_mask
 from .pooling import masked_mean
 from .second_pass import pooled_embeddings
+from .soft_tokens import soft_token_rollouts, soft_token_states
 
 
 @dataclass
@@ -228,5 +229,48 @@ class RationaleEngine:
         )
 
 
-# The engines a saved ``method`` setting could name; GRACE's is the only one so far.
-ENGINES = {"grace": RationaleEngine}
+class SoftTokenEngine(RationaleEngine):
+    """A causal LM that thinks in K soft tokens and pools their states (GIRCSE, ``gircse.md``): the same
+    two calls as :class:`RationaleEngine`, a request's ``max_new_tokens`` read as K. Deterministic:
+    temperatures, seeds and top-p do not apply, and a token generator (vLLM) cannot make soft tokens."""
+
+    # how many of each step's most probable tokens the trace keeps (``explain``)
+    trace_width = 5
+
+    def __init__(self, model, tokenizer, *, hidden_layer: int = -1, options: DecodeOptions | None = None, generator=None):
+        if generator is not None:
+            raise ValueError("method 'gircse' feeds back soft tokens, which a token generator (vLLM) cannot make; use_hf()")
+        super().__init__(model, tokenizer, hidden_layer=hidden_layer, options=options)
+
+    def embed(self, request: RolloutRequest, thoughts: Thoughts, batch_size: int | None = None) -> Tensor:
+        """z_K of each row (Eq. 4: the mean of the K generated states; K = 0, the prompt after L_sys), (R, H)."""
+        if request.max_new_tokens == 0:
+            return super().embed(request, thoughts, batch_size)
+        pooled = None
+        for chunk, rollouts in thoughts.chunks:
+            last = rollouts.soft.step_embeddings()[:, -1]
+            if pooled is None:
+                pooled = last.new_zeros((len(request.prompt_ids), last.shape[-1]))
+            pooled[chunk] = last
+        return pooled if pooled is not None else torch.zeros((0, self.hidden_size))
+
+    def step_embeddings(self, input_ids: Tensor, attention_mask: Tensor, steps: int) -> Tensor:
+        """z_1..z_K of left-padded prompts (B, K, H), **with** gradient: what Eq. 7 trains
+        (:mod:`grace_training.gircse`), by the computation :meth:`embed` returns the last of."""
+        return soft_token_states(self.model, input_ids, attention_mask, steps, hidden_layer=self.hidden_layer).step_embeddings()
+
+    def _rollout(self, request: RolloutRequest, chunk: list[int]) -> Rollouts:
+        """K soft tokens after each prompt of ``chunk`` (Eqs. 2, 5, 6), laid out as a rationale's rollout."""
+        device = next(self.model.parameters()).device
+        input_ids, attention_mask = left_pad([request.prompt_ids[i] for i in chunk], self.pad_token_id)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        soft = soft_token_states(
+            self.model, input_ids, attention_mask, request.max_new_tokens, hidden_layer=self.hidden_layer,
+            top=self.trace_width,
+        )
+        spans = torch.tensor([request.instruction_lengths[i] for i in chunk], device=device)
+        return soft_token_rollouts(soft, attention_mask, spans)
+
+
+# The engines a saved ``method`` setting names.
+ENGINES = {"grace": RationaleEngine, "gircse": SoftTokenEngine}

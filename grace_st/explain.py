@@ -49,6 +49,9 @@ def explain(model, texts, **encode_kwargs: Any) -> list[dict[str, Any]]:
     pooled), ``rationales`` (all of them when ``num_rationales`` > 1), ``truncated``,
     ``rationale_budget`` (the token limit this text got: ``max_rationale_tokens`` may differ
     by prompt type) and ``embedding`` — the vector ``model.encode(texts, **encode_kwargs)`` returns.
+    For a GIRCSE model (``method="gircse"``) also ``soft_tokens``: for each of the K steps, its five
+    most probable tokens with their probabilities (the readable trace of s_k, gircse.md), where the
+    "rationale" is each step's most probable token; None for a text answered from the rationale cache.
 
     Accepts ``encode``'s arguments (``prompt``, ``prompt_name``, ``task``, ``batch_size``,
     ``normalize_embeddings``, ``convert_to_tensor`` ...). ``encode_query``-style calls: pass
@@ -70,8 +73,12 @@ def explain(model, texts, **encode_kwargs: Any) -> list[dict[str, Any]]:
         if normalize:
             embedding = torch.nn.functional.normalize(embedding, p=2, dim=0)
         rationales = encoder.decode_rationales(item["rationale_token_ids"])
+        result = {}
+        if getattr(encoder, "method", "grace") == "gircse":
+            result["soft_tokens"] = soft_token_trace(encoder.tokenizer, item)
         results.append(
             {
+                **result,
                 "text": text,
                 "rationale": rationales[0],
                 "rationales": rationales,
@@ -81,3 +88,14 @@ def explain(model, texts, **encode_kwargs: Any) -> list[dict[str, Any]]:
             }
         )
     return results
+
+
+def soft_token_trace(tokenizer, item: Mapping[str, Any]) -> list[list[tuple[str, float]]] | None:
+    """Each soft token's most probable tokens, as (text, probability), step by step; None without a trace."""
+    if "soft_token_ids" not in item:
+        return None
+    ids, probs = item["soft_token_ids"].tolist(), item["soft_token_probs"].tolist()
+    return [
+        [(tokenizer.decode([token]), round(float(p), 4)) for token, p in zip(step_ids, step_probs)]
+        for step_ids, step_probs in zip(ids, probs)
+    ]

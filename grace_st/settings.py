@@ -85,8 +85,9 @@ class Setting:
     requirement: str  # what it must be, as an error says it
     valid: Callable[[Any], bool]
     decides_rationale: bool  # keys the rationale cache (instructions enter through the prompt's token ids)
-    cli: str | None  # the ``grace-st`` option's kind: "int", "float", "flag", "per_type" (N or TYPE=N,...); None: none
+    cli: str | None  # the ``grace-st`` option's kind: "int", "float", "flag", "per_type" (N or TYPE=N,...), "choice"; None: none
     shown_default: str | None = None  # the table's default, where the value itself is too long to show
+    choices: tuple[str, ...] | None = None  # a "choice" setting's values
 
     @property
     def cli_option(self) -> bool:
@@ -101,8 +102,21 @@ def _how(cli: str) -> dict[str, Any]:
 _WHAT = {"decides_rationale": False, "cli": None}  # instructions, or a fact about the saved weights
 _PER_TYPE = "an int, or a mapping of prompt type to one with a 'default' entry"
 
+# The ways a model thinks before it embeds (grace_st.engine.ENGINES has a class for each).
+METHODS = ("grace", "gircse")
+
 # Combination rules live in check_settings below.
 SETTINGS: dict[str, Setting] = {
+    "method": Setting(
+        "grace",
+        "how the model thinks before it embeds: 'grace' writes a rationale of up to max_rationale_tokens tokens "
+        "and pools the text and the rationale (GRACE); 'gircse' feeds its next-token distribution back as "
+        "max_rationale_tokens soft tokens and pools their states (GIRCSE: deterministic, nothing sampled)",
+        "'grace' or 'gircse'",
+        lambda v: v in METHODS,
+        **_how("choice"),
+        choices=METHODS,
+    ),
     "instructions": Setting(
         DEFAULT_INSTRUCTIONS,
         "system instructions by prompt type: 'default', 'query', 'document'. encode_query / encode_document "
@@ -264,6 +278,8 @@ def check_settings(values: Mapping[str, Any], *, num_layers: int | None = None, 
             raise ValueError(f"{where}num_rationales > 1{of} averages sampled rationales: set do_sample=True as well")
         if for_prompt_type(repeats, kind) > 1 and for_prompt_type(budgets, kind) == 0:
             raise ValueError(f"{where}num_rationales > 1{of} needs max_rationale_tokens > 0")
+    if get("method", "grace") == "gircse" and get("do_sample", False):
+        raise ValueError(f"{where}method 'gircse' samples nothing (its soft tokens are the whole distribution): set do_sample=False")
     if get("do_sample", False) and not get("temperature", 1.0) > 0:
         raise ValueError(f"{where}temperature must be > 0 when sampling, got {get('temperature')!r}")
     if num_layers is not None and "hidden_layer" in values and not -1 <= values["hidden_layer"] <= num_layers:

@@ -1,4 +1,4 @@
-"""``grace-train``: GRPO training (or the InfoNCE baseline) from a YAML config.
+"""``grace-train``: GRPO training (GIRCSE's soft tokens, or the InfoNCE baseline) from a YAML config.
 
 grace-train --config grace_training/configs/cpu_smollm2.yaml                 # train
 grace-train --config FILE max_steps=10 output_dir=runs/x              # key=value overrides
@@ -8,6 +8,7 @@ grace-train --config FILE --resume --allow-config-change num_rollouts=4  # chang
 grace-train --config FILE --overwrite-output-dir                      # start over where an earlier run is
 grace-train --config FILE --dry-run                                   # validate, print the plan
 grace-train --config FILE --method infonce output_dir=runs/infonce    # the "w/ CL" baseline
+grace-train --config grace_training/configs/gircse_smollm2.yaml      # GIRCSE (method: gircse)
 """
 
 from __future__ import annotations
@@ -67,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--method",
-        choices=("grpo", "infonce"),
-        default="grpo",
-        help="grpo (GRACE) or infonce (the sentence-transformers MNRL baseline)",
+        choices=("grpo", "gircse", "infonce"),
+        default=None,
+        help="grpo (GRACE), gircse (GIRCSE's soft tokens: the config's `method: gircse`) or infonce (the "
+        "sentence-transformers MNRL baseline); default: the config's method",
     )
     return parser
 
@@ -148,14 +150,18 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        config = GRPOConfig.from_yaml(args.config, args.overrides)
+        overrides = list(args.overrides)
+        if args.method in ("grpo", "gircse"):
+            overrides.append(f"method={args.method}")
+        config = GRPOConfig.from_yaml(args.config, overrides)
         check_environment(config)
         check_launch()
     except ConfigError as error:
         return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
     except LaunchError as error:
         return _refuse(str(error))
-    directory = {"method": args.method, "resume": bool(args.resume), "overwrite": args.overwrite_output_dir}
+    method = "infonce" if args.method == "infonce" else config.method
+    directory = {"method": method, "resume": bool(args.resume), "overwrite": args.overwrite_output_dir}
     if args.dry_run:
         try:
             summary = plan(config)
@@ -166,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             return _refuse(str(error))
         print(json.dumps({"config": config.to_dict(), "plan": summary}, indent=2))
         return 0
-    if args.method == "infonce":
+    if method == "infonce":
         return _train_infonce(config, directory, args.max_minutes)
     from .trainer import GRPOTrainer
 

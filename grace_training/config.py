@@ -38,6 +38,7 @@ BACKENDS = ("hf", "vllm")
 LENGTH_PENALTY_MODES = ("add", "replace", "off")
 LENGTH_PENALTY_UNITS = ("scaled", "reward")
 REWARD_SCALING = ("none", "group")
+METHODS = ("grpo", "gircse")  # GRACE, or GIRCSE's soft tokens (grace_training.gircse)
 FINETUNE_MODES = ("full", "lora")
 CONTRASTIVE_ANCHORS = ("detached", "recompute", "recompute_prompts")
 BAD_ROWS = ("skip", "error")
@@ -215,6 +216,20 @@ class GRPOConfig:
         "one greedy rationale a text and trains β · CoSENT, log(1 + Σ_{s_i > s_j} exp(λ (c_j − c_i))) over the "
         "batch's pooled cosines c and gold scores s, instead of β · InfoNCE. Needs `batch_sampling: by_source`, β > 0",
         POSITIVE, resume=APPLIED,
+    )
+
+    # -- GIRCSE: soft tokens trained end to end (gircse.md, Eqs. 7–8) ---------------------------
+    method: str = key(
+        "grpo", "`grpo`: GRACE (rollouts, rewards, Eq. 11, the hybrid terms). `gircse`: K soft tokens "
+        "(K = `max_rationale_tokens` by prompt type) trained end to end by Iterative Contrastive Refinement, "
+        "Eq. 7's InfoNCE at every step (CoSENT for an `sts` source) + λ · Eq. 8; the saved model encodes with "
+        "`method: gircse`. The rollout, reward and hybrid keys do not apply to it",
+        one_of(METHODS), resume=FIXED, card=True,
+    )
+    icr_temperature: float = key(0.02, "τ of Eq. 7's InfoNCE (gircse; the paper's 0.02)", POSITIVE, resume=APPLIED, card=True)
+    icr_lambda: float = key(
+        1.0, "λ of Eq. 8 (gircse): the weight of the penalty on a step whose loss is above the step before's",
+        NON_NEGATIVE, resume=APPLIED, card=True,
     )
 
     # -- what is trained ----------------------------------------------------------------------
@@ -452,10 +467,11 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
             + "it needs contrastive_beta > 0",
         ),
         (
-            not graded or (config.batch_sampling == "by_source" and config.contrastive_beta > 0),
+            not graded
+            or (config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or config.method == "gircse")),
             "train_data",
             "train_data: an 'sts' source (graded pairs) trains β · CoSENT on batches of its own: it needs "
-            + "batch_sampling: by_source and contrastive_beta > 0",
+            + "batch_sampling: by_source and contrastive_beta > 0 (or method: gircse)",
         ),
         (
             config.temperature_positive > 0 or config.num_rollouts == 1,
@@ -463,6 +479,12 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
             "temperature_positive: K > 1 positive rollouts need temperature_positive > 0, or every rollout is the same",
         ),
         (not config.push_to_hub or bool(config.hub_model_id), "hub_model_id", "push_to_hub needs hub_model_id"),
+        (
+            config.method != "gircse" or (config.rollout_backend == "hf" and config.gradient_accumulation_steps == 1),
+            "method",
+            "method: gircse makes soft tokens with the HF model in one pass a step: it needs rollout_backend: hf "
+            + "and gradient_accumulation_steps: 1",
+        ),
     ]
 
 

@@ -69,6 +69,7 @@ RUN_FILES = {
     "grpo": (CONFIG_FILE, CHANGES_FILE, "metrics.jsonl", "tensorboard", "hub_queue.json", "initial-model"),
     "infonce": ("final", "trainer", ".tmp-final"),
 }
+RUN_FILES["gircse"] = RUN_FILES["grpo"]  # the same trainer, another step
 # Linux and macOS directories whose whole tree belongs to the system; and those that are only
 # refused themselves (a run may live below /var/tmp, /home/me or /mnt/disk, not in them).
 SYSTEM_TREES = ("bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin", "sys", "usr",

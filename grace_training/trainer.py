@@ -50,9 +50,10 @@ from .checkpoint import (
     save_model_dir,
     write_checkpoint,
 )
-from .config import GRPOConfig, check_batches, check_environment, check_launch
+from .config import GRPOConfig, LaunchError, check_batches, check_environment, check_launch
 from .data import Triplet, cap_per_source, load_data, source_weights
 from .evaluation import evaluate
+from .gircse import icr_batch_loss
 from .grpo import (
     build_policy_batch,
     completion_log_probs,
@@ -130,6 +131,10 @@ class GRPOTrainer:
             cpu=processes_without_a_gpu(), mixed_precision="bf16" if config.bf16 else "no"
         )
         check_sharding(self.accelerator, config)
+        if config.method == "gircse" and self.accelerator.num_processes > 1:
+            raise LaunchError(
+                "method: gircse trains in one process (its in-batch negatives are not gathered across processes yet)"
+            )
 
         # -- data (before the model: a run the data cannot feed is refused without loading it) --
         self.train_data, self.eval_data = self._data(train_data, eval_data)
@@ -178,6 +183,7 @@ class GRPOTrainer:
         # The saved model encodes with the prompt and rationale budget it was trained with.
         self.encoder.max_input_tokens = config.max_input_tokens
         self.encoder.max_rationale_tokens = config.max_rationale_tokens
+        self.encoder.method = "gircse" if config.method == "gircse" else "grace"  # what the saved model encodes with
         if config.finetune == "lora":
             self.encoder.model = add_lora_adapter(self.encoder.model, config)
         self.policy = self.encoder.model
@@ -206,12 +212,12 @@ class GRPOTrainer:
         if eval_data is None and config.eval_data:
             eval_data, _ = load_data(config.eval_data, **config.data_settings())
         train_data = list(train_data)
-        graded_ready = config.batch_sampling == "by_source" and config.contrastive_beta > 0
+        graded_ready = config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or config.method == "gircse")
         if not graded_ready and any(row.score is not None for row in train_data):
             # a scored pair trained as a positive would pull a pair scored 0 together
             raise ValueError(
                 "train_data: scored pairs (graded) train β · CoSENT on batches of their own: "
-                "they need batch_sampling: by_source and contrastive_beta > 0"
+                "they need batch_sampling: by_source and contrastive_beta > 0 (or method: gircse)"
             )
         return train_data, cap_per_source(eval_data or [], config.eval_max_examples, config.seed)
 
@@ -256,11 +262,8 @@ class GRPOTrainer:
             self.step += 1
             self.last_metrics = metrics
             progress.update(1)
-            progress.set_postfix(
-                reward=f"{metrics['reward/final']:.3f}",
-                loss=f"{metrics['loss']:.4f}",
-                s_per_step=f"{metrics['time/step_s']:.1f}",
-            )
+            shown = {"reward": metrics.get("reward/final"), "loss": metrics["loss"], "s_per_step": metrics["time/step_s"]}
+            progress.set_postfix({name: f"{value:.4g}" for name, value in shown.items() if value is not None})
             if cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps and self.eval_data:
                 self.last_scores = self.evaluate()
                 metrics = {**metrics, **self.last_scores}
@@ -278,7 +281,7 @@ class GRPOTrainer:
         """Take ``output_dir`` for this run (:func:`~grace_training.run_dir.claim_output_dir`): every
         process checks, so a refusal stops them all; the main one acts, the others read its marker."""
         settings = {
-            "method": "grpo",
+            "method": self.config.method,
             "resume": resume,
             "overwrite": self.overwrite_output_dir,
             "last_step": self.total_steps,
@@ -337,7 +340,10 @@ class GRPOTrainer:
             logger.warning("Hub pushes still pending; %s keeps them for the next run", self.pusher.journal)
 
     def training_step(self, batch: list[Triplet], step: int) -> dict[str, float]:
-        """One GRPO step: Eq. 4 rollouts, Eqs. 5–9/13/28 rewards, Eq. 10 advantages, Eq. 11 update."""
+        """One GRPO step: Eq. 4 rollouts, Eqs. 5–9/13/28 rewards, Eq. 10 advantages, Eq. 11 update
+        (with ``method: gircse``, one :meth:`soft_token_step` instead)."""
+        if self.config.method == "gircse":
+            return self.soft_token_step(batch, step)
         start, cpu_start = time.perf_counter(), time.process_time()
         scores = self.graded_scores(step)
         rollouts = self.rollout(batch, step)
@@ -366,6 +372,42 @@ class GRPOTrainer:
             config=self.config, epoch=(step + 1) / self.steps_per_epoch, accelerator=self.accelerator,
         )
         return reduce_metrics(self.accelerator, metrics)
+
+    def soft_token_step(self, batch: list[Triplet], step: int) -> dict[str, float]:
+        """One GIRCSE step (gircse.md): the batch's soft-token embeddings z_1..z_K with gradient, Eq. 7's
+        stepwise InfoNCE (CoSENT for scored pairs) + λ · Eq. 8 (:func:`grace_training.gircse.icr_batch_loss`),
+        one optimiser step. No rollouts, no rewards."""
+        cfg = self.config
+        start, cpu_start = time.perf_counter(), time.process_time()
+        lr = self.scheduler.get_last_lr()[0]
+        self.policy_wrapped.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        with self.accelerator.autocast():
+            parts = icr_batch_loss(self.encoder, batch, cfg, self.graded_scores(step), self.accelerator.device)
+        forwarded = time.perf_counter()
+        self.accelerator.backward(parts["loss"])
+        backwarded = time.perf_counter()
+        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
+        grad_norm = self.accelerator.clip_grad_norm_(self.trainable_parameters(), max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.policy_wrapped.eval()
+        done = time.perf_counter()
+        self.last_example = None  # a soft token has no text; explain() shows its trace
+        return {
+            "loss": parts["loss"].item(),
+            "loss/contrastive": parts["contrastive"].item(),
+            "loss/refinement": parts["refinement"].item(),
+            **{f"loss/step_{k + 1}": float(v) for k, v in enumerate(parts["step_losses"].tolist())},
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "epoch": (step + 1) / self.steps_per_epoch,
+            "time/update_forward_s": forwarded - start,
+            "time/update_backward_s": backwarded - forwarded,
+            "time/update_optimizer_s": done - backwarded,
+            "time/step_s": done - start,
+            "time/step_cpu_s": time.process_time() - cpu_start,
+        }
 
     # ------------------------------------------------------------------------------------------
     # stages

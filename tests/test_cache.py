@@ -20,6 +20,7 @@ from grace_st.cache import (
 from grace_st.weights import weights_fingerprint
 
 SETTINGS = {
+    "method": "grace",
     "max_rationale_tokens": 256,
     "max_input_tokens": 1024,
     "do_sample": False,
@@ -276,6 +277,7 @@ def test_key_depends_on_every_part():
         entry_key(fingerprint, "Read the text. a", "cat", SETTINGS),
     }
     changed = {
+        "method": "gircse",
         "max_rationale_tokens": 128,
         "max_input_tokens": 512,
         "do_sample": True,

@@ -1,0 +1,135 @@
+"""GIRCSE's soft tokens (``gircse.md``: Algorithm 1, Eqs. 1–6): the second way a model thinks.
+
+Instead of sampling a rationale, the model feeds back its whole next-token distribution K times:
+after the prompt, s_k = softmax(W h'_{k−1}) (Eq. 5, W the LM head) becomes the input embedding
+d_k = Σ_i s_{k,i} e_i (Eq. 6) of the next position (Eq. 2), and the final hidden states at the K
+generated positions, G (Eq. 3), are what is pooled: z_k = mean(G_1..G_k) (Eq. 4 after k steps; the
+embedding is z_K). Nothing is sampled, so the result is deterministic and differentiable end to end:
+:func:`soft_token_states` runs with autograd for training (:mod:`grace_training.gircse`) exactly as
+it runs without it for ``encode``.
+
+Only the generated positions are pooled, as in the paper: the soft tokens are computed from the
+whole prompt and carry it, and pooling the prompt too would let a 100-token text outweigh the K
+steps the stepwise loss (Eq. 7) trains. With K = 0 there is nothing generated, and the prompt after
+the instruction span is pooled instead (GRACE's budget-0 embedding), so per-type budgets such as
+``{"document": 0}`` keep meaning "embed from the prompt alone".
+
+The KV cache makes the K steps one incremental pass (paper Table 6): the prompt is run once, then one
+position a step. The readable trace is the top tokens of each s_k with their probabilities.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .decoding import position_ids_from_mask
+from .generation import Rollouts, prompt_pooling_mask
+
+
+@dataclass
+class SoftTokens:
+    """What :func:`soft_token_states` computes for a batch of left-padded prompts."""
+
+    prompt_states: Tensor  # (B, N, H) the prompt's states at the pooled layer
+    states: Tensor  # (B, K, H) G: the states at the K generated positions (Eq. 3)
+    top_ids: Tensor  # (B, K, T) the T most probable tokens of each s_k (the readable trace)
+    top_probs: Tensor  # (B, K, T) their probabilities
+
+    def step_embeddings(self) -> Tensor:
+        """z_k for k = 1..K (B, K, H), float32: the mean of the first k generated states (Eq. 4 after
+        k steps). z_K is the embedding ``encode`` returns; Eq. 7 trains every z_k."""
+        return stepwise_means(self.states)
+
+
+def stepwise_means(states: Tensor) -> Tensor:
+    """(B, K, H) → (B, K, H): row k is the mean of states 1..k (Eq. 4 after k steps)."""
+    counts = torch.arange(1, states.shape[1] + 1, device=states.device, dtype=torch.float32)
+    return states.float().cumsum(dim=1) / counts[None, :, None]
+
+
+def soft_token_states(
+    model, input_ids: Tensor, attention_mask: Tensor, steps: int, *, hidden_layer: int = -1, top: int = 5
+) -> SoftTokens:
+    """K = ``steps`` soft tokens after each left-padded prompt (Algorithm 1), KV-cached; with gradient
+    when autograd is on. ``hidden_layer`` picks the states pooled (-1: the decoder's final, normed
+    states, the paper's); the soft token is always made from the final states through the LM head."""
+    decoder = model.get_decoder()
+    head = model.get_output_embeddings()
+    table = model.get_input_embeddings().weight  # e_i of Eq. 6, (V, H)
+    cache = _new_cache(model)
+    mask = attention_mask
+    positions = position_ids_from_mask(mask)
+    final, pooled = _decode(decoder, hidden_layer, cache, input_ids=input_ids, attention_mask=mask, position_ids=positions)
+    prompt_states = pooled
+    last = final[:, -1]
+    next_position = positions[:, -1:] + 1
+    states, top_ids, top_probs = [], [], []
+    for _ in range(steps):
+        distribution = torch.softmax(head(last).float(), dim=-1)  # s_k (Eq. 5)
+        soft = (distribution.to(table.dtype) @ table)[:, None, :]  # d_k (Eq. 6)
+        probs, ids = distribution.detach().topk(min(top, distribution.shape[-1]), dim=-1)
+        top_ids.append(ids)
+        top_probs.append(probs)
+        mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=1)
+        final, pooled = _decode(
+            decoder, hidden_layer, cache, inputs_embeds=soft, attention_mask=mask, position_ids=next_position
+        )
+        states.append(pooled[:, -1])
+        last = final[:, -1]
+        next_position = next_position + 1
+    batch, hidden = input_ids.shape[0], prompt_states.shape[-1]
+    empty_trace = torch.zeros((batch, 0, top), dtype=torch.long, device=input_ids.device)
+    return SoftTokens(
+        prompt_states,
+        torch.stack(states, dim=1) if states else prompt_states.new_zeros((batch, 0, hidden)),
+        torch.stack(top_ids, dim=1) if steps else empty_trace,
+        torch.stack(top_probs, dim=1) if steps else empty_trace.float(),
+    )
+
+
+@dataclass
+class SoftTokenRollouts(Rollouts):
+    """A rationale's :class:`~grace_st.generation.Rollouts` made of soft tokens, with the soft tokens."""
+
+    soft: SoftTokens | None = None
+
+
+def soft_token_rollouts(soft: SoftTokens, attention_mask: Tensor, instruction_lengths: Tensor) -> SoftTokenRollouts:
+    """The soft tokens in the layout of a rationale's :class:`~grace_st.generation.Rollouts` (prompt
+    left-padded, then the K generated positions), so ``encode``'s outputs, the rationale cache and
+    training read them as they read a rationale: ``rationale_ids`` is each step's most probable token
+    (the trace's first column), nothing is truncated, nothing stopped at an EOS. The pooling mask is
+    the K generated positions, or the prompt after L_sys when K = 0."""
+    batch, steps = soft.states.shape[:2]
+    generated = attention_mask.new_ones((batch, steps))
+    if steps:
+        pooling = torch.cat([torch.zeros_like(attention_mask), generated], dim=1)
+    else:
+        pooling = prompt_pooling_mask(attention_mask, instruction_lengths) & attention_mask.bool()
+    return SoftTokenRollouts(
+        attention_mask=torch.cat([attention_mask, generated], dim=1),
+        pooling_mask=pooling.long(),
+        token_embeddings=torch.cat([soft.prompt_states, soft.states.to(soft.prompt_states.dtype)], dim=1),
+        rationale_ids=soft.top_ids[..., 0] if steps else attention_mask.new_zeros((batch, 0)),
+        truncated=torch.zeros(batch, dtype=torch.bool, device=attention_mask.device),
+        stop_ids=torch.full((batch,), -1, dtype=torch.long, device=attention_mask.device),
+        soft=soft,
+    )
+
+
+def _new_cache(model):
+    from transformers import DynamicCache
+
+    return DynamicCache(config=model.config)
+
+
+def _decode(decoder, hidden_layer: int, cache, **inputs) -> tuple[Tensor, Tensor]:
+    """One decoder pass that extends ``cache``: (final normed states, states at ``hidden_layer``)."""
+    if hidden_layer == -1:
+        final = decoder(**inputs, past_key_values=cache, use_cache=True).last_hidden_state
+        return final, final
+    output = decoder(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    return output.last_hidden_state, output.hidden_states[hidden_layer]

@@ -1,0 +1,212 @@
+"""[gircse]: soft tokens (gircse.md, Algorithm 1, Eqs. 2–6) as an encoder mode, and their training
+by Iterative Contrastive Refinement (Eqs. 7–8)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_model, make_st_model, make_tokenizer
+from sentence_transformers import SentenceTransformer
+from test_training_quality import saved_base
+from test_training_trainer import DATA, config
+
+import grace_st
+from grace_st.decoding import position_ids_from_mask
+from grace_st.generation import left_pad
+from grace_st.soft_tokens import soft_token_states
+from grace_training.data import Triplet
+from grace_training.gircse import refinement_loss, stepwise_cosent, stepwise_infonce
+from grace_training.trainer import GRPOTrainer
+
+TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]
+
+
+def algorithm_1_without_a_cache(model, ids: list[int], steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Algorithm 1 as written, one unpadded prompt: each step runs the decoder over [X; d_1..d_{k-1}],
+    s_k from the last position (Eq. 5), d_k = s_k E (Eq. 6); then one pass over [X; D] gives G (Eq. 3).
+    Returns (G (K, H), s (K, V))."""
+    table = model.get_input_embeddings().weight
+    x = table[torch.tensor(ids)][None]  # (1, N, H)  Eq. 1
+    soft, distributions = [], []
+    for _ in range(steps):
+        sequence = torch.cat([x, *soft], dim=1) if soft else x
+        last = model.get_decoder()(inputs_embeds=sequence).last_hidden_state[:, -1]
+        s = torch.softmax(model.get_output_embeddings()(last), dim=-1)
+        distributions.append(s[0])
+        soft.append((s @ table)[:, None])
+    states = model.get_decoder()(inputs_embeds=torch.cat([x, *soft], dim=1)).last_hidden_state
+    return states[0, len(ids):], torch.stack(distributions)
+
+
+def gircse_model(steps=4, **settings):
+    return make_st_model(method="gircse", max_rationale_tokens=steps, **settings)
+
+
+def test_soft_tokens_are_algorithm_1_kv_cached_and_the_embedding_is_the_mean_of_the_generated_states():
+    model = gircse_model(steps=4)
+    encoder = model[0]
+    rows, _ = encoder.prompt_token_ids(TEXTS)
+    with torch.no_grad():
+        expected = [algorithm_1_without_a_cache(encoder.model, row, 4) for row in rows]
+        input_ids, mask = left_pad(rows, encoder.pad_token_id)  # the short prompt is left-padded
+        soft = soft_token_states(encoder.model, input_ids, mask, 4)
+    for i, (states, distributions) in enumerate(expected):
+        torch.testing.assert_close(soft.states[i], states, atol=2e-4, rtol=1e-3)  # left padding: float rounding
+        top = distributions.topk(5, dim=-1)
+        torch.testing.assert_close(soft.top_probs[i], top.values, atol=1e-5, rtol=1e-4)
+    # Eq. 4: the mean of the K generated states only, not the prompt (then normalised); z_k the mean of the first k
+    embeddings = model.encode(TEXTS, convert_to_tensor=True)
+    for i, (states, _) in enumerate(expected):
+        torch.testing.assert_close(embeddings[i], F.normalize(states.mean(0), dim=0), atol=2e-4, rtol=1e-3)
+        torch.testing.assert_close(soft.step_embeddings()[i, 1], states[:2].mean(0), atol=2e-4, rtol=1e-3)
+    # deterministic, and batch-independent up to float rounding
+    torch.testing.assert_close(model.encode(TEXTS[1:], convert_to_tensor=True)[0], embeddings[1], atol=1e-5, rtol=1e-4)
+    assert torch.equal(model.encode(TEXTS, convert_to_tensor=True), embeddings)
+
+
+def test_k_is_the_budget_by_prompt_type_and_k_0_pools_the_prompt():
+    model = gircse_model(steps={"default": 3, "query": 5, "document": 0})
+    encoder = model[0]
+    query = model.encode_query(TEXTS[:1], output_value=None)[0]
+    assert query["soft_token_ids"].shape == (5, 5) and int(query["rationale_budget"]) == 5
+    # documents at 0: the prompt after L_sys, as a GRACE model with budget 0 embeds it
+    grace = grace_st.from_causal_lm(model=encoder.model, tokenizer=encoder.tokenizer, max_rationale_tokens=0, device="cpu")
+    torch.testing.assert_close(
+        model.encode_document(TEXTS, convert_to_tensor=True), grace.encode_document(TEXTS, convert_to_tensor=True),
+        atol=1e-5, rtol=1e-4,
+    )
+
+
+def test_explain_gives_each_steps_top_tokens_with_their_probabilities():
+    model = gircse_model(steps=3)
+    item = grace_st.explain(model, TEXTS[:1])[0]
+    trace = item["soft_tokens"]
+    assert len(trace) == 3 and all(len(step) == 5 for step in trace)
+    for step in trace:
+        probs = [p for _, p in step]
+        assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.0001
+    # the "rationale" is each step's most probable token
+    assert item["rationale"] == "".join(step[0][0] for step in trace)
+    assert torch.allclose(torch.as_tensor(item["embedding"]), model.encode(TEXTS[:1], convert_to_tensor=True)[0], atol=1e-6)
+
+
+def test_method_is_a_saved_setting_and_gircse_refuses_what_it_cannot_do(tmp_path):
+    model = gircse_model(steps=2)
+    before = model.encode(TEXTS)
+    model.save(str(tmp_path / "m"))
+    loaded = SentenceTransformer(str(tmp_path / "m"), device="cpu", trust_remote_code=True)
+    assert loaded[0].method == "gircse"
+    assert torch.allclose(torch.as_tensor(loaded.encode(TEXTS)), torch.as_tensor(before), atol=1e-6)
+    with pytest.raises(ValueError, match="samples nothing"):
+        make_st_model(method="gircse", do_sample=True)
+    with pytest.raises(ValueError, match="method must be 'grace' or 'gircse'"):
+        make_st_model(method="soft")
+    with pytest.raises(ValueError, match="vLLM cannot"):
+        loaded[0].use_vllm()
+
+
+def test_the_rationale_cache_is_keyed_by_the_method(tmp_path):
+    model = gircse_model(steps=3)
+    encoder = model[0]
+    encoder.set_rationale_cache(tmp_path / "cache.sqlite")
+    first = model.encode(TEXTS, convert_to_tensor=True)
+    again = model.encode(TEXTS, convert_to_tensor=True)  # answered from the cache
+    torch.testing.assert_close(again, first)
+    encoder.method = "grace"
+    grace = model.encode(TEXTS, convert_to_tensor=True)  # a GRACE rationale, not the cached soft tokens
+    assert not torch.allclose(grace, first, atol=1e-3)
+
+
+# -- training: Eqs. 7 and 8 ---------------------------------------------------------------------
+
+
+def test_eq7_stepwise_infonce_by_hand():
+    torch.manual_seed(0)
+    q, p, n = torch.randn(3, 2, 4), torch.randn(3, 2, 4), torch.randn(2, 2, 4)
+    losses = stepwise_infonce(q, p, n, temperature=0.5)
+    for k in range(2):
+        candidates = torch.cat([p[:, k], n[:, k]])
+        by_hand = 0.0
+        for i in range(3):
+            sims = [float(F.cosine_similarity(q[i, k], c, dim=0)) / 0.5 for c in candidates]
+            by_hand += -(sims[i] - math.log(sum(math.exp(s) for s in sims))) / 3
+        assert float(losses[k]) == pytest.approx(by_hand, rel=1e-5)
+    graded = stepwise_cosent(q, p, torch.tensor([1.0, 3.0, 2.0]), scale=5.0)
+    assert graded.shape == (2,) and bool((graded > 0).all())
+
+
+def test_eq8_is_zero_when_each_step_is_no_worse_and_penalises_a_step_that_is():
+    total, contrastive, penalty = refinement_loss(torch.tensor([2.0, 1.5, 1.5, 0.7]), 1.0)
+    assert float(penalty) == 0.0 and float(total) == pytest.approx(float(contrastive)) == pytest.approx(5.7 / 4)
+    _, _, penalty = refinement_loss(torch.tensor([1.0, 2.0, 1.0]), 1.0)
+    assert float(penalty) == pytest.approx(math.log(2.0) / 2, rel=1e-6)
+    assert float(refinement_loss(torch.tensor([1.3]), 1.0)[2]) == 0.0
+
+
+def test_gradients_reach_lora_through_every_soft_step():
+    """d_k = s_k E depends on the LoRA weights through h'_{k-1}; the embedding's gradient reaches each d_k."""
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = make_tokenizer()
+    model = get_peft_model(make_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    torch.manual_seed(3)
+    for name, parameter in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.1)
+    fed: list[torch.Tensor] = []
+
+    def keep(_module, _args, kwargs):
+        if kwargs.get("inputs_embeds") is not None:
+            kwargs["inputs_embeds"].retain_grad()
+            fed.append(kwargs["inputs_embeds"])
+
+    handle = model.get_decoder().register_forward_pre_hook(keep, with_kwargs=True)
+    ids = torch.tensor([[3, 20, 21, 22]])
+    soft = soft_token_states(model, ids, torch.ones_like(ids), 4)
+    handle.remove()
+    soft.step_embeddings()[:, -1].pow(2).sum().backward()
+    assert len(fed) == 4 and all(d.grad is not None and float(d.grad.abs().sum()) > 0 for d in fed)
+    lora = {n: p.grad for n, p in model.named_parameters() if "lora_" in n}
+    assert lora and all(g is not None for g in lora.values()) and sum(float(g.abs().sum()) for g in lora.values()) > 0
+
+
+def test_a_gircse_run_trains_checkpoints_a_gircse_model_and_resumes_bit_identically(tmp_path):
+    def gircse_config(out, steps):
+        return config(
+            tmp_path, method="gircse", finetune="lora", max_rationale_tokens=3, max_steps=steps, save_steps=1,
+            learning_rate=1e-2, output_dir=str(tmp_path / out),
+        )
+
+    base = saved_base(tmp_path)
+    before = {k: v.clone() for k, v in base[0].model.state_dict().items() if "lora_" not in k}
+    result = GRPOTrainer(gircse_config("run", 2), model=base, train_data=DATA).train()
+    metrics = result["metrics"]
+    assert {"loss", "loss/contrastive", "loss/refinement", "loss/step_1", "loss/step_3", "time/step_cpu_s"} <= metrics.keys()
+    assert all(math.isfinite(v) for v in metrics.values())
+    checkpoint = tmp_path / "run" / "checkpoint-00000002"
+    loaded = SentenceTransformer(str(checkpoint), trust_remote_code=True, device="cpu")
+    assert loaded[0].method == "gircse" and loaded[0].max_rationale_tokens == 3
+    torch.testing.assert_close(
+        torch.as_tensor(loaded.encode(TEXTS)), torch.as_tensor(base.encode(TEXTS)), atol=1e-5, rtol=1e-4
+    )
+    trained = {k.replace(".base_layer", ""): v for k, v in base[0].model.get_base_model().state_dict().items()}
+    assert all(torch.equal(trained[k], v) for k, v in before.items())  # only the adapter moved
+
+    GRPOTrainer(gircse_config("resumed", 1), model=saved_base(tmp_path), train_data=DATA).train()
+    second = GRPOTrainer(gircse_config("resumed", 2), model=saved_base(tmp_path), train_data=DATA)
+    second.train(resume=True)
+    straight = {k: v for k, v in base[0].model.state_dict().items() if "lora_" in k}
+    again = {k: v for k, v in second.policy.state_dict().items() if "lora_" in k}
+    assert straight and all(torch.equal(again[k], v) for k, v in straight.items())
+
+
+def test_a_gircse_batch_of_scored_pairs_trains_cosent_at_every_step(tmp_path):
+    pairs = [Triplet(DATA[i].query, DATA[i].positive, (), "sts", symmetric=True, score=float(i % 5)) for i in range(8)]
+    cfg = config(tmp_path, method="gircse", max_rationale_tokens=2, batch_sampling="by_source", max_steps=1)
+    trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=pairs)
+    assert trainer.graded_scores(0) is not None
+    metrics = trainer.soft_token_step(trainer.batch_for_step(0), 0)
+    assert metrics["loss/step_1"] > 0 and metrics["loss/step_2"] > 0
