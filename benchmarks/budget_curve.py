@@ -28,6 +28,12 @@ PNG (quality vs texts/s, one line per task and decoding mode).
     python benchmarks/budget_curve.py --sts 100 --scifact-corpus 1000 --budgets 0 16 32 --samples 1
     python benchmarks/budget_curve.py --model runs/x/checkpoint-00000100 --out benchmarks/results/curve_x.json
     python benchmarks/budget_curve.py --scifact-grid --samples 1 3 --out benchmarks/results/budget_curve_scifact.json
+
+GIRCSE (gircse.md): --method gircse reads each budget as K soft tokens (greedy only: nothing is sampled),
+the test-time-scaling curve of a soft-token model beside GRACE's:
+
+    python benchmarks/budget_curve.py --model runs/gircse/checkpoint-00000200 --method gircse \
+        --budgets 1 3 5 10 20 40 --samples --out benchmarks/results/gircse_curve.json
 """
 
 from __future__ import annotations
@@ -101,11 +107,11 @@ def apply(encoder, point: dict, temperature: float, seed: int) -> None:
     encoder.check_settings()
 
 
-def label(point: dict) -> str:
+def label(point: dict, method: str = "grace") -> str:
     budget = point["budget"]
     if isinstance(budget, dict):
         return f"queries {budget['query']}, documents {budget['document']}"
-    return f"G={budget}, {point['mode']}"
+    return f"{'K' if method == 'gircse' else 'G'}={budget}, {point['mode']}"
 
 
 def task_rate(report: dict, row: dict, task: str) -> float | None:
@@ -150,7 +156,7 @@ def plot(report: dict, path: Path) -> None:
             y = [r["scores"][task] for r in rows]
             axis.plot(x, y, marker=marker, label=f"{task}, {mode}")
             for r, xi, yi in zip(rows, x, y):
-                axis.annotate(f"G{r['budget']}", (xi, yi), fontsize=7, textcoords="offset points", xytext=(3, 3))
+                axis.annotate(f"{'K' if report.get('method') == 'gircse' else 'G'}{r['budget']}", (xi, yi), fontsize=7, textcoords="offset points", xytext=(3, 3))
         # the asymmetric points with documents embedded prompt-only (the grid's other cells are in its table)
         asymmetric = [
             r
@@ -174,7 +180,8 @@ def plot(report: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="GRACE model directory (default: the trained embedded default)")
+    parser.add_argument("--model", help="GRACE model directory (default: the trained embedded default; base: the untrained base)")
+    parser.add_argument("--method", choices=("grace", "gircse"), help="how the model thinks (default: its saved method)")
     parser.add_argument("--budgets", nargs="+", type=int, default=[0, 16, 32, 64, 128, 256])
     parser.add_argument("--samples", nargs="*", type=int, default=[1, 3], help="sampled rationales averaged per text")
     parser.add_argument("--temperature", type=float, default=0.7)
@@ -216,13 +223,16 @@ def main() -> None:
 
     import grace_st
 
-    path = args.model or grace_st.default_model_path()
+    path = grace_st.default_model_path(trained=False) if args.model == "base" else args.model or grace_st.default_model_path()
     model = grace_st.load(str(path), device=args.device)
     encoder = model[0]
+    if args.method:
+        encoder.method = args.method
     tasks = load_tasks(args.sts, args.scifact_queries, args.scifact_corpus)
     report = {
         "model": str(path),
-        "model_label": args.model or "trained default (embedded)",
+        "model_label": (args.model or "trained default (embedded)") + (f" ({args.method})" if args.method else ""),
+        "method": encoder.method,
         "device": str(model.device),
         "sizes": {
             "sts_pairs": args.sts,
@@ -244,7 +254,7 @@ def main() -> None:
         apply(encoder, point, args.temperature, args.seed)
         scores, cost = score(model, tasks, point["tasks"], args.batch_size)
         row = {
-            "label": label(point),
+            "label": label(point, encoder.method),
             "mode": point["mode"],
             "budget": point["budget"],
             "samples": point["samples"],

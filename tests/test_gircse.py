@@ -14,7 +14,6 @@ from test_training_quality import saved_base
 from test_training_trainer import DATA, config
 
 import grace_st
-from grace_st.decoding import position_ids_from_mask
 from grace_st.generation import left_pad
 from grace_st.soft_tokens import soft_token_states
 from grace_training.data import Triplet
@@ -38,7 +37,7 @@ def algorithm_1_without_a_cache(model, ids: list[int], steps: int) -> tuple[torc
         distributions.append(s[0])
         soft.append((s @ table)[:, None])
     states = model.get_decoder()(inputs_embeds=torch.cat([x, *soft], dim=1)).last_hidden_state
-    return states[0, len(ids):], torch.stack(distributions)
+    return states[0, len(ids) :], torch.stack(distributions)
 
 
 def gircse_model(steps=4, **settings):
@@ -73,10 +72,14 @@ def test_k_is_the_budget_by_prompt_type_and_k_0_pools_the_prompt():
     query = model.encode_query(TEXTS[:1], output_value=None)[0]
     assert query["soft_token_ids"].shape == (5, 5) and int(query["rationale_budget"]) == 5
     # documents at 0: the prompt after L_sys, as a GRACE model with budget 0 embeds it
-    grace = grace_st.from_causal_lm(model=encoder.model, tokenizer=encoder.tokenizer, max_rationale_tokens=0, device="cpu")
+    grace = grace_st.from_causal_lm(
+        model=encoder.model, tokenizer=encoder.tokenizer, max_rationale_tokens=0, device="cpu"
+    )
     torch.testing.assert_close(
-        model.encode_document(TEXTS, convert_to_tensor=True), grace.encode_document(TEXTS, convert_to_tensor=True),
-        atol=1e-5, rtol=1e-4,
+        model.encode_document(TEXTS, convert_to_tensor=True),
+        grace.encode_document(TEXTS, convert_to_tensor=True),
+        atol=1e-5,
+        rtol=1e-4,
     )
 
 
@@ -90,7 +93,9 @@ def test_explain_gives_each_steps_top_tokens_with_their_probabilities():
         assert probs == sorted(probs, reverse=True) and 0 < sum(probs) <= 1.0001
     # the "rationale" is each step's most probable token
     assert item["rationale"] == "".join(step[0][0] for step in trace)
-    assert torch.allclose(torch.as_tensor(item["embedding"]), model.encode(TEXTS[:1], convert_to_tensor=True)[0], atol=1e-6)
+    assert torch.allclose(
+        torch.as_tensor(item["embedding"]), model.encode(TEXTS[:1], convert_to_tensor=True)[0], atol=1e-6
+    )
 
 
 def test_method_is_a_saved_setting_and_gircse_refuses_what_it_cannot_do(tmp_path):
@@ -176,15 +181,28 @@ def test_gradients_reach_lora_through_every_soft_step():
 def test_a_gircse_run_trains_checkpoints_a_gircse_model_and_resumes_bit_identically(tmp_path):
     def gircse_config(out, steps):
         return config(
-            tmp_path, method="gircse", finetune="lora", max_rationale_tokens=3, max_steps=steps, save_steps=1,
-            learning_rate=1e-2, output_dir=str(tmp_path / out),
+            tmp_path,
+            method="gircse",
+            finetune="lora",
+            max_rationale_tokens=3,
+            max_steps=steps,
+            save_steps=1,
+            learning_rate=1e-2,
+            output_dir=str(tmp_path / out),
         )
 
     base = saved_base(tmp_path)
     before = {k: v.clone() for k, v in base[0].model.state_dict().items() if "lora_" not in k}
     result = GRPOTrainer(gircse_config("run", 2), model=base, train_data=DATA).train()
     metrics = result["metrics"]
-    assert {"loss", "loss/contrastive", "loss/refinement", "loss/step_1", "loss/step_3", "time/step_cpu_s"} <= metrics.keys()
+    assert {
+        "loss",
+        "loss/contrastive",
+        "loss/refinement",
+        "loss/step_1",
+        "loss/step_3",
+        "time/step_cpu_s",
+    } <= metrics.keys()
     assert all(math.isfinite(v) for v in metrics.values())
     checkpoint = tmp_path / "run" / "checkpoint-00000002"
     loaded = SentenceTransformer(str(checkpoint), trust_remote_code=True, device="cpu")
