@@ -9,7 +9,7 @@ PY_ST5 := $(VENV_ST5)/bin/python
 TORCH := torch==2.13.0
 ST5 := sentence-transformers==5.2.3
 
-.PHONY: demo test test-st6 test-st5 venv venv-st5 model bench train-default train-scale gpu-check clean
+.PHONY: demo test test-st6 test-st5 venv venv-st5 model bench train-default train-scale train-gircse gpu-check clean
 
 demo: $(VENV)/.installed model
 	$(VENV)/bin/grace-st encode \
@@ -60,6 +60,13 @@ train-default: $(VENV)/.installed model
 train-scale: $(VENV)/.installed model
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml \
 		output_dir=runs/scale_grace --resume --max-minutes 55
+
+# GIRCSE (docs/gircse.md): soft tokens trained by Iterative Contrastive Refinement on the [scale] data, one chunk of
+# at most 55 minutes a call, resumed from its latest checkpoint. Export a checkpoint into the package with
+# `python -m grace_training.export_adapter runs/gircse/checkpoint-N` (it goes to grace_st/gircse_adapter).
+train-gircse: $(VENV)/.installed model
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/gircse_smollm2.yaml \
+		--resume --max-minutes 55
 
 # On a machine with a CUDA GPU: HF vs vLLM encode, GRPO steps with vLLM rollouts in bf16, one JSON
 # report (benchmarks/results/gpu_check.json). vLLM brings its own CUDA torch, hence a venv of its

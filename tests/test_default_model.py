@@ -98,6 +98,29 @@ def test_build_trained_applies_an_adapter_and_its_settings(tmp_path):
     assert trained.encode(["a cat"]).shape == (1, 32)
 
 
+def test_a_gircse_adapter_builds_a_gircse_model_and_a_missing_one_is_named(tmp_path, monkeypatch):
+    from conftest import make_st_model
+    from peft import LoraConfig, get_peft_model
+
+    base = make_st_model()
+    base.save(str(tmp_path / "base"))
+    lm = get_peft_model(base[0].model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    lm.save_pretrained(tmp_path / "gircse_adapter")
+    settings = {"encoder": {"method": "gircse", "max_rationale_tokens": 5}, "training": {"method": "gircse"}}
+    (tmp_path / "gircse_adapter" / dm.ADAPTER_SETTINGS).write_text(json.dumps(settings))
+    monkeypatch.setitem(dm.ADAPTER_DIRS, "gircse", tmp_path / "gircse_adapter")
+    monkeypatch.setattr(dm, "_base_model_path", lambda home=None: str(tmp_path / "base"))
+    path = dm.default_model_path(tmp_path / "home", method="gircse")
+    assert "gircse-trained" in Path(path).name and path == dm.default_model_path(tmp_path / "home", method="gircse")
+    model = SentenceTransformer(path, device="cpu", trust_remote_code=True)
+    assert (model[0].method, model[0].max_rationale_tokens) == ("gircse", 5)
+    monkeypatch.setitem(dm.ADAPTER_DIRS, "gircse", tmp_path / "absent")
+    with pytest.raises(FileNotFoundError, match="ships no gircse adapter"):
+        dm.default_model_path(tmp_path / "home", method="gircse")
+    with pytest.raises(ValueError, match="method must be one of"):
+        dm.default_model_path(tmp_path / "home", method="soft")
+
+
 @pytest.fixture(scope="module")
 def default_model():
     return SentenceTransformer(grace_st.default_model_path(), device="cpu", trust_remote_code=True)
