@@ -228,3 +228,46 @@ def test_a_gircse_batch_of_scored_pairs_trains_cosent_at_every_step(tmp_path):
     assert trainer.graded_scores(0) is not None
     metrics = trainer.soft_token_step(trainer.batch_for_step(0), 0)
     assert metrics["loss/step_1"] > 0 and metrics["loss/step_2"] > 0
+
+
+def test_gircse_under_mteb_langchain_llamaindex_and_the_cli(tmp_path, capsys):
+    """K by prompt type reaches every caller: mteb's queries and documents, LangChain, LlamaIndex, grace-st.
+    (Compared across batches: a left-padded row's soft tokens differ from its unpadded ones by float rounding.)"""
+    import json
+
+    import numpy as np
+    import sentence_transformers
+
+    from grace_st.cli import main
+
+    budgets = {"query": 4, "document": 2, "default": 3}
+    model = gircse_model(steps=dict(budgets))
+    path = str(tmp_path / "model")
+    model.save(path)
+    query, documents = model.encode_query(TEXTS[0]), model.encode_document(TEXTS)
+    assert main(["encode", *TEXTS, "--model", path, "--task", "query", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["rationale_budgets"] == [4, 4]
+    np.testing.assert_allclose(np.asarray(shown["embeddings"][0]), query, atol=2e-4)
+    assert main(["encode", TEXTS[0], "--model", path, "--method", "grace", "--max-rationale-tokens", "2"]) == 0
+    pytest.importorskip("mteb")
+    from test_evaluation import beir_dir, run, scores_of
+
+    from grace_st.evaluation import retrieval_task
+
+    assert 0 <= scores_of(run(model, retrieval_task(beir_dir(tmp_path))))["ndcg_at_10"] <= 1
+    if int(sentence_transformers.__version__.split(".")[0]) < 6:
+        return  # the retriever integrations rely on sentence-transformers 6.x
+    langchain_huggingface = pytest.importorskip("langchain_huggingface")
+    llama_hf = pytest.importorskip("llama_index.embeddings.huggingface")
+    chain = langchain_huggingface.HuggingFaceEmbeddings(
+        model_name=path,
+        model_kwargs={"trust_remote_code": True, "device": "cpu"},
+        query_encode_kwargs={"prompt_name": "query"},
+        encode_kwargs={"prompt_name": "document"},
+    )
+    np.testing.assert_allclose(chain.embed_query(TEXTS[0]), query, atol=2e-4)
+    np.testing.assert_allclose(chain.embed_documents(TEXTS), documents, atol=2e-4)
+    index = llama_hf.HuggingFaceEmbedding(model_name=path, trust_remote_code=True, device="cpu")
+    np.testing.assert_allclose(index.get_query_embedding(TEXTS[0]), query, atol=2e-4)
+    np.testing.assert_allclose(index.get_text_embedding(TEXTS[1]), documents[1], atol=2e-4)
