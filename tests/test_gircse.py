@@ -255,7 +255,7 @@ def test_gircse_under_mteb_langchain_llamaindex_and_the_cli(tmp_path, capsys):
 
     from grace_st.evaluation import retrieval_task
 
-    assert 0 <= scores_of(run(model, retrieval_task(beir_dir(tmp_path))))["ndcg_at_10"] <= 1
+    assert 0 <= scores_of(run(model, retrieval_task(beir_dir(tmp_path))), "train")["ndcg_at_10"] <= 1
     if int(sentence_transformers.__version__.split(".")[0]) < 6:
         return  # the retriever integrations rely on sentence-transformers 6.x
     langchain_huggingface = pytest.importorskip("langchain_huggingface")
