@@ -61,7 +61,7 @@ train-scale: $(VENV)/.installed model
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml \
 		output_dir=runs/scale_grace --resume --max-minutes 55
 
-# GIRCSE (docs/gircse.md): soft tokens trained by Iterative Contrastive Refinement on the [scale] data, one chunk of
+# GIRCSE (docs/gircse_study.md): soft tokens trained by Iterative Contrastive Refinement on the [scale] data, one chunk of
 # at most 55 minutes a call, resumed from its latest checkpoint. Export a checkpoint into the package with
 # `python -m grace_training.export_adapter runs/gircse/checkpoint-N` (it goes to grace_st/gircse_adapter).
 train-gircse: $(VENV)/.installed model
