@@ -207,6 +207,7 @@ def test_a_gircse_run_trains_checkpoints_a_gircse_model_and_resumes_bit_identica
     checkpoint = tmp_path / "run" / "checkpoint-00000002"
     loaded = SentenceTransformer(str(checkpoint), trust_remote_code=True, device="cpu")
     assert loaded[0].method == "gircse" and loaded[0].max_rationale_tokens == 3
+    assert "A GIRCSE generative embedding model" in (checkpoint / "README.md").read_text()  # the card says which
     torch.testing.assert_close(
         torch.as_tensor(loaded.encode(TEXTS)), torch.as_tensor(base.encode(TEXTS)), atol=1e-5, rtol=1e-4
     )

@@ -36,6 +36,7 @@ def render_model_card(
         base_model=base_model,
         license=license,
         dimension=encoder.get_embedding_dimension(),
+        method=getattr(encoder, "method", "grace"),
         encoder_config=config,
         example=example,
         training_config=training_config,
