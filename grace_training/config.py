@@ -485,7 +485,20 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
             "method: gircse makes soft tokens with the HF model in one pass a step: it needs rollout_backend: hf "
             + "and gradient_accumulation_steps: 1",
         ),
+        (
+            config.method != "gircse" or not _grpo_only_keys_set(config),
+            "method",
+            f"method: gircse has no rollouts, rewards or policy term; these keys would be ignored: "
+            f"{', '.join(_grpo_only_keys_set(config))}",
+        ),
     ]
+
+
+def _grpo_only_keys_set(config: GRPOConfig) -> list[str]:
+    """The GRPO step's own keys set away from their defaults (a GIRCSE run refuses them rather than ignore them)."""
+    keys = ("contrastive_beta", "warm_start_steps", "kl_coef", "text_kl_coef", "ppo_epochs")
+    defaults = {item.name: item.default for item in dataclasses.fields(GRPOConfig)}
+    return [name for name in keys if getattr(config, name) != defaults[name]]
 
 
 def _check_source(where: str, source: Any) -> None:

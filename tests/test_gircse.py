@@ -222,6 +222,13 @@ def test_a_gircse_run_trains_checkpoints_a_gircse_model_and_resumes_bit_identica
     assert straight and all(torch.equal(again[k], v) for k, v in straight.items())
 
 
+def test_a_gircse_run_refuses_the_grpo_steps_own_keys(tmp_path):
+    from grace_training.config import ConfigError
+
+    with pytest.raises(ConfigError, match="would be ignored: contrastive_beta, text_kl_coef"):
+        config(tmp_path, method="gircse", contrastive_beta=1.0, text_kl_coef=0.5).validate()
+
+
 def test_a_gircse_batch_of_scored_pairs_trains_cosent_at_every_step(tmp_path):
     pairs = [Triplet(DATA[i].query, DATA[i].positive, (), "sts", symmetric=True, score=float(i % 5)) for i in range(8)]
     cfg = config(tmp_path, method="gircse", max_rationale_tokens=2, batch_sampling="by_source", max_steps=1)
