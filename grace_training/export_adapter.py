@@ -47,12 +47,19 @@ def export(checkpoint: Path, out: Path, scores: dict | None = None, example: dic
             "max_input_tokens": DEFAULT_MODEL_CONFIG["max_input_tokens"],
         },
         "training": {**_summary(state["config"]), "step": state["step"]},
-        "scores": scores,
+        # the dev scoreboard's row when given; else the dev slice the run scored at this step (eval_data)
+        "scores": scores or _slice_scores(state),
         # a rationale the shipped model writes (dev_eval records some), else one from training
         "example": example or state.get("example"),
     }
     (out / ADAPTER_SETTINGS).write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return out
+
+
+def _slice_scores(state: dict) -> dict | None:
+    """The checkpoint's own dev-slice scores (``eval/...`` at its step), named as such; None without any."""
+    scores = {key.removeprefix("eval/"): value for key, value in (state.get("scores") or {}).items() if key.startswith("eval/")}
+    return {f"dev slice at step {state['step']}: {key}": value for key, value in scores.items()} or None
 
 
 def _summary(config: dict) -> dict:

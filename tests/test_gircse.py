@@ -3,6 +3,7 @@ by Iterative Contrastive Refinement (Eqs. 7–8)."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -213,6 +214,24 @@ def test_a_gircse_run_trains_checkpoints_a_gircse_model_and_resumes_bit_identica
     )
     trained = {k.replace(".base_layer", ""): v for k, v in base[0].model.get_base_model().state_dict().items()}
     assert all(torch.equal(trained[k], v) for k, v in before.items())  # only the adapter moved
+
+    # exported as the package ships it, and built as default_model_path(method="gircse") builds it
+    from grace_st.default_model import build_trained
+    from grace_training.export_adapter import _slice_scores, export
+
+    adapter = export(checkpoint, tmp_path / "gircse_adapter")
+    shipped = json.loads((adapter / "grace_settings.json").read_text())
+    assert shipped["encoder"]["method"] == "gircse" and shipped["training"]["method"] == "gircse"
+    saved_base(tmp_path / "fresh").save(str(tmp_path / "grace_base"))  # the untrained base as a GRACE directory
+    build_trained(str(tmp_path / "grace_base"), tmp_path / "built", adapter)
+    built = SentenceTransformer(str(tmp_path / "built"), trust_remote_code=True, device="cpu")
+    built[0].max_input_tokens = loaded[0].max_input_tokens  # the export sets the shipped 512; these texts are short
+    torch.testing.assert_close(
+        torch.as_tensor(built.encode(TEXTS)), torch.as_tensor(loaded.encode(TEXTS)), atol=1e-5, rtol=1e-4
+    )
+    assert _slice_scores({"step": 7, "scores": {"eval/stsb/dev/spearman": 0.5, "time/eval_s": 3.0}}) == {
+        "dev slice at step 7: stsb/dev/spearman": 0.5
+    }
 
     GRPOTrainer(gircse_config("resumed", 1), model=saved_base(tmp_path), train_data=DATA).train()
     second = GRPOTrainer(gircse_config("resumed", 2), model=saved_base(tmp_path), train_data=DATA)
