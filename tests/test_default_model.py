@@ -80,6 +80,16 @@ def test_shipped_adapter_is_in_the_package_and_small():
     assert "docs/budget_curve.md" in settings["budget_choice"]
 
 
+def test_shipped_gircse_adapter_is_in_the_package_and_small():
+    adapter = dm.ADAPTER_DIRS["gircse"]
+    files = {p.name: p.stat().st_size for p in adapter.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", dm.ADAPTER_SETTINGS} <= set(files)
+    assert files["adapter_model.safetensors"] <= 20 * 1024 * 1024
+    settings = json.loads((adapter / dm.ADAPTER_SETTINGS).read_text())
+    assert settings["encoder"]["method"] == "gircse" and settings["training"]["method"] == "gircse"
+    assert any(key.startswith("dev slice at step") for key in settings["scores"])  # scores say what they are
+
+
 def test_build_trained_applies_an_adapter_and_its_settings(tmp_path):
     from conftest import make_st_model
     from peft import LoraConfig, get_peft_model
@@ -161,3 +171,16 @@ def test_default_model_encodes_explains_and_round_trips(default_model, tmp_path)
     reloaded = SentenceTransformer(str(tmp_path / "saved"), device="cpu", trust_remote_code=True)
     assert reloaded[0].max_rationale_tokens == 16
     np.testing.assert_array_equal(reloaded.encode(texts), embeddings)
+
+
+@pytest.mark.slow
+def test_the_gircse_model_is_one_argument_away():
+    model = SentenceTransformer(grace_st.default_model_path(method="gircse"), device="cpu", trust_remote_code=True)
+    assert model[0].method == "gircse" and model[0].rationale_budget("query") == 5
+    texts = ["A man is playing a guitar.", "Someone plays an acoustic guitar.", "Interest rates rose again."]
+    items = grace_st.explain(model, texts)
+    assert all(len(item["soft_tokens"]) == 5 for item in items)
+    embeddings = model.encode(texts)
+    np.testing.assert_allclose(np.stack([item["embedding"] for item in items]), embeddings, atol=1e-5)
+    similarity = embeddings @ embeddings.T
+    assert similarity[0, 1] > similarity[0, 2], "two guitar sentences are closer than guitar vs interest rates"
