@@ -150,6 +150,20 @@ def one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, eos=None, *
     )
 
 
+def make_lora_model(tokenizer, seed: int | None = None):
+    """A tiny model under a PEFT LoRA adapter (r 4, every linear layer); with ``seed``, B drawn at random
+    (std 0.1) instead of PEFT's zeros, so the adapter changes the model."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(make_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    if seed is not None:
+        torch.manual_seed(seed)
+        for name, parameter in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(parameter, std=0.1)
+    return model
+
+
 def make_st_model(template: str = "chatml", **config):
     from grace_st import from_causal_lm
 

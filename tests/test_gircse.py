@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_model, make_st_model, make_tokenizer
+from conftest import make_lora_model, make_st_model, make_tokenizer
 from sentence_transformers import SentenceTransformer
 from test_training_quality import saved_base
 from test_training_trainer import DATA, config
@@ -154,14 +154,7 @@ def test_eq8_is_zero_when_each_step_is_no_worse_and_penalises_a_step_that_is():
 
 def test_gradients_reach_lora_through_every_soft_step():
     """d_k = s_k E depends on the LoRA weights through h'_{k-1}; the embedding's gradient reaches each d_k."""
-    from peft import LoraConfig, get_peft_model
-
-    tokenizer = make_tokenizer()
-    model = get_peft_model(make_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    torch.manual_seed(3)
-    for name, parameter in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(parameter, std=0.1)
+    model = make_lora_model(make_tokenizer(), seed=3)
     fed: list[torch.Tensor] = []
 
     def keep(_module, _args, kwargs):

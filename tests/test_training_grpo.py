@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_model, make_tokenizer
+from conftest import make_lora_model, make_model, make_tokenizer
 
 from grace_training.grpo import build_policy_batch, completion_log_probs, group_advantages, grpo_loss
 
@@ -103,16 +103,10 @@ def test_token_level_aggregation_splits_into_chunks():
 def test_a_prompt_shared_by_k_rollouts_runs_once_with_the_same_loss_and_gradients():
     """The update pass over the K rollouts of a positive: each distinct prompt is run once and its
     keys and values expanded; log-probs, pooled states and LoRA gradients equal the full pass's."""
-    from peft import LoraConfig, get_peft_model
-
     from grace_training.grpo import policy_pass
 
     tokenizer = make_tokenizer()
-    model = get_peft_model(make_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    torch.manual_seed(1)
-    for name, parameter in model.named_parameters():
-        if "lora_B" in name:
-            torch.nn.init.normal_(parameter, std=0.1)
+    model = make_lora_model(tokenizer, seed=1)
     prompts = [[3, 20, 21, 22, 23]] * 3 + [[3, 30]] * 2 + [[3, 40, 41]]
     rationales = [[40, 41, 42], [50], [51, 52, 53, 54], [60, 61], [], [70]]
     stops = [tokenizer.eos_token_id, -1, tokenizer.eos_token_id, -1, tokenizer.eos_token_id, -1]
@@ -143,12 +137,10 @@ def test_text_kl_is_the_kl_to_the_reference_over_the_texts_own_positions():
     """The LM-hold term: KL(π_ref ‖ π_θ) of the full next-token distribution at each position whose
     next token is text after the instruction span; zero for the adapter's initial (zero) update; the
     same from the shared-prompt pass as from the full one, with gradients into LoRA."""
-    from peft import LoraConfig, get_peft_model
-
     from grace_training.grpo import policy_pass, text_kl, text_log_probs
 
     tokenizer = make_tokenizer()
-    model = get_peft_model(make_model(tokenizer), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    model = make_lora_model(tokenizer)
     prompts = [[3, 20, 21, 22, 23]] * 2 + [[3, 30, 31]]
     rationales, stops = [[40, 41], [50], [60]], [tokenizer.eos_token_id, -1, -1]
     batch = build_policy_batch(prompts, rationales, stops, tokenizer.pad_token_id, [2, 2, 1], share_prompts=True)
@@ -164,7 +156,7 @@ def test_text_kl_is_the_kl_to_the_reference_over_the_texts_own_positions():
 
     torch.manual_seed(2)
     for name, parameter in model.named_parameters():
-        if "lora_B" in name:
+        if "lora_B" in name:  # the adapter moves the model away from the reference
             torch.nn.init.normal_(parameter, std=0.1)
     values, grads = {}, {}
     for share in (False, True):
