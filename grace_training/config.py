@@ -488,8 +488,8 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
         (
             config.method != "gircse" or not _grpo_only_keys_set(config),
             "method",
-            f"method: gircse has no rollouts, rewards or policy term; these keys would be ignored: "
-            f"{', '.join(_grpo_only_keys_set(config))}",
+            "method: gircse has no rollouts, rewards or policy term; these keys would be ignored: "
+            + ", ".join(_grpo_only_keys_set(config)),
         ),
     ]
 
