@@ -138,25 +138,31 @@ def test_langchain_and_llamaindex_pick_the_budget(model, tmp_path):
 
     if int(sentence_transformers.__version__.split(".")[0]) < 6:
         pytest.skip("the retriever integrations rely on sentence-transformers 6.x")
-    langchain_huggingface = pytest.importorskip("langchain_huggingface")
-    llama_hf = pytest.importorskip("llama_index.embeddings.huggingface")
     path = str(tmp_path / "model")
     model.save(path)
     reference = make_st_model(max_rationale_tokens=dict(ASYMMETRIC))
     reference[0].model.load_state_dict(model[0].model.state_dict())
     query, documents = reference.encode_query(TEXTS[0]), reference.encode_document(TEXTS)
 
+    assert_retrievers_embed_as(path, TEXTS, query, documents, atol=1e-6)
+
+
+def assert_retrievers_embed_as(path: str, texts: list[str], query, documents, atol: float) -> None:
+    """LangChain's and LlamaIndex's embeddings of a saved model equal ``query`` (texts[0] as a query) and
+    ``documents`` (texts as documents), each library naming its prompts its own way."""
+    langchain_huggingface = pytest.importorskip("langchain_huggingface")
+    llama_hf = pytest.importorskip("llama_index.embeddings.huggingface")
     chain = langchain_huggingface.HuggingFaceEmbeddings(
         model_name=path,
         model_kwargs={"trust_remote_code": True, "device": "cpu"},
         query_encode_kwargs={"prompt_name": "query"},
         encode_kwargs={"prompt_name": "document"},
     )
-    np.testing.assert_allclose(chain.embed_query(TEXTS[0]), query, atol=1e-6)
-    np.testing.assert_allclose(chain.embed_documents(TEXTS), documents, atol=1e-6)
+    np.testing.assert_allclose(chain.embed_query(texts[0]), query, atol=atol)
+    np.testing.assert_allclose(chain.embed_documents(texts), documents, atol=atol)
     index = llama_hf.HuggingFaceEmbedding(model_name=path, trust_remote_code=True, device="cpu")
-    np.testing.assert_allclose(index.get_query_embedding(TEXTS[0]), query, atol=1e-6)
-    np.testing.assert_allclose(index.get_text_embedding(TEXTS[1]), documents[1], atol=1e-6)
+    np.testing.assert_allclose(index.get_query_embedding(texts[0]), query, atol=atol)
+    np.testing.assert_allclose(index.get_text_embedding(texts[1]), documents[1], atol=atol)
 
 
 def test_cli_takes_budgets_by_type_and_shows_each_texts(tmp_path, capsys):

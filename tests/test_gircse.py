@@ -278,16 +278,6 @@ def test_gircse_under_mteb_langchain_llamaindex_and_the_cli(tmp_path, capsys):
     assert 0 <= scores_of(run(model, retrieval_task(beir_dir(tmp_path))), "train")["ndcg_at_10"] <= 1
     if int(sentence_transformers.__version__.split(".")[0]) < 6:
         return  # the retriever integrations rely on sentence-transformers 6.x
-    langchain_huggingface = pytest.importorskip("langchain_huggingface")
-    llama_hf = pytest.importorskip("llama_index.embeddings.huggingface")
-    chain = langchain_huggingface.HuggingFaceEmbeddings(
-        model_name=path,
-        model_kwargs={"trust_remote_code": True, "device": "cpu"},
-        query_encode_kwargs={"prompt_name": "query"},
-        encode_kwargs={"prompt_name": "document"},
-    )
-    np.testing.assert_allclose(chain.embed_query(TEXTS[0]), query, atol=2e-4)
-    np.testing.assert_allclose(chain.embed_documents(TEXTS), documents, atol=2e-4)
-    index = llama_hf.HuggingFaceEmbedding(model_name=path, trust_remote_code=True, device="cpu")
-    np.testing.assert_allclose(index.get_query_embedding(TEXTS[0]), query, atol=2e-4)
-    np.testing.assert_allclose(index.get_text_embedding(TEXTS[1]), documents[1], atol=2e-4)
+    from test_budgets import assert_retrievers_embed_as
+
+    assert_retrievers_embed_as(path, TEXTS, query, documents, atol=2e-4)
