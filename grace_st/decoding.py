@@ -14,10 +14,15 @@ and none changing what is computed, only how fast (results differ by float32 rou
 - ``packed_linears``: linear layers on oneDNN-packed weights (:mod:`grace_st.packed_linear`),
   with ``merge_adapters`` a PEFT LoRA layer on its merged weight (one product, not three);
 - ``dedupe_prompts``: identical prompts in a batch (the K rollouts of one positive in training)
-  are prefilled once and their keys and values copied to every row that shares them.
+  are prefilled once and their keys and values copied to every row that shares them;
+- ``decode_rows``: continuous batching. A call with more rows than this decodes that many at
+  once, and a row whose rationale has ended hands its cache slot to the next prompt
+  (:meth:`IncrementalDecoder.admit`), so a batch does not decode on with fewer and fewer live rows
+  (:func:`grace_st.generation.stream_rollouts`).
 
-``benchmarks/decode_ablation.py`` measures what each buys. ``DecodeOptions.plain()`` turns all
-six off: textbook incremental decoding with a ``DynamicCache``.
+``benchmarks/decode_ablation.py`` measures what each buys (``benchmarks/encode_throughput.py
+--stream`` the last). ``DecodeOptions.plain()`` turns all seven off: textbook incremental decoding
+with a ``DynamicCache``, every row of a call at once.
 """
 
 from __future__ import annotations
@@ -48,12 +53,19 @@ class DecodeOptions:
     # torch.multinomial: the same distribution, other draws for a given seed. Not an optimisation
     # of the loop, so plain() keeps it; off only to time or reproduce the older sampler.
     inverse_cdf_sampling: bool = True
+    # Continuous batching: at most this many rows decode at once (None: every row of a call). Takes
+    # effect with preallocated_cache, on a call of more rows that generates (encode's batch).
+    decode_rows: int | None = 64
+
+    def __post_init__(self) -> None:
+        if self.decode_rows is not None and not (isinstance(self.decode_rows, int) and self.decode_rows >= 1):
+            raise ValueError(f"decode_rows must be None or an int >= 1, got {self.decode_rows!r}")
 
     @classmethod
     def plain(cls) -> DecodeOptions:
         return cls(
             preallocated_cache=False, share_prefix=False, drop_finished=False, packed_linears=False,
-            dedupe_prompts=False, merge_adapters=False,
+            dedupe_prompts=False, merge_adapters=False, decode_rows=None,
         )
 
 
@@ -115,6 +127,25 @@ class PreallocatedLayer(DynamicLayer):
             self._keys, self._values = self._keys[indices], self._values[indices]
             self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
 
+    # -- continuous batching: rows of the cache as slots that prompts come and go through ----------
+
+    def place(self, rows: Tensor, keys: Tensor, values: Tensor) -> None:
+        """Write another cache's keys and values into ``rows``, ending at the last filled column."""
+        start = self.length - keys.shape[-2]
+        self._keys[rows, :, start : self.length] = keys
+        self._values[rows, :, start : self.length] = values
+
+    def shift(self, start: int, offset: int) -> None:
+        """Move the filled columns from ``start`` on to begin at column ``offset`` (what lies before
+        is masked by the decoder)."""
+        end = offset + self.length - start
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions cannot hold {end}")
+        self._keys[:, :, offset:end] = self._keys[:, :, start : self.length].clone()
+        self._values[:, :, offset:end] = self._values[:, :, start : self.length].clone()
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
+
 
 def preallocated_cache(model, capacity: int):
     """A KV cache whose full-attention layers are written in place into buffers of ``capacity``
@@ -136,6 +167,15 @@ def preallocated_cache(model, capacity: int):
 def _every_layer_preallocated(cache) -> bool:
     """Only these layers are known to take a shared prefix's keys and values copied in."""
     return bool(cache.layers) and all(type(layer) is PreallocatedLayer for layer in cache.layers)
+
+
+def continuous_batching(model, options: DecodeOptions) -> bool:
+    """Whether :meth:`IncrementalDecoder.admit` can run on this model: every layer of its cache
+    preallocated (full attention), and ``options`` asking for it."""
+    return (
+        options.decode_rows is not None and options.preallocated_cache
+        and _every_layer_preallocated(preallocated_cache(model, 1))
+    )
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -182,6 +222,7 @@ class IncrementalDecoder:
         self.batch = 0
         self.rows: Tensor | None = None
         self.mask: Tensor | None = None  # attention mask over the KV cache's columns, for ``rows``
+        self.released: Tensor | None = None  # continuous batching: which cache rows no prompt holds now
 
     def _forward(self, logits: bool = True, **inputs) -> tuple[Tensor, Tensor | None]:
         """One forward pass: (hidden states of the fed tokens, next-token logits of each row's last one)."""
@@ -281,19 +322,80 @@ class IncrementalDecoder:
         states.scatter_(1, prefix_index, prefix_states.expand(batch, -1, -1))
         return states, last_logits, cache_mask
 
-    def step(self, tokens: Tensor, alive: Tensor, pad_token_id: int) -> tuple[Tensor, Tensor]:
+    def admit(
+        self, slots: Tensor, input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, slot_count: int,
+        max_new_tokens: int,
+    ) -> tuple[Tensor, Tensor]:
+        """Continuous batching: prefill left-padded prompts into the cache rows ``slots`` (of
+        ``slot_count``, allocated at the first call), whose earlier occupants have finished. Returns
+        their prompt states (as :meth:`prefill`) and last logits.
+
+        The prompts run as a batch of their own (with the shared prefix and deduplication) and
+        their keys and values are written right-aligned at the cache's last filled column; the
+        columns before them in those rows are masked. Keys are stored after their rotary
+        embedding, at each row's own positions, and a step's positions come from its row of the
+        mask, so a row decodes exactly as if it had been prefilled alone. Rows are fed while
+        ``self.rows`` stays every slot (:meth:`step` with ``keep_rows``)."""
+        batch_rows = IncrementalDecoder(self.model, self.captured, self.hidden_layer, self.options)
+        states, logits = batch_rows.prefill(input_ids, attention_mask, instruction_lengths, 1)
+        width = batch_rows.mask.shape[1]
+        if self.kv_cache is None:
+            # room for the widest prompt, a rationale, and as many columns again: compacting
+            # (a copy of the cache) then happens once every width + budget steps at most
+            self.kv_cache = preallocated_cache(self.model, 2 * (width + max_new_tokens) + 1)
+            for layer, new in zip(self.kv_cache.layers, batch_rows.kv_cache.layers):
+                shape = (slot_count, *new.keys.shape[1:2], 0, new.keys.shape[-1])
+                layer.lazy_initialization(new.keys.new_empty(shape), new.values.new_empty(shape))
+            self.batch, self.rows = slot_count, torch.arange(slot_count, device=input_ids.device)
+            self.mask = attention_mask.new_zeros((slot_count, 0))
+            self.released = torch.ones(slot_count, dtype=torch.bool, device=input_ids.device)
+        self.released[slots] = False
+        self._make_room(width)
+        for layer, new in zip(self.kv_cache.layers, batch_rows.kv_cache.layers):
+            layer.place(slots, new.keys, new.values)
+        length = self.mask.shape[1]
+        self.mask[slots] = torch.cat([self.mask.new_zeros((len(slots), length - width)), batch_rows.mask], 1)
+        return states, logits
+
+    def release(self, slots: Tensor) -> None:
+        """Mark ``slots`` finished: their columns no longer hold the cache's width (:meth:`_make_room`)."""
+        self.released[torch.isin(self.rows, slots)] = True  # rows may have left the cache since (step)
+
+    def _make_room(self, width: int) -> None:
+        """At least ``width`` filled columns (a prompt is written right-aligned) and one free column
+        (the next step). Columns no row in use attends to are dropped from the left first."""
+        length, capacity = self.mask.shape[1], self.kv_cache.layers[0].capacity
+        if length + 1 > capacity:
+            used = self.mask[~self.released].bool().any(0)
+            start = int(used.nonzero()[0]) if used.any() else length
+        else:
+            start = 0
+        offset = max(width - (length - start), 0)  # masked columns in front, so the prompt fits
+        if start or offset:
+            for layer in self.kv_cache.layers:
+                layer.shift(start, offset)
+            self.mask = torch.cat([self.mask.new_zeros((len(self.mask), offset)), self.mask[:, start:]], 1)
+
+    def step(self, tokens: Tensor, alive: Tensor, pad_token_id: int, keep_rows: bool = False) -> tuple[Tensor, Tensor]:
         """Feed one token to each of ``rows`` (``alive``: its rationale goes on; the others get
         padding, masked out). Returns the hidden states (B, 1, H) and the logits of ``rows``
-        after any finished ones were dropped."""
+        after any finished ones were dropped (none with ``keep_rows``: slots about to take new prompts)."""
         dead = int((~alive).sum())
         # Finished rows leave once they are a quarter of those fed: dropping copies the KV cache
         # (about one decode step's memory traffic), so it waits until enough rows go at once.
-        if self.options.drop_finished and dead and dead >= len(self.rows) // 4:
+        if not keep_rows and self.options.drop_finished and dead and dead >= len(self.rows) // 4:
             keep = alive.nonzero().squeeze(1)
             self.kv_cache.batch_select_indices(keep)
             self.rows, self.mask, tokens, alive = self.rows[keep], self.mask[keep], tokens[keep], alive[keep]
+            if self.released is not None:
+                self.released = self.released[keep]
+        if self.released is not None:  # slots prompts come and go through: keep a column free
+            self._make_room(0)
         tokens = torch.where(alive, tokens, pad_token_id)
-        self.mask = torch.cat([self.mask, alive[:, None].long()], dim=1)
+        # A finished slot attends to its own padding, never to nothing: a row with no column to attend
+        # would put NaN into its keys and values, where a later prompt could meet them behind the mask.
+        fed = alive if self.released is None else torch.ones_like(alive)
+        self.mask = torch.cat([self.mask, fed[:, None].long()], dim=1)
         states, logits = self._forward(
             input_ids=tokens[:, None], attention_mask=self.mask,
             position_ids=self.mask.sum(1, keepdim=True) - 1, past_key_values=self.kv_cache,

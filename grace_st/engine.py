@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .decoding import DecodeOptions, decoder_states, position_ids_from_mask
-from .generation import Rationales, Rollouts, generate_rollouts, left_pad, per_row, prompt_pooling_mask
+from .decoding import DecodeOptions, continuous_batching, decoder_states, position_ids_from_mask
+from .generation import Rationales, Rollouts, generate_rollouts, left_pad, per_row, prompt_pooling_mask, stream_rollouts
 from .pooling import masked_mean
 from .second_pass import pooled_embeddings
 from .soft_tokens import soft_token_rollouts, soft_token_states
@@ -158,6 +158,8 @@ class RationaleEngine:
                 )
             )
         rows = len(request.prompt_ids)
+        if batch_size is None and self._streams(request):
+            return Thoughts(*self._stream(request))
         if batch_size is None:
             chunks = [list(range(rows))] if rows else []
         else:
@@ -208,6 +210,38 @@ class RationaleEngine:
 
     # -- the HF one-pass rollout -----------------------------------------------------------------
 
+    # Rationales end at different lengths: a call over more rows than ``options.decode_rows``
+    # streams them through that many (continuous batching). Soft tokens all run K steps: they do not.
+    ragged = True
+
+    def _streams(self, request: RolloutRequest) -> bool:
+        slots = self.options.decode_rows
+        return (
+            self.ragged and slots is not None and len(request.prompt_ids) > slots and request.max_new_tokens > 0
+            and continuous_batching(self.model, self.options)
+        )
+
+    def _stream(self, request: RolloutRequest) -> tuple[Rationales, list[tuple[list[int], Rollouts]]]:
+        """Every row through ``options.decode_rows`` slots (:func:`~grace_st.generation.stream_rollouts`): one
+        :class:`Rollouts` in request order, as one pass would give."""
+        rollouts = stream_rollouts(
+            self.model,
+            request.prompt_ids,
+            request.instruction_lengths,
+            slots=self.options.decode_rows,
+            max_new_tokens=request.max_new_tokens,
+            eos_token_ids=self.eos_token_ids,
+            pad_token_id=self.pad_token_id,
+            do_sample=any(t > 0 for t in request.temperatures),
+            temperature=request.temperatures,
+            top_p=request.top_p,
+            seeds=request.seeds,
+            hidden_layer=self.hidden_layer,
+            options=self.options,
+            device=next(self.model.parameters()).device,
+        )
+        return rollouts.rationales(), [(list(range(len(request.prompt_ids))), rollouts)]
+
     def _rollout(self, request: RolloutRequest, chunk: list[int]) -> Rollouts:
         device = next(self.model.parameters()).device
         input_ids, attention_mask = left_pad([request.prompt_ids[i] for i in chunk], self.pad_token_id)
@@ -236,6 +270,7 @@ class SoftTokenEngine(RationaleEngine):
 
     # how many of each step's most probable tokens the trace keeps (``explain``)
     trace_width = 5
+    ragged = False
 
     def __init__(self, model, tokenizer, *, hidden_layer: int = -1, options: DecodeOptions | None = None, generator=None):
         if generator is not None:

@@ -207,3 +207,112 @@ def generate_rollouts(
         truncated=~finished if max_new_tokens > 0 else torch.zeros_like(finished),
         stop_ids=stop_ids,
     )
+
+
+@torch.no_grad()
+def stream_rollouts(
+    model,
+    prompt_ids: Sequence[Sequence[int]],
+    instruction_lengths: Sequence[int],
+    *,
+    slots: int,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    do_sample: bool = False,
+    temperature: float | Sequence[float] = 1.0,
+    top_p: float = 1.0,
+    seeds: Sequence[int] | None = None,
+    hidden_layer: int = -1,
+    options: DecodeOptions | None = None,
+    device: torch.device | str = "cpu",
+) -> Rollouts:
+    """:func:`generate_rollouts` for many prompts through ``slots`` rows decoded at once (continuous
+    batching): when a row's rationale ends (EOS or the budget), its slot takes the next prompt, so
+    every step feeds a full batch until the prompts run out. The same rollouts as one call over all
+    rows (each row decodes from its own prompt, at its own positions, with its own seed; only float
+    rounding can differ), returned in the order given, prompts left-padded to the longest.
+
+    Prompts enter longest first: a later prompt then always fits the columns the cache already
+    has. New prompts are prefilled once an eighth of the slots (at least one) are free, or all are.
+    """
+    rows = len(prompt_ids)
+    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
+    temperatures = torch.tensor(per_row(temperature, rows), dtype=torch.float32, device=device)
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if do_sample and seeds is not None else None
+    queue = sorted(range(rows), key=lambda i: len(prompt_ids[i]))  # pop() takes the longest waiting
+    slots = min(slots, rows)
+    text_of = torch.zeros(slots, dtype=torch.long, device=device)  # the prompt each slot decodes
+    done = torch.ones(slots, dtype=torch.bool, device=device)  # its rationale ended (or it holds none yet)
+    length = torch.zeros(rows, dtype=torch.long, device=device)  # rationale tokens fed so far, by prompt
+    stop_ids = torch.full((rows,), -1, dtype=torch.long, device=device)
+    prompts: list[tuple[Tensor, Tensor]] = []  # each admission's prompts and their (left-padded) states
+    fed: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # each step's (prompts, positions, tokens, states)
+
+    with incremental_decoder(model, hidden_layer, options) as decoder:
+        inverse_cdf = decoder.options.inverse_cdf_sampling
+        logits = None
+        while True:
+            if queue and (int(done.sum()) >= max(1, slots // 8) or bool(done.all())):
+                free = done.nonzero().squeeze(1)[: len(queue)]
+                texts = torch.tensor([queue.pop() for _ in range(len(free))], dtype=torch.long, device=device)
+                input_ids, attention_mask = left_pad([prompt_ids[i] for i in texts.tolist()], pad_token_id)
+                states, new_logits = decoder.admit(
+                    free, input_ids.to(device), attention_mask.to(device),
+                    torch.tensor([instruction_lengths[i] for i in texts.tolist()], device=device), slots, max_new_tokens,
+                )
+                prompts.append((texts, states))
+                text_of[free], done[free] = texts, False
+                logits = new_logits if logits is None else logits.index_copy(0, free, new_logits)
+            if bool(done.all()):
+                break
+            slot_rows = decoder.rows  # the slots fed; logits are theirs
+            texts = text_of[slot_rows]
+            token = _choose(logits, texts, do_sample, temperatures, top_p, generators, inverse_cdf)  # Eq. 1
+            live = ~done[slot_rows]
+            stopping = live & torch.isin(token, eos)
+            stop_ids[texts[stopping]] = token[stopping]
+            alive = live & ~stopping
+            done[slot_rows[stopping]] = True
+            decoder.release(slot_rows[stopping])
+            if not alive.any():
+                continue
+            states, logits = decoder.step(token, alive, pad_token_id, keep_rows=bool(queue))
+            fed_slots = slot_rows[alive]
+            fed_texts = text_of[fed_slots]
+            fed.append((fed_texts, length[fed_texts], token[alive], states[fed_slots, 0]))  # Eq. 2 over r_k
+            length[fed_texts] += 1
+            ended = fed_slots[length[fed_texts] >= max_new_tokens]
+            done[ended] = True
+            decoder.release(ended)
+
+    return _assemble(prompt_ids, instruction_lengths, prompts, fed, length, stop_ids, max_new_tokens, device)
+
+
+def _assemble(prompt_ids, instruction_lengths, prompts, fed, length, stop_ids, max_new_tokens, device) -> Rollouts:
+    """:func:`stream_rollouts`' pieces as :class:`Rollouts` in request order: prompts left-padded to
+    the longest, rationales right-padded to the longest."""
+    rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
+    generated = int(length.max()) if rows else 0
+    hidden = prompts[0][1].shape[-1]
+    token_embeddings = torch.zeros((rows, width + generated, hidden), dtype=prompts[0][1].dtype, device=device)
+    for texts, states in prompts:  # left-padded to their own widest: right-aligned with the rest
+        token_embeddings[texts, width - states.shape[1] : width] = states
+    rationale_ids = torch.full((rows, generated), -1, dtype=torch.long, device=device)
+    for texts, positions, tokens, states in fed:
+        token_embeddings[texts, width + positions] = states
+        rationale_ids[texts, positions] = tokens
+    _, prompt_mask = left_pad(prompt_ids, 0)
+    prompt_mask = prompt_mask.to(device)
+    attention_mask = torch.cat([prompt_mask, (rationale_ids >= 0).long()], 1)
+    pooling_mask = torch.cat(
+        [prompt_pooling_mask(prompt_mask, torch.tensor(list(instruction_lengths), device=device)), rationale_ids >= 0], 1
+    )
+    return Rollouts(
+        attention_mask=attention_mask,
+        pooling_mask=pooling_mask,
+        token_embeddings=token_embeddings,
+        rationale_ids=rationale_ids,
+        truncated=(stop_ids < 0) & (length >= max_new_tokens),
+        stop_ids=stop_ids,
+    )

@@ -42,6 +42,31 @@ def test_deterministic_and_independent_of_batching(tiny_model):
     np.testing.assert_allclose(first, tiny_model.encode(TEXTS, batch_size=1), atol=1e-5)
 
 
+@pytest.mark.parametrize("method", ["grace", "grace-sampled", "gircse"])
+def test_continuous_batching_gives_what_one_batch_gives(method):
+    """A batch of more texts than ``decode_options.decode_rows`` streams them through that many rows
+    (a finished row's slot takes the next text): the same embeddings, rationales and token states as
+    every row at once. GIRCSE's soft tokens all run K steps and are never streamed."""
+    import dataclasses
+
+    from conftest import make_st_model
+
+    settings = {"grace": {}, "grace-sampled": {"do_sample": True, "seed": 3}, "gircse": {"method": "gircse"}}[method]
+    model = make_st_model(**settings)
+    texts = [*TEXTS, "A second batch of words.", "More text here, a little longer than the rest of them.", "x"]
+    encoder = model[0]
+    encoder.decode_options = dataclasses.replace(encoder.decode_options, decode_rows=None)
+    whole = model.encode(texts, batch_size=len(texts), output_value=None)
+    encoder.decode_options = dataclasses.replace(encoder.decode_options, decode_rows=2)
+    streamed = model.encode(texts, batch_size=len(texts), output_value=None)
+    for one, other in zip(whole, streamed):
+        torch.testing.assert_close(one["sentence_embedding"], other["sentence_embedding"], atol=1e-5, rtol=1e-4)
+        assert torch.equal(one["rationale_token_ids"], other["rationale_token_ids"])
+        real = one["attention_mask"].bool()
+        assert torch.equal(real, other["attention_mask"].bool())
+        torch.testing.assert_close(one["token_embeddings"][real], other["token_embeddings"][real], atol=1e-5, rtol=1e-4)
+
+
 def test_query_and_document_instructions(tiny_model):
     encoder = tiny_model[0]
     query = tiny_model.encode_query(TEXTS[:2])

@@ -236,3 +236,80 @@ def test_repeated_prompts_prefilled_once_change_nothing(max_new_tokens, prealloc
     torch.testing.assert_close(once.token_embeddings, each.token_embeddings, atol=1e-5, rtol=1e-4)
     if max_new_tokens:  # different seeds, one prompt: the copies write different rationales
         assert len({tuple(r) for r in _rationales(once)[0::2]}) > 1
+
+
+def _many_prompts(extra: int = 9):
+    """make_prompts' rows and ``extra`` more of assorted lengths (more rows than the slots they stream through)."""
+    from grace_st.prompts import build_prompt_template, tokenize_texts
+
+    tokenizer, model, rows, spans = make_prompts()
+    built = build_prompt_template(tokenizer, "Read and analyze the following text.")
+    texts = ["word " * (i % 7) + f"number {i} " + "x " * (i % 3) for i in range(extra)]
+    rows += [built.build(ids) for ids in tokenize_texts(tokenizer, texts)]
+    return tokenizer, model, rows, spans + [built.instruction_span] * extra
+
+
+def _stream(model, tokenizer, rows, spans, max_new_tokens, eos, slots, **kwargs):
+    from grace_st.generation import stream_rollouts
+
+    return stream_rollouts(
+        model, rows, spans, slots=slots, max_new_tokens=max_new_tokens, eos_token_ids=eos,
+        pad_token_id=tokenizer.pad_token_id, **kwargs,
+    )
+
+
+def _assert_same_rollouts(streamed, one_pass):
+    assert torch.equal(streamed.rationale_ids, one_pass.rationale_ids)
+    assert torch.equal(streamed.stop_ids, one_pass.stop_ids) and torch.equal(streamed.truncated, one_pass.truncated)
+    assert torch.equal(streamed.attention_mask, one_pass.attention_mask)
+    assert torch.equal(streamed.pooling_mask, one_pass.pooling_mask)
+    real = one_pass.attention_mask.bool()
+    torch.testing.assert_close(streamed.token_embeddings[real], one_pass.token_embeddings[real], atol=1e-5, rtol=1e-4)
+    assert (streamed.token_embeddings[~real] == 0).all()
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+@pytest.mark.parametrize("slots", [1, 3])
+def test_continuous_batching_changes_nothing(do_sample, slots, monkeypatch):
+    """Rows streamed through a few slots (a finished row's slot prefilled with the next prompt) give the
+    rollouts of one pass over every row: rationales, stops, truncation, pooled positions and states. With
+    one slot the cache runs out of columns and is compacted on the way."""
+    from grace_st.decoding import PreallocatedLayer
+
+    tokenizer, model, rows, spans = _many_prompts()
+    decoding = dict(do_sample=do_sample, seeds=list(range(len(rows))) if do_sample else None)
+    free = one_pass_rollouts(model, tokenizer, rows, spans, 12, **decoding)
+    # stop tokens that end rows at different steps (some at once, some never)
+    stops = [tokenizer.eos_token_id] + [_rationales(free)[i][j] for i, j in [(0, 2), (2, 5), (5, 1), (7, 8)]]
+    one_pass = one_pass_rollouts(model, tokenizer, rows, spans, 12, stops, **decoding)
+    lengths = {len(r) for r in _rationales(one_pass)}
+    assert len(lengths) >= 3 and 12 in lengths  # ragged: what streaming is for
+
+    compactions = []
+    shift = PreallocatedLayer.shift
+    monkeypatch.setattr(PreallocatedLayer, "shift", lambda layer, start, offset: (compactions.append(start), shift(layer, start, offset))[1])
+    streamed = _stream(model, tokenizer, rows, spans, 12, stops, slots, **decoding)
+    _assert_same_rollouts(streamed, one_pass)
+    assert (slots == 1) <= any(start > 0 for start in compactions)
+
+
+def test_continuous_batching_with_two_instructions_repeats_and_another_layer():
+    """Prompts of two instructions (admitted together, sharing only the template's opening), a prompt
+    repeated (prefilled once) and states from another layer stream as they decode in one pass."""
+    from grace_st.prompts import build_prompt_template, tokenize_texts
+
+    tokenizer, model, rows, spans = _many_prompts(5)
+    other = build_prompt_template(tokenizer, "Summarise the passage below.")
+    rows[1], spans[1] = other.build(tokenize_texts(tokenizer, [TEXTS[1]])[0]), other.instruction_span
+    rows[4], spans[4] = rows[2], spans[2]
+    kwargs = dict(hidden_layer=1, do_sample=True, seeds=[9, 8, 7, 6, 5, 4, 3, 2, 1])
+    free = one_pass_rollouts(model, tokenizer, rows, spans, 9, **kwargs)
+    stops = [tokenizer.eos_token_id, _rationales(free)[0][1], _rationales(free)[3][4]]
+    one_pass = one_pass_rollouts(model, tokenizer, rows, spans, 9, stops, **kwargs)
+    _assert_same_rollouts(_stream(model, tokenizer, rows, spans, 9, stops, 4, **kwargs), one_pass)
+
+
+def test_decode_rows_must_be_a_positive_int():
+    for bad in (0, -1, 2.5, "64"):
+        with pytest.raises(ValueError, match="decode_rows"):
+            DecodeOptions(decode_rows=bad)

@@ -1,0 +1,146 @@
+"""Continuous batching against batch-at-a-time decoding, side by side in one run ([latency] item 4).
+
+The same texts, the same model, its own budget, encoded two ways, interleaved ``--repeats`` times:
+
+- ``batches``: today's way, ``encode(texts, batch_size=B)`` with every row of a batch decoding at once
+  (``DecodeOptions(decode_rows=None)``): a batch decodes on with fewer and fewer live rows as
+  rationales end;
+- ``stream``: ``encode(texts, batch_size=len(texts))`` with ``decode_rows=B``: B rows decode at once
+  and a row whose rationale ended hands its slot to the next text.
+
+``work%`` is as in ``encode_throughput.py``: 2 · parameters · tokens computed (prompts with their
+shared instruction prefix counted once a prefill, plus rationale tokens) / time / the machine's
+matmul peak, measured before each arm. ``live rows`` is the mean number of rows a decoding step fed.
+Also checks the two ways give the same rationales and embeddings. Prints a table, writes JSON.
+
+    python benchmarks/continuous_batching.py                          # 1,000 STS-B dev sentences, the default
+    python benchmarks/continuous_batching.py --texts 200 --repeats 1  # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+import grace_st
+from grace_st import decoding
+from grace_st.packed_linear import matmul_peak_flops
+from grace_st.scoreboard import sentences
+
+OUT = Path(__file__).parent / "results" / "continuous_batching.json"
+
+
+class StepCounter:
+    """Counts decoding steps, rows fed and prefills (IncrementalDecoder's calls) while on."""
+
+    def __enter__(self):
+        self.steps = self.rows = self.prefills = 0
+        self._step, self._prefill = decoding.IncrementalDecoder.step, decoding.IncrementalDecoder._prefill
+        counter = self
+
+        def step(decoder, tokens, alive, *args, **kwargs):
+            counter.steps += 1
+            counter.rows += int(alive.sum())
+            return counter._step(decoder, tokens, alive, *args, **kwargs)
+
+        def prefill(decoder, *args, **kwargs):
+            counter.prefills += 1
+            return counter._prefill(decoder, *args, **kwargs)
+
+        decoding.IncrementalDecoder.step, decoding.IncrementalDecoder._prefill = step, prefill
+        return self
+
+    def __exit__(self, *exc):
+        decoding.IncrementalDecoder.step, decoding.IncrementalDecoder._prefill = self._step, self._prefill
+
+
+def run_arm(model, texts: list[str], rows: int, stream: bool) -> dict:
+    encoder = model[0]
+    encoder.decode_options = dataclasses.replace(encoder.decode_options, decode_rows=rows if stream else None)
+    with StepCounter() as counter:
+        start = time.perf_counter()
+        out = model.encode(
+            texts, batch_size=len(texts) if stream else rows, output_value=None, show_progress_bar=False
+        )
+        elapsed = time.perf_counter() - start
+    embeddings = torch.stack([o["sentence_embedding"] for o in out]).float()
+    rationales = [tuple(t for t in o["rationale_token_ids"][0].tolist() if t >= 0) for o in out]
+    return {"seconds": elapsed, "steps": counter.steps, "fed_rows": counter.rows, "prefills": counter.prefills,
+            "embeddings": embeddings, "rationales": rationales}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a saved model (default: the trained embedded default)")
+    parser.add_argument("--texts", type=int, default=1000)
+    parser.add_argument("--rows", type=int, default=64, help="rows decoded at once, both ways")
+    parser.add_argument("--repeats", type=int, default=2, help="each arm this many times, interleaved; best kept")
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+
+    path = args.model or grace_st.default_model_path()
+    model = grace_st.load(path, device="cpu")
+    encoder = model[0]
+    texts, source = sentences(args.texts)
+    budget = encoder.rationale_budget("default")
+    params = sum(p.numel() for p in encoder.model.parameters())
+    prompts = encoder.prompt_token_ids(texts)[0]
+    shared = encoder.prompt_template(encoder.instructions["default"]).instruction_span
+    model.encode(texts[:4], batch_size=4)  # warm-up: the packed weight copies are made once
+    print(f"model {path}: {params / 1e6:.1f}M params, {len(texts)} texts ({source}), G = {budget}, "
+          f"{args.rows} rows at once, {torch.get_num_threads()} threads")
+
+    arms: dict[str, list[dict]] = {"batches": [], "stream": []}
+    for _ in range(args.repeats):
+        for name, results in arms.items():
+            peak, _kernel = matmul_peak_flops(torch.float32)
+            results.append({**run_arm(model, texts, args.rows, name == "stream"), "peak": peak})
+
+    rows = []
+    for name, results in arms.items():
+        best = min(results, key=lambda r: r["seconds"])
+        generated = sum(len(r) for r in best["rationales"])
+        # every prefill computes the shared instruction prefix once; a row's other prompt tokens once each
+        computed = sum(len(p) for p in prompts) - shared * (len(texts) - best["prefills"]) + generated
+        rows.append({
+            "arm": name,
+            "seconds": best["seconds"],
+            "all_seconds": [r["seconds"] for r in results],
+            "texts_per_s": len(texts) / best["seconds"],
+            "mean_rationale_tokens": generated / len(texts),
+            "decode_steps": best["steps"],
+            "mean_live_rows": best["fed_rows"] / max(best["steps"], 1),
+            "prefills": best["prefills"],
+            "matmul_peak_gflops": best["peak"] / 1e9,
+            "work_fraction": 2 * params * computed / best["seconds"] / best["peak"],
+        })
+    first, second = arms["batches"][0], arms["stream"][0]
+    same = sum(a == b for a, b in zip(first["rationales"], second["rationales"])) / len(texts)
+    cosine = torch.nn.functional.cosine_similarity(first["embeddings"], second["embeddings"]).min().item()
+    speedup = rows[0]["seconds"] / rows[1]["seconds"]
+
+    print(f"{'arm':>8} {'s':>8} {'texts/s':>8} {'steps':>6} {'live rows':>9} {'prefills':>8} {'peak GF':>7} {'work%':>6}")
+    for row in rows:
+        print(f"{row['arm']:>8} {row['seconds']:>8.1f} {row['texts_per_s']:>8.2f} {row['decode_steps']:>6} "
+              f"{row['mean_live_rows']:>9.1f} {row['prefills']:>8} {row['matmul_peak_gflops']:>7.0f} "
+              f"{100 * row['work_fraction']:>5.1f}%")
+    print(f"stream / batches speed: {speedup:.2f}x; same rationale {100 * same:.1f}% of texts; "
+          f"lowest embedding cosine {cosine:.6f}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({
+        "model": str(path), "texts": len(texts), "texts_source": source, "rationale_budget": budget,
+        "rows_at_once": args.rows, "threads": torch.get_num_threads(), "repeats": args.repeats,
+        "machine": platform.processor() or platform.machine(), "arms": rows, "stream_speedup": speedup,
+        "same_rationale_fraction": same, "min_embedding_cosine": cosine,
+    }, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
