@@ -34,7 +34,9 @@ model directory (e.g. a training checkpoint) with --model PATH[@TOKENS] [--label
 sets that row's rationale length (@0: no rationale), @saved keeps its saved budgets by prompt type (documents
 at 0 for the [scale] models), otherwise --rationale-tokens applies. PATH "base" is the untrained embedded
 base. --method gircse encodes every --model row with GIRCSE's soft tokens (@TOKENS is then K), e.g. the
-untrained base at the K a GIRCSE model was trained with: --model base@5 --method gircse.
+untrained base at the K a GIRCSE model was trained with: --model base@5 --method gircse. --weights bfloat16|int8
+loads every --model row with those weights (docs/latency.md), e.g. the trained default in int8:
+--model default@saved --weights int8 (PATH "default" is the trained default, grace_st.default_model_path()).
 
     python benchmarks/dev_eval.py                       # the three default rows
     python benchmarks/dev_eval.py --model out/checkpoint-100 --label grpo-100 --no-defaults
@@ -110,6 +112,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def weight_forms() -> dict:
+    import torch
+
+    # --weights: how a --model row is loaded (grace_st.quantization for int8)
+    return {"float32": None, "bfloat16": {"dtype": torch.bfloat16}, "int8": {"weight_quantization": "int8"}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -130,6 +139,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--method", choices=("grace", "gircse"), help="how every --model row thinks (default: each model's saved method)"
+    )
+    parser.add_argument(
+        "--weights", choices=("float32", "bfloat16", "int8"), default="float32",
+        help="how every --model row holds its weights: as saved, bfloat16, or int8 weight-only (docs/latency.md)",
     )
     parser.add_argument("--no-peer", action="store_true", help="skip the all-MiniLM-L6-v2 row")
     parser.add_argument(
@@ -179,20 +192,21 @@ def main() -> None:
     if not args.no_defaults:
         base = grace_st.default_model_path(trained=False)
         rows += [
-            ("SmolLM2-135M base, no rationale", base, 0, None),
-            ("SmolLM2-135M base, 64-token rationale", base, 64, None),
-            ("trained default (shipped adapter)", grace_st.default_model_path(), None, None),
+            ("SmolLM2-135M base, no rationale", base, 0, None, None),
+            ("SmolLM2-135M base, 64-token rationale", base, 64, None, None),
+            ("trained default (shipped adapter)", grace_st.default_model_path(), None, None, None),
         ]
     labels = args.label + [None] * (len(args.model) - len(args.label))
     for spec, label in zip(args.model, labels):
         path, tokens, override = parse_model(spec, args.rationale_tokens)
         suffix = "" if not override else "@saved" if tokens is None else f"@{tokens}"
         suffix += f" ({args.method})" if args.method else ""
-        if path == "base":
-            path = grace_st.default_model_path(trained=False)
-        rows.append((label or Path(path).name + suffix, path, tokens, args.method))
+        suffix += f" [{args.weights}]" if args.weights != "float32" else ""
+        if path in ("base", "default"):
+            path = grace_st.default_model_path(trained=path == "default")
+        rows.append((label or Path(path).name + suffix, path, tokens, args.method, weight_forms()[args.weights]))
     if not args.no_peer:
-        rows.append(("all-MiniLM-L6-v2 (peer)", minilm_path(), None, None))
+        rows.append(("all-MiniLM-L6-v2 (peer)", minilm_path(), None, None, None))
 
     report = {
         "data": str(data_dir()),
@@ -206,8 +220,8 @@ def main() -> None:
         "device": args.device,
         "rows": [],
     }
-    for label, path, rationale_tokens, method in rows:
-        model = grace_st.load(path, device=args.device)
+    for label, path, rationale_tokens, method, model_kwargs in rows:
+        model = grace_st.load(path, device=args.device, model_kwargs=model_kwargs)
         grace = is_grace(model)
         if grace and method is not None:
             model[0].method = method
@@ -222,6 +236,7 @@ def main() -> None:
             "model": path,
             "rationale_tokens": model[0].max_rationale_tokens if grace else None,
             "method": getattr(model[0], "method", None),
+            "weights": model_kwargs,
             "scores": scores,
             "texts_encoded": encoder.texts,
             "encode_seconds": encoder.seconds,
