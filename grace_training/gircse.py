@@ -31,22 +31,26 @@ from grace_st.settings import for_prompt_type
 
 from .data import Triplet
 from .grpo import graded_contrastive_loss
+from .processes import gather_rows_with_grad, gather_with_grad, sum_with_grad
 
 
 def stepwise_infonce(
-    query: Tensor, positives: Tensor, negatives: Tensor | None = None, *, temperature: float = 0.02
+    query: Tensor, positives: Tensor, negatives: Tensor | None = None, *, temperature: float = 0.02,
+    offset: int = 0, reduction: str = "mean",
 ) -> Tensor:
     """L_k for k = 1..K (Eq. 7's terms), (K,): InfoNCE of query i's z_k against every positive's z_k
     (its own the target, the others in-batch negatives) and every hard negative's z_k in the batch,
-    mean over the B queries. query, positives (B, K, H); negatives (M, K, H) or None."""
+    mean (or ``reduction="sum"``) over the B queries. query (B, K, H); positives (P, K, H), query i's
+    own at row ``offset + i`` (P = B in one process; the global batch's, gathered, in several);
+    negatives (M, K, H) or None."""
     batch, steps, _ = query.shape
     candidates = positives if negatives is None or not len(negatives) else torch.cat([positives, negatives])
     q = F.normalize(query.float(), dim=-1)
     c = F.normalize(candidates.float(), dim=-1)
     scores = torch.einsum("bkh,ckh->kbc", q, c) / temperature  # (K, B, C)
-    targets = torch.arange(batch, device=scores.device).repeat(steps)
-    losses = F.cross_entropy(scores.reshape(steps * batch, -1), targets, reduction="none")
-    return losses.view(steps, batch).mean(dim=1)
+    targets = (torch.arange(batch, device=scores.device) + offset).repeat(steps)
+    losses = F.cross_entropy(scores.reshape(steps * batch, -1), targets, reduction="none").view(steps, batch)
+    return losses.sum(dim=1) if reduction == "sum" else losses.mean(dim=1)
 
 
 def stepwise_cosent(first: Tensor, second: Tensor, scores: Tensor, *, scale: float = 20.0) -> Tensor:
@@ -105,8 +109,17 @@ def held_to(steps: Tensor, total: int) -> Tensor:
     return torch.cat([steps, steps[:, -1:].expand(-1, total - steps.shape[1], -1)], dim=1)
 
 
-def icr_batch_loss(encoder, triplets: Sequence[Triplet], config, scores: Tensor | None, device) -> dict[str, Tensor]:
-    """One batch's Eqs. 7–8 with gradient: ``loss``, ``contrastive``, ``refinement`` and ``step_losses`` (K,)."""
+def icr_batch_loss(
+    encoder, triplets: Sequence[Triplet], config, scores: Tensor | None, device, accelerator=None
+) -> dict[str, Tensor]:
+    """One batch's Eqs. 7–8 with gradient: ``loss``, ``contrastive``, ``refinement`` and ``step_losses`` (K,).
+
+    With several processes (``accelerator``), ``triplets`` is this process's share and the loss is the
+    global batch's on every process: positives and hard negatives are gathered with gradient (every
+    query meets the whole batch's candidates), each L_k is the sum over all queries over the global
+    count (Eq. 8's logarithm needs the global L_k), and scored pairs are gathered whole for CoSENT. Each
+    process's embeddings then get every process's share of the gradient, times the process count, which
+    the trainer's mean over processes takes back out."""
     (queries, q_task), (positives, d_task), (negatives, n_task) = triplet_sides(
         triplets, config.num_negatives, config.query_task, config.document_task
     )
@@ -115,12 +128,18 @@ def icr_batch_loss(encoder, triplets: Sequence[Triplet], config, scores: Tensor 
     total = max(k_query, k_document, 1)
     query = held_to(side_embeddings(encoder, queries, q_task, k_query, device), total)
     positive = held_to(side_embeddings(encoder, positives, d_task, k_document, device), total)
+    world, rank = (1, 0) if accelerator is None else (accelerator.num_processes, accelerator.process_index)
     if scores is not None:
-        step_losses = stepwise_cosent(query, positive, scores.to(device), scale=config.graded_scale)
+        first, second = gather_with_grad(accelerator, query), gather_with_grad(accelerator, positive)
+        step_losses = stepwise_cosent(first, second, scores.to(device), scale=config.graded_scale)
     else:
-        negative = None
+        negative = query.new_zeros((0, *query.shape[1:]))
         if negatives:
             negative = held_to(side_embeddings(encoder, negatives, n_task, k_document, device), total)
-        step_losses = stepwise_infonce(query, positive, negative, temperature=config.icr_temperature)
+        sums = stepwise_infonce(
+            query, gather_with_grad(accelerator, positive), gather_rows_with_grad(accelerator, negative),
+            temperature=config.icr_temperature, offset=rank * len(queries), reduction="sum",
+        )
+        step_losses = sum_with_grad(accelerator, sums) / (len(queries) * world)
     loss, contrastive, penalty = refinement_loss(step_losses, config.icr_lambda)
     return {"loss": loss, "contrastive": contrastive, "refinement": penalty, "step_losses": step_losses}

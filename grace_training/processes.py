@@ -80,6 +80,90 @@ def gather(accelerator, tensor: torch.Tensor) -> torch.Tensor:
     return (gathered.bool() if flag else gathered).to(tensor.device)
 
 
+class _GatherWithGrad(torch.autograd.Function):
+    """All-gather whose backward sums every process's gradient for this process's rows.
+
+    Written here rather than taken from ``torch.distributed.nn``: its gloo backward sends the
+    incoming gradients as they lie in memory, and a gradient that arrives strided (after an einsum)
+    comes back scrambled. An all-reduce of the whole contiguous gradient, then this process's slice."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.rank, ctx.rows = dist.get_rank(), tensor.shape[0]
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts, 0)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad[ctx.rank * ctx.rows : (ctx.rank + 1) * ctx.rows]
+
+
+class _SumWithGrad(torch.autograd.Function):
+    """All-reduce (sum) whose backward sums the processes' gradients of the result."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        total = tensor.contiguous().clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+def gather_with_grad(accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (the same shape on every process) from every process, concatenated in process order,
+    with gradient: what another process's loss asks of this process's rows flows back to them."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return tensor
+    if torch.is_grad_enabled() and not tensor.requires_grad:
+        # The backward is a collective too: a process whose rows need no gradient (no hard negative
+        # in its share) must still take part in it, or the processes' backward collectives pair wrongly.
+        tensor = tensor.detach().requires_grad_()
+    return _GatherWithGrad.apply(tensor)
+
+
+def gather_rows_with_grad(accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """:func:`gather_with_grad` for a different number of rows on each process (hard negatives: a
+    triplet may have fewer): padded to the most for the collective, the padding dropped after."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return tensor
+    counts = [int(n) for n in per_process(accelerator, float(len(tensor)))]
+    most = max(counts)
+    if most == 0:
+        return tensor
+    padded = torch.cat([tensor, tensor.new_zeros((most - len(tensor), *tensor.shape[1:]))]) if len(tensor) < most else tensor
+    gathered = gather_with_grad(accelerator, padded)
+    return torch.cat([gathered[p * most : p * most + n] for p, n in enumerate(counts)])
+
+
+def sum_with_grad(accelerator, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed over processes, with gradient (every process's loss then holds the global sum)."""
+    if accelerator is None or accelerator.num_processes == 1:
+        return tensor
+    return _SumWithGrad.apply(tensor)
+
+
+def per_process(accelerator, value: float) -> list[float]:
+    """``value`` of every process, in process order."""
+    local = torch.tensor([[value]], dtype=torch.float64)
+    return gather(accelerator, local)[:, 0].tolist()
+
+
 def sum_over_processes(accelerator, *values: float) -> list[float]:
     """Each value summed over processes (one gather for all of them)."""
     local = torch.tensor([values], dtype=torch.float64)

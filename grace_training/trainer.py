@@ -50,7 +50,7 @@ from .checkpoint import (
     save_model_dir,
     write_checkpoint,
 )
-from .config import GRPOConfig, LaunchError, check_batches, check_environment, check_launch
+from .config import GRPOConfig, check_batches, check_environment, check_launch
 from .data import Triplet, cap_per_source, load_data, source_weights
 from .evaluation import evaluate
 from .gircse import icr_batch_loss
@@ -131,10 +131,6 @@ class GRPOTrainer:
             cpu=processes_without_a_gpu(), mixed_precision="bf16" if config.bf16 else "no"
         )
         check_sharding(self.accelerator, config)
-        if config.method == "gircse" and self.accelerator.num_processes > 1:
-            raise LaunchError(
-                "method: gircse trains in one process (its in-batch negatives are not gathered across processes yet)"
-            )
 
         # -- data (before the model: a run the data cannot feed is refused without loading it) --
         self.train_data, self.eval_data = self._data(train_data, eval_data)
@@ -380,12 +376,23 @@ class GRPOTrainer:
         cfg = self.config
         start, cpu_start = time.perf_counter(), time.process_time()
         lr = self.scheduler.get_last_lr()[0]
+        accelerator = self.accelerator
         self.policy_wrapped.train()
         self.optimizer.zero_grad(set_to_none=True)
-        with self.accelerator.autocast():
-            parts = icr_batch_loss(self.encoder, batch, cfg, self.graded_scores(step), self.accelerator.device)
-        forwarded = time.perf_counter()
-        self.accelerator.backward(parts["loss"])
+        # The soft steps call the decoder and the LM head one at a time, not the wrapped model once, so
+        # DDP's own all-reduce is kept out and the gradients are averaged over processes here.
+        separate = accelerator.no_sync(self.policy_wrapped) if accelerator.num_processes > 1 else contextlib.nullcontext()
+        with separate:
+            with accelerator.autocast():
+                parts = icr_batch_loss(
+                    self.encoder, batch, cfg, self.graded_scores(step), accelerator.device, accelerator
+                )
+            forwarded = time.perf_counter()
+            accelerator.backward(parts["loss"])
+        if accelerator.num_processes > 1:
+            for parameter in self.trainable_parameters():
+                if parameter.grad is not None:
+                    parameter.grad = accelerator.reduce(parameter.grad, reduction="mean")
         backwarded = time.perf_counter()
         max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
         grad_norm = self.accelerator.clip_grad_norm_(self.trainable_parameters(), max_norm)
@@ -406,7 +413,8 @@ class GRPOTrainer:
             "time/update_backward_s": backwarded - forwarded,
             "time/update_optimizer_s": done - backwarded,
             "time/step_s": done - start,
-            "time/step_cpu_s": time.process_time() - cpu_start,
+            # the step's CPU cost over every process, as a GRPO step's (the losses are global already)
+            "time/step_cpu_s": sum_over_processes(accelerator, time.process_time() - cpu_start)[0],
         }
 
     # ------------------------------------------------------------------------------------------

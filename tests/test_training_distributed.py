@@ -68,10 +68,13 @@ def workspace(tmp_path_factory) -> Path:
     return root
 
 
-def grace_train(root: Path, name: str, *overrides: str, processes: int = 1, launcher: list[str] | None = None):
+def grace_train(
+    root: Path, name: str, *overrides: str, processes: int = 1, launcher: list[str] | None = None,
+    config: str = "config.yaml",
+):
     """Run grace-train in ``processes`` CPU processes; returns (output_dir, completed process)."""
     output = root / name
-    args = ["-m", "grace_training.cli", "--config", str(root / "config.yaml"), f"output_dir={output}", *overrides]
+    args = ["-m", "grace_training.cli", "--config", str(root / config), f"output_dir={output}", *overrides]
     if launcher is None and processes > 1:
         launcher = ["--multi_gpu", "--num_processes", str(processes)]
     if launcher is None:
@@ -84,8 +87,8 @@ def grace_train(root: Path, name: str, *overrides: str, processes: int = 1, laun
     return output, done
 
 
-def run_ok(root: Path, name: str, *overrides: str, processes: int = 1) -> Path:
-    output, done = grace_train(root, name, *overrides, processes=processes)
+def run_ok(root: Path, name: str, *overrides: str, processes: int = 1, config: str = "config.yaml") -> Path:
+    output, done = grace_train(root, name, *overrides, processes=processes, config=config)
     assert done.returncode == 0, done.stderr[-3000:]
     return output
 
@@ -109,14 +112,16 @@ def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
 REDUCTION_ORDER_TOLERANCE = 0.01
 
 
-def assert_same_run(one: Path, two: Path, step: int, initial: dict | None = None, exact: bool = False) -> None:
+def assert_same_run(
+    one: Path, two: Path, step: int, initial: dict | None = None, exact: bool = False, compared: list[str] = COMPARED
+) -> None:
     """Same metrics each step and the same weights at ``step``: bit for bit when ``exact`` (a
     resumed run against a straight one: the same operations in the same order), else each tensor
     within REDUCTION_ORDER_TOLERANCE of its move from ``initial``, in L2."""
     first, second = ([m for m in metrics(run) if m["step"] <= step] for run in (one, two))
     assert [m["step"] for m in first] == [m["step"] for m in second] == list(range(1, step + 1))
     for a, b in zip(first, second):
-        for key in COMPARED:
+        for key in compared:
             assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
     name = f"checkpoint-{step:08d}"
     expected, got = weights(one / name), weights(two / name)
@@ -156,6 +161,46 @@ def test_two_processes_equal_one_and_a_resumed_run_equals_a_straight_one(workspa
     assert "resumed from" in done.stderr and "checkpoint-00000002" in done.stderr
     assert output == resumed
     assert_same_run(two, resumed, step=4, exact=True)
+
+
+def test_gircse_on_two_processes_takes_the_steps_of_one(workspace):
+    """GIRCSE's stepwise InfoNCE (Eq. 7) and refinement term (Eq. 8) over the global batch from two
+    processes: positives and hard negatives gathered with gradient (some triplets without a hard
+    negative, so the processes hold different numbers), each L_k summed over both, the gradients
+    averaged; the same losses and weights as one process holding the whole batch."""
+    rows = [
+        {"query": CORPUS[i], "positive": CORPUS[i + 1], "negatives": [CORPUS[i + 2]] if i % 3 else []}
+        for i in range(8)
+    ]
+    (workspace / "gircse.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows), encoding="utf-8")
+    config = yaml.safe_load((workspace / "config.yaml").read_text(encoding="utf-8"))
+    for grpo_only in ("num_rollouts", "rollout_batch_size"):
+        config.pop(grpo_only)
+    config.update(
+        method="gircse", max_rationale_tokens=3, train_data=[{"type": "triplets", "path": str(workspace / "gircse.jsonl")}]
+    )
+    (workspace / "gircse.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    # AdamW's ε far above every gradient makes its first step the gradient times a constant, so the
+    # weights compare the gradients themselves; at ε 1e-8 the step is the gradient's sign, and an element
+    # near zero flips with float order (REDUCTION_ORDER_TOLERANCE's note).
+    steps = ["max_steps=2", "save_steps=1", "adam_epsilon=1000", "learning_rate=10"]
+    one = run_ok(workspace, "gircse-one", *steps, config="gircse.yaml")
+    two = run_ok(workspace, "gircse-two", *steps, processes=2, config="gircse.yaml")
+    compared = ["loss", "loss/contrastive", "loss/refinement", "loss/step_1", "loss/step_3", "grad_norm"]
+    assert_same_run(one, two, step=1, initial=weights(workspace / "model"), compared=compared)
+    # At τ = 0.02 a loss is 50 times its cosines: the float-order difference in step 1's weights shows
+    # in step 2's loss at about 1e-4 of it (3e-4 here), far below a gradient missing a process's share.
+    assert metrics(two)[1]["loss"] == pytest.approx(metrics(one)[1]["loss"], rel=2e-3)
+    assert metrics(two)[0]["loss/step_3"] > 0
+
+    # scored pairs: CoSENT ranks every pair against every other, so both sides are gathered whole
+    lines = ["score\tsentence1\tsentence2"] + [f"{i % 5}.0\t{CORPUS[i]}\t{CORPUS[i + 3]}" for i in range(8)]
+    (workspace / "pairs.tsv").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    config.update(train_data=[{"type": "sts", "path": str(workspace / "pairs.tsv"), "symmetric": True}], batch_sampling="by_source")
+    (workspace / "gircse-graded.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
+    one = run_ok(workspace, "graded-one", *steps, config="gircse-graded.yaml")
+    two = run_ok(workspace, "graded-two", *steps, processes=2, config="gircse-graded.yaml")
+    assert_same_run(one, two, step=1, initial=weights(workspace / "model"), compared=compared)
 
 
 @pytest.mark.parametrize("anchors", ["detached", "recompute"])
