@@ -1,8 +1,8 @@
 """Turn a LoRA training checkpoint into the adapter shipped inside grace-st (``grace_st/default_adapter``;
 a GIRCSE checkpoint's into ``grace_st/gircse_adapter``).
 
-    python -m grace_training.export_adapter runs/default_grace/checkpoint-00000100 \
-        --scores benchmarks/results/quality_study.json --scores-label "shipped default (CPU-trained)"
+    python -m grace_training.export_adapter runs/scale_textkl1/checkpoint-00000400 \
+        --scores benchmarks/results/scale_scoreboard_textkl400.json --scores-label "scale + text_kl 1, step 400"
 
 Writes PEFT's two files (``adapter_config.json``, ``adapter_model.safetensors``) and
 ``grace_settings.json``: the encoder settings it was trained with (applied when

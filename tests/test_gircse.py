@@ -62,8 +62,9 @@ def test_soft_tokens_are_algorithm_1_kv_cached_and_the_embedding_is_the_mean_of_
     for i, (states, _) in enumerate(expected):
         torch.testing.assert_close(embeddings[i], F.normalize(states.mean(0), dim=0), atol=2e-4, rtol=1e-3)
         torch.testing.assert_close(soft.step_embeddings()[i, 1], states[:2].mean(0), atol=2e-4, rtol=1e-3)
-    # deterministic, and batch-independent up to float rounding
-    torch.testing.assert_close(model.encode(TEXTS[1:], convert_to_tensor=True)[0], embeddings[1], atol=1e-5, rtol=1e-4)
+    # deterministic, and batch-independent up to float rounding (the packed CPU kernels round a row by the batch's
+    # row count, and K soft steps carry it through a vocabulary-wide softmax: 1.5e-5 seen)
+    torch.testing.assert_close(model.encode(TEXTS[1:], convert_to_tensor=True)[0], embeddings[1], atol=5e-5, rtol=1e-3)
     assert torch.equal(model.encode(TEXTS, convert_to_tensor=True), embeddings)
 
 
