@@ -20,9 +20,9 @@ and none changing what is computed, only how fast (results differ by float32 rou
   (:meth:`IncrementalDecoder.admit`), so a batch does not decode on with fewer and fewer live rows
   (:func:`grace_st.generation.stream_rollouts`).
 
-``benchmarks/decode_ablation.py`` measures what each buys (``benchmarks/encode_throughput.py
---stream`` the last). ``DecodeOptions.plain()`` turns all seven off: textbook incremental decoding
-with a ``DynamicCache``, every row of a call at once.
+``benchmarks/decode_ablation.py`` measures what each buys (``benchmarks/continuous_batching.py``
+the last). ``DecodeOptions.plain()`` turns all seven off: textbook incremental decoding with a
+``DynamicCache``, every row of a call at once.
 """
 
 from __future__ import annotations
