@@ -231,7 +231,8 @@ def stream_rollouts(
     batching): when a row's rationale ends (EOS or the budget), its slot takes the next prompt, so
     every step feeds a full batch until the prompts run out. The same rollouts as one call over all
     rows (each row decodes from its own prompt, at its own positions, with its own seed; only float
-    rounding can differ), returned in the order given, prompts left-padded to the longest.
+    rounding can differ, and sampling without ``seeds`` draws from torch's global generator in another
+    order), returned in the order given, prompts left-padded to the longest.
 
     Prompts enter longest first: a later prompt then always fits the columns the cache already
     has. New prompts are prefilled once an eighth of the slots (at least one) are free, or all are.
