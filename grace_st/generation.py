@@ -146,6 +146,15 @@ def _choose(
     return _sample(logits, temperatures[rows], top_p, row_generators, inverse_cdf)
 
 
+def _sampling(eos_token_ids, temperature, rows: int, do_sample: bool, seeds, device):
+    """What Eq. 1's draws need, a row at a time: the stop ids, each row's temperature, and one
+    generator a row when seeded (so a row's rationale does not depend on its batch)."""
+    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
+    temperatures = torch.tensor(per_row(temperature, rows), dtype=torch.float32, device=device)
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if do_sample and seeds is not None else None
+    return eos, temperatures, generators
+
+
 @torch.no_grad()
 def generate_rollouts(
     model,
@@ -170,9 +179,7 @@ def generate_rollouts(
     sampling reproducible per text. ``options``: the decoding optimisations
     (:class:`grace_st.decoding.DecodeOptions`, all on by default; they change only rounding)."""
     device, batch = input_ids.device, input_ids.shape[0]
-    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
-    temperatures = torch.tensor(per_row(temperature, batch), dtype=torch.float32, device=device)
-    generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if do_sample and seeds is not None else None
+    eos, temperatures, generators = _sampling(eos_token_ids, temperature, batch, do_sample, seeds, device)
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     stop_ids = torch.full((batch,), -1, dtype=torch.long, device=device)
     tokens: list[Tensor] = []  # one (B,) column a step: the rationale token, -1 once the row's rationale ended
@@ -238,9 +245,7 @@ def stream_rollouts(
     has. New prompts are prefilled once an eighth of the slots (at least one) are free, or all are.
     """
     rows = len(prompt_ids)
-    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
-    temperatures = torch.tensor(per_row(temperature, rows), dtype=torch.float32, device=device)
-    generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if do_sample and seeds is not None else None
+    eos, temperatures, generators = _sampling(eos_token_ids, temperature, rows, do_sample, seeds, device)
     queue = sorted(range(rows), key=lambda i: len(prompt_ids[i]))  # pop() takes the longest waiting
     slots = min(slots, rows)
     text_of = torch.zeros(slots, dtype=torch.long, device=device)  # the prompt each slot decodes
