@@ -132,7 +132,7 @@ def plan(config: GRPOConfig, sample: int = 256) -> dict[str, Any]:
         "instances": len(rows),
         "instances_by_source": sources,
         "bad_rows": len(issues) + len(eval_issues),
-        "eval_instances": len(cap_per_source(eval_rows, config.eval_max_examples, config.seed)),
+        "eval_instances": len(cap_per_source(eval_rows, config.eval_max_examples, config.eval_seed)),
         "steps_per_epoch": steps_per_epoch,
         "total_steps": total,
         "rollouts_per_step": rollouts,

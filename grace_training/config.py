@@ -245,6 +245,12 @@ class GRPOConfig:
     lora_target_modules: list[str] | str = key(
         "all-linear", "the layers the adapter wraps (PEFT's `target_modules`)", NON_EMPTY, resume=FIXED
     )
+    init_adapter: str | None = key(
+        None, "a LoRA adapter directory (PEFT's two files: a shipped adapter or a run's checkpoint) whose weights the "
+        "adapter starts from, with a fresh optimizer; its rank, α and layers must be the config's. The KL references "
+        "stay the base (the adapter disabled). null: PEFT's initialisation (ΔW = 0)",
+        NON_EMPTY, resume=FIXED,  # the weights the run started from
+    )
 
     # -- policy optimisation (Eqs. 10–11) ---------------------------------------------------
     learning_rate: float = key(
@@ -296,6 +302,10 @@ class GRPOConfig:
         resume=FREE,
     )
     eval_max_examples: int = key(200, "examples an evaluation source keeps; 0: all", NON_NEGATIVE, resume=FREE)
+    eval_seed: int = key(
+        42, "the seed of the evaluation sample (eval_max_examples): apart from `seed`, so that runs with other seeds "
+        "score the same slice", SEED_RANGE, resume=FREE,
+    )
     eval_batch_size: int = key(16, "texts encoded at once in an evaluation", AT_LEAST_ONE, resume=FREE)
     report_to: list[str] = key(
         MISSING, "`jsonl` (metrics.jsonl), `tensorboard`", subset_of(REPORTERS), resume=FREE,
@@ -458,6 +468,11 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
             config.finetune == "full" or config.rollout_backend == "hf",
             "finetune",
             "finetune: lora needs rollout_backend: hf (the vLLM engine syncs full weights, not an adapter)",
+        ),
+        (
+            config.init_adapter is None or config.finetune == "lora",
+            "init_adapter",
+            "init_adapter: starting from an adapter needs finetune: lora",
         ),
         (config.epochs >= 1 or config.max_steps > 0, "epochs", "epochs: set epochs >= 1 or max_steps > 0"),
         (

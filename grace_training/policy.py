@@ -43,4 +43,46 @@ def add_lora_adapter(model, config: GRPOConfig):
         target_modules=config.lora_target_modules,
         task_type="CAUSAL_LM",
     )
-    return get_peft_model(model, lora)
+    model = get_peft_model(model, lora)
+    if config.init_adapter:
+        load_init_adapter(model, config)
+    return model
+
+
+def load_init_adapter(model, config: GRPOConfig) -> None:
+    """Set the fresh adapter's weights to those of ``config.init_adapter`` (PEFT's format,
+    safetensors only), so that a run goes on from a shipped adapter or another run's checkpoint.
+
+    The saved adapter must be the one the config builds (rank, α, the same layers): every LoRA
+    matrix the model has is set, none is left at PEFT's initialisation, none is dropped.
+    """
+    import json
+
+    from peft import set_peft_model_state_dict
+
+    from grace_st.adapter import ADAPTER_CONFIG, read_adapter_weights
+
+    path = Path(config.init_adapter)
+    try:
+        saved = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as error:
+        raise ValueError(f"init_adapter: {path / ADAPTER_CONFIG} is not a readable adapter config ({error})") from error
+    for name, ours in (("r", config.lora_r), ("lora_alpha", config.lora_alpha)):
+        if saved.get(name) != ours:
+            raise ValueError(f"init_adapter: {path} has {name} {saved.get(name)!r}, the config {ours!r}")
+    weights = read_adapter_weights(path)
+    ours = {key: value for key, value in model.state_dict().items() if "lora_" in key}
+    named = {key.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): value
+             for key, value in weights.items()}
+    wanted, loaded = set(ours), set(named)
+    if wanted != loaded:
+        missing, extra = sorted(wanted - loaded), sorted(loaded - wanted)
+        raise ValueError(
+            f"init_adapter: {path} is not the adapter this config builds "
+            f"({len(missing)} LoRA matrices missing, e.g. {missing[:1]}; {len(extra)} not in the model, e.g. {extra[:1]}): "
+            "lora_target_modules must be the ones it was trained with"
+        )
+    for key, value in named.items():
+        if value.shape != ours[key].shape:
+            raise ValueError(f"init_adapter: {path}: {key} has shape {tuple(value.shape)}, the model's {tuple(ours[key].shape)}")
+    set_peft_model_state_dict(model, weights)

@@ -215,7 +215,7 @@ class GRPOTrainer:
                 "train_data: scored pairs (graded) train β · CoSENT on batches of their own: "
                 "they need batch_sampling: by_source and contrastive_beta > 0 (or method: gircse)"
             )
-        return train_data, cap_per_source(eval_data or [], config.eval_max_examples, config.seed)
+        return train_data, cap_per_source(eval_data or [], config.eval_max_examples, config.eval_seed)
 
     # ------------------------------------------------------------------------------------------
     # the loop

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from conftest import make_st_model
+from safetensors.torch import load_file
 from sentence_transformers import SentenceTransformer
 from test_training_trainer import DATA, config
 
@@ -217,6 +218,50 @@ def test_lora_run_checkpoints_an_adapter_that_loads_and_resumes(tmp_path):
     again = {k: v for k, v in second.policy.state_dict().items() if "lora_" in k}
     for key, value in straight.items():
         torch.testing.assert_close(again[key], value, atol=1e-6, rtol=1e-5)
+
+
+def test_a_run_starts_from_another_runs_adapter_and_refuses_one_that_does_not_fit(tmp_path):
+    """``init_adapter``: a second run's adapter starts at the first run's checkpoint (the [scale] run
+    goes on from the shipped adapter when a session lost its checkpoints); the KL reference stays
+    the base (the adapter disabled)."""
+    first = config(tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=1, save_steps=1)
+    GRPOTrainer(first, model=saved_base(tmp_path), train_data=DATA).train()
+    checkpoint = tmp_path / "run" / "checkpoint-00000001"
+    saved = {k: v for k, v in load_file(str(checkpoint / "adapter_model.safetensors")).items()}
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # a trained adapter, not PEFT's B = 0
+
+    def second(**overrides):
+        cfg = config(
+            tmp_path, finetune="lora", contrastive_beta=1.0, text_kl_coef=0.5, max_steps=1,
+            init_adapter=str(checkpoint), output_dir=str(tmp_path / "second"), **overrides,
+        )
+        return GRPOTrainer(cfg, model=saved_base(tmp_path), train_data=DATA)
+
+    trainer = second()
+    started = {k.replace(".default.", "."): v for k, v in trainer.policy.state_dict().items() if "lora_" in k}
+    assert started.keys() == saved.keys()
+    for key, value in saved.items():
+        torch.testing.assert_close(started[key], value, atol=0, rtol=0)
+    texts = ["a cat on a mat", "rates rose again"]
+    loaded = SentenceTransformer(str(checkpoint), trust_remote_code=True, device="cpu")
+    torch.testing.assert_close(
+        torch.as_tensor(trainer.st_model.encode(texts)), torch.as_tensor(loaded.encode(texts)), atol=1e-5, rtol=1e-4
+    )
+    with trainer.policy.disable_adapter():  # the reference is the base, not the adapter started from
+        base = saved_base(tmp_path)
+        torch.testing.assert_close(
+            trainer.policy(torch.tensor([[1, 2, 3]])).logits, base[0].model(torch.tensor([[1, 2, 3]])).logits
+        )
+    trainer.train()  # and it trains on from there
+    assert json.loads((tmp_path / "second" / "checkpoint-00000001" / "trainer_state" / "state.json").read_text())[
+        "config"]["init_adapter"] == str(checkpoint)
+
+    with pytest.raises(ValueError, match="init_adapter: .* has r 8, the config 4"):
+        second(lora_r=4)
+    with pytest.raises(ValueError, match="lora_target_modules must be the ones it was trained with"):
+        second(lora_target_modules=["q_proj"])
+    with pytest.raises(ValueError, match="init_adapter: starting from an adapter needs finetune: lora"):
+        config(tmp_path, init_adapter=str(checkpoint))
 
 
 # -- budgets by prompt type ([scale]): training what ships ----------------------------------------

@@ -92,6 +92,19 @@ def test_end_to_end_steps_write_metrics_and_a_loadable_checkpoint(tmp_path):
     assert state["step"] == 3 and state["data_position"] == {"epoch": 0, "batch_in_epoch": 3, "num_instances": 8}
 
 
+def test_the_dev_slice_is_the_same_whatever_the_runs_seed(tmp_path):
+    """eval_max_examples samples with eval_seed, not seed: two runs' curves score the same texts."""
+    def slice_of(**overrides):
+        trainer = GRPOTrainer(
+            config(tmp_path, eval_max_examples=3, **overrides), model=make_st_model(), train_data=DATA, eval_data=DATA
+        )
+        return [row.query for row in trainer.eval_data]
+
+    assert len(slice_of(seed=1)) == 3
+    assert slice_of(seed=1) == slice_of(seed=2)
+    assert any(slice_of(seed=1, eval_seed=seed) != slice_of(seed=1) for seed in (1, 2, 3))
+
+
 def test_resume_continues_the_same_trajectory(tmp_path, monkeypatch):
     """4 steps straight == 2 steps, a crash in step 3, and 2 resumed steps (same weights)."""
     straight = make_st_model()
