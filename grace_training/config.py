@@ -249,7 +249,7 @@ class GRPOConfig:
         None, "a LoRA adapter directory (PEFT's two files: a shipped adapter or a run's checkpoint) whose weights the "
         "adapter starts from, with a fresh optimizer; its rank, α and layers must be the config's. The KL references "
         "stay the base (the adapter disabled). null: PEFT's initialisation (ΔW = 0)",
-        NON_EMPTY, resume=FIXED,  # the weights the run started from
+        NON_EMPTY, resume=FIXED, card=True,  # the weights the run started from
     )
 
     # -- policy optimisation (Eqs. 10–11) ---------------------------------------------------
