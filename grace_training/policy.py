@@ -67,9 +67,9 @@ def load_init_adapter(model, config: GRPOConfig) -> None:
         saved = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"init_adapter: {path / ADAPTER_CONFIG} is not a readable adapter config ({error})") from error
-    for name, ours in (("r", config.lora_r), ("lora_alpha", config.lora_alpha)):
-        if saved.get(name) != ours:
-            raise ValueError(f"init_adapter: {path} has {name} {saved.get(name)!r}, the config {ours!r}")
+    for name, expected in (("r", config.lora_r), ("lora_alpha", config.lora_alpha)):
+        if saved.get(name) != expected:
+            raise ValueError(f"init_adapter: {path} has {name} {saved.get(name)!r}, the config {expected!r}")
     weights = read_adapter_weights(path)
     ours = {key: value for key, value in model.state_dict().items() if "lora_" in key}
     named = {key.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): value
