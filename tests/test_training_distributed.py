@@ -113,16 +113,22 @@ REDUCTION_ORDER_TOLERANCE = 0.01
 
 
 def assert_same_run(
-    one: Path, two: Path, step: int, initial: dict | None = None, exact: bool = False, compared: list[str] = COMPARED
+    one: Path,
+    two: Path,
+    step: int,
+    initial: dict | None = None,
+    exact: bool = False,
+    compared: list[str] = COMPARED,
+    rel: float = 1e-4,
 ) -> None:
-    """Same metrics each step and the same weights at ``step``: bit for bit when ``exact`` (a
-    resumed run against a straight one: the same operations in the same order), else each tensor
-    within REDUCTION_ORDER_TOLERANCE of its move from ``initial``, in L2."""
+    """Same metrics each step (within ``rel``) and the same weights at ``step``: bit for bit when
+    ``exact`` (a resumed run against a straight one: the same operations in the same order), else each
+    tensor within REDUCTION_ORDER_TOLERANCE of its move from ``initial``, in L2."""
     first, second = ([m for m in metrics(run) if m["step"] <= step] for run in (one, two))
     assert [m["step"] for m in first] == [m["step"] for m in second] == list(range(1, step + 1))
     for a, b in zip(first, second):
         for key in compared:
-            assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-5), (a["step"], key)
+            assert b[key] == pytest.approx(a[key], rel=rel, abs=1e-5), (a["step"], key)
     name = f"checkpoint-{step:08d}"
     expected, got = weights(one / name), weights(two / name)
     assert expected.keys() == got.keys()
@@ -200,7 +206,10 @@ def test_gircse_on_two_processes_takes_the_steps_of_one(workspace):
     (workspace / "gircse-graded.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     one = run_ok(workspace, "graded-one", *steps, config="gircse-graded.yaml")
     two = run_ok(workspace, "graded-two", *steps, processes=2, config="gircse-graded.yaml")
-    assert_same_run(one, two, step=1, initial=weights(workspace / "model"), compared=compared)
+    # CoSENT at τ = 0.02 makes a gradient norm in the thousands, and float order moves it by a few 1e-4
+    # of itself (2.3e-4 on one machine's CPU, under 1e-4 on another's): the metrics within 1e-3, the
+    # weights as tight as ever; a gradient missing a process's share is tens of percent off.
+    assert_same_run(one, two, step=1, initial=weights(workspace / "model"), compared=compared, rel=1e-3)
 
 
 @pytest.mark.parametrize("anchors", ["detached", "recompute"])
