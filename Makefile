@@ -49,18 +49,28 @@ bench: $(VENV)/.installed model
 	$(PY) benchmarks/encode_throughput.py
 	$(PY) benchmarks/decode_ablation.py
 
-# Reproduces the shipped adapter (grace_st/default_adapter): step 400 of the [scale] recipe (docs/scale.md section 11),
-# 1.75 CPU hours of steps plus the dev slice every 100 steps, so about 2 hours on this 2-core CPU, in chunks of at most
-# 55 minutes, each resumed from the last checkpoint (run it again after an interruption); then exports it into the package.
+# Reproduces the shipped adapter (grace_st/default_adapter) in two stages, each in chunks of at most 55 minutes resumed
+# from the last checkpoint (run it again after an interruption): step 400 of the [scale] recipe (docs/scale.md section 11,
+# 1.75 CPU hours of steps), then 68 hybrid steps from that adapter (section 12: init_adapter, seed 43, 10 warm-up steps;
+# 0.75 CPU hours on session 9's slower machine, about 0.4 on session 8's). About 2.5-3 hours on a 2-core CPU; then it
+# exports the result into the package.
 DEFAULT_STEP := 400
 DEFAULT_RUN := runs/train_default
+CONTINUED_STEP := 68
+CONTINUED_RUN := runs/train_default_continued
 train-default: $(VENV)/.installed model
 	for chunk in 1 2 3 4 5 6; do \
 		[ -d $(DEFAULT_RUN)/checkpoint-$$(printf %08d $(DEFAULT_STEP)) ] && break; \
 		$(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml output_dir=$(DEFAULT_RUN) \
 			max_steps=$(DEFAULT_STEP) --resume --max-minutes 55 || exit 1; \
 	done
-	$(PY) -m grace_training.export_adapter $(DEFAULT_RUN)/checkpoint-$$(printf %08d $(DEFAULT_STEP))
+	for chunk in 1 2 3; do \
+		[ -d $(CONTINUED_RUN)/checkpoint-$$(printf %08d $(CONTINUED_STEP)) ] && break; \
+		$(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml output_dir=$(CONTINUED_RUN) \
+			init_adapter=$(DEFAULT_RUN)/checkpoint-$$(printf %08d $(DEFAULT_STEP)) warm_start_steps=0 seed=43 \
+			warmup_steps=10 max_steps=$(CONTINUED_STEP) --resume --max-minutes 55 || exit 1; \
+	done
+	$(PY) -m grace_training.export_adapter $(CONTINUED_RUN)/checkpoint-$$(printf %08d $(CONTINUED_STEP))
 
 # The [scale] run (docs/scale.md): one chunk of at most 55 minutes a call, resumed from its latest
 # checkpoint; call it again until the run reaches max_steps (warm start, then the hybrid, in one run).
