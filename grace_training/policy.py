@@ -58,7 +58,7 @@ def load_init_adapter(model, config: GRPOConfig) -> None:
     """
     import json
 
-    from peft import set_peft_model_state_dict
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
     from grace_st.adapter import ADAPTER_CONFIG, read_adapter_weights
 
@@ -71,18 +71,15 @@ def load_init_adapter(model, config: GRPOConfig) -> None:
         if saved.get(name) != expected:
             raise ValueError(f"init_adapter: {path} has {name} {saved.get(name)!r}, the config {expected!r}")
     weights = read_adapter_weights(path)
-    ours = {key: value for key, value in model.state_dict().items() if "lora_" in key}
-    named = {key.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default."): value
-             for key, value in weights.items()}
-    wanted, loaded = set(ours), set(named)
-    if wanted != loaded:
-        missing, extra = sorted(wanted - loaded), sorted(loaded - wanted)
+    ours = get_peft_model_state_dict(model)  # keyed as PEFT saves an adapter, so as ``weights``
+    if set(ours) != set(weights):
+        missing, extra = sorted(set(ours) - set(weights)), sorted(set(weights) - set(ours))
         raise ValueError(
             f"init_adapter: {path} is not the adapter this config builds "
             f"({len(missing)} LoRA matrices missing, e.g. {missing[:1]}; {len(extra)} not in the model, e.g. {extra[:1]}): "
             "lora_target_modules must be the ones it was trained with"
         )
-    for key, value in named.items():
+    for key, value in weights.items():
         if value.shape != ours[key].shape:
             raise ValueError(f"init_adapter: {path}: {key} has shape {tuple(value.shape)}, the model's {tuple(ours[key].shape)}")
     set_peft_model_state_dict(model, weights)
