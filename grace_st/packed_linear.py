@@ -88,12 +88,16 @@ def _check_kernel() -> bool:
     return True
 
 
-def packed_dtypes() -> tuple[torch.dtype, ...]:
-    """float32 always; bfloat16 where oneDNN has bfloat16 kernels for this CPU (AVX-512 BF16, AMX)."""
+def native_bfloat16() -> bool:
+    """Whether oneDNN has bfloat16 kernels for this CPU (AVX-512 BF16, AMX). Without them (an AVX2
+    CPU) a bfloat16 matmul is emulated: 6x slower than float32 at 512 rows on one thread."""
     bf16_supported = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    if bf16_supported is not None and bf16_supported():
-        return (torch.float32, torch.bfloat16)
-    return (torch.float32,)
+    return bf16_supported is not None and bool(bf16_supported())
+
+
+def packed_dtypes() -> tuple[torch.dtype, ...]:
+    """float32 always; bfloat16 where oneDNN has bfloat16 kernels for this CPU."""
+    return (torch.float32, torch.bfloat16) if native_bfloat16() else (torch.float32,)
 
 
 def _packed_weight(module: nn.Linear) -> Tensor:

@@ -21,9 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .packed_linear import native_bfloat16
+
 SCHEMES = ("int8",)
-# Up to this many rows a call takes the int8 kernel (memory-bound decoding); above it, a bfloat16 matmul
-# (at 512 rows 3x faster than the kernel and 2x faster than float32 on this CPU; docs/latency.md).
+# Up to this many rows a call takes the int8 kernel (memory-bound decoding); above it, a matmul on the
+# int8 values: in bfloat16 where the CPU has bfloat16 kernels (at 512 rows 3x faster than the kernel and
+# 2x faster than float32 on an AVX-512 BF16 CPU), else in float32 (an AVX2 CPU emulates bfloat16 matmuls,
+# 6x slower than float32 there; docs/latency.md).
 KERNEL_MAX_ROWS = 16
 LOAD_KEY = "weight_quantization"  # the model_kwargs key that asks for it
 
@@ -41,6 +45,7 @@ class Int8WeightOnlyLinear(nn.Module):
         # 2^-9 of itself, less than the int8 rounding of the row's weights
         self.register_buffer("scale", scale.to(torch.bfloat16))
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach().clone())
+        self.bfloat16_matmul = native_bfloat16()  # how many rows multiply (forward); fixed per machine
 
     def forward(self, input: Tensor) -> Tensor:
         if torch.is_grad_enabled() and input.requires_grad:
@@ -54,10 +59,12 @@ class Int8WeightOnlyLinear(nn.Module):
             output = torch._weight_int8pack_mm(rows, self.qweight, scale)
         else:
             # Many rows (a prompt, a large batch) are compute-bound, where the int8 kernel is slower than
-            # float32: a bfloat16 matmul on the int8 values (exact in bfloat16), then the scales. The same
+            # float32: a matmul on the int8 values (exact in bfloat16 and float32), then the scales. The same
             # inputs, scales and bfloat16 output as the kernel, so a text's embedding depends on its batch
-            # only by the order of the sums.
-            output = (F.linear(rows, self.qweight.to(torch.bfloat16)).float() * scale.float()).to(torch.bfloat16)
+            # (and the CPU) only by the order of the sums.
+            dtype = torch.bfloat16 if self.bfloat16_matmul else torch.float32
+            products = F.linear(rows.to(dtype), self.qweight.to(dtype)).float()
+            output = (products * scale.float()).to(torch.bfloat16)
         output = output.to(input.dtype).reshape(*input.shape[:-1], self.out_features)
         return output if self.bias is None else output + self.bias
 

@@ -71,11 +71,13 @@ def test_an_unknown_scheme_and_an_unmerged_adapter_are_refused(saved):
         quantize_weights(model, "int8")
 
 
-def test_many_rows_take_the_expanded_weight_and_agree_with_the_kernel(monkeypatch):
+@pytest.mark.parametrize("bfloat16_matmul", [True, False], ids=["bfloat16-cpu", "avx2-cpu"])
+def test_many_rows_take_the_expanded_weight_and_agree_with_the_kernel(monkeypatch, bfloat16_matmul):
     from grace_st import quantization
 
     torch.manual_seed(1)
     layer = Int8WeightOnlyLinear(torch.nn.Linear(64, 40, bias=False))
+    layer.bfloat16_matmul = bfloat16_matmul  # what a CPU with (or without) bfloat16 kernels sets at load
     inputs = torch.randn(quantization.KERNEL_MAX_ROWS + 4, 64)
     with torch.no_grad():
         expanded = layer(inputs)
