@@ -83,3 +83,17 @@ def test_write_json_replaces_atomically(tmp_path):
     scoreboard.write_json({"rows": [1, 2]}, str(out))
     assert json.loads(out.read_text()) == {"rows": [1, 2]}
     assert [p.name for p in out.parent.iterdir()] == ["dev_eval.json"]
+
+
+def test_a_row_scored_on_some_tasks_has_only_those_and_no_mean(dev_eval):
+    from conftest import make_st_model
+
+    model = make_st_model(max_rationale_tokens=2)
+    first, second = ["a cat sits", "dogs run fast", "rain falls"], ["a cat is sitting", "a dog runs", "the sun"]
+    tasks = {"STS-B dev": (first, second, [5.0, 3.0, 0.0])}  # the other tasks are never read
+    scores, encoder = scoreboard.evaluate(model, tasks, batch_size=4, only=("STS-B dev",))
+    assert list(scores) == ["STS-B dev"] and -1.0 <= scores["STS-B dev"] <= 1.0
+    assert encoder.texts == 6
+    row = {"label": "partial", "scores": scores, "texts_per_s": 1.0, "seconds": 1.0}
+    line = dev_eval.table([row]).splitlines()[-1]
+    assert line.startswith(f"| partial | {scores['STS-B dev']:.4f} | — | — | — | — | — | n/a |")
