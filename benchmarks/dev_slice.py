@@ -37,7 +37,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     config = GRPOConfig.from_yaml(args.config)
     rows, _ = load_data(config.eval_data, **config.data_settings())
-    rows = cap_per_source(rows, config.eval_max_examples, config.eval_seed)  # the slice the trainer scores, whatever the run's seed
+    # the slice the trainer scores, whatever the run's seed
+    rows = cap_per_source(rows, config.eval_max_examples, config.eval_seed)
     path = args.model or str(grace_st.default_model_path())
     model = grace_st.load(path, device="cpu")
     if args.rationale_tokens is not None:

@@ -252,7 +252,9 @@ def scifact_score(encode: Encoder, task) -> float:
     return ndcg_at_10(similarity, doc_ids, [qrels[q] for q in query_ids])
 
 
-def evaluate(model, tasks: dict, batch_size: int, only: tuple[str, ...] | None = None) -> tuple[dict[str, float], Encoder]:
+def evaluate(
+    model, tasks: dict, batch_size: int, only: tuple[str, ...] | None = None
+) -> tuple[dict[str, float], Encoder]:
     """Scores by task name (:data:`METRICS`' names and ``perplexity``); ``only`` a subset of them."""
     only = only or (*METRICS, "perplexity")
     encode = Encoder(model, batch_size)
