@@ -53,7 +53,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grace_st.scoreboard import HELD_BACK, METRICS, SEED, data_dir, evaluate, load_tasks, write_json
+from grace_st.scoreboard import HELD_BACK, METRICS, SEED, TASKS, data_dir, evaluate, load_tasks, write_json
 
 
 def is_grace(model) -> bool:
@@ -162,10 +162,9 @@ def main() -> None:
     parser.add_argument(
         "--examples", type=int, default=3, help="rationales recorded per GRACE row (first STS-B dev texts)"
     )
-    task_names = (*METRICS, "perplexity")
     parser.add_argument(
-        "--tasks", nargs="+", choices=task_names, default=list(task_names), metavar="TASK",
-        help=f"score only these ({', '.join(task_names)}; default all); the table's mean needs all five",
+        "--tasks", nargs="+", choices=TASKS, default=list(TASKS), metavar="TASK",
+        help=f"score only these ({', '.join(TASKS)}; default all); the table's mean needs all five",
     )
     parser.add_argument("--out", default="benchmarks/results/dev_eval.json")
     args = parser.parse_args()

@@ -191,6 +191,7 @@ METRICS = {
     "Banking77": "kNN acc",
     "MRPC val": "AP",
 }
+TASKS = (*METRICS, "perplexity")  # what evaluate can score: the metrics' tasks and the LM check
 
 
 def load_tasks(sizes: dict, data: Path | None = None) -> dict:
@@ -255,8 +256,8 @@ def scifact_score(encode: Encoder, task) -> float:
 def evaluate(
     model, tasks: dict, batch_size: int, only: tuple[str, ...] | None = None
 ) -> tuple[dict[str, float], Encoder]:
-    """Scores by task name (:data:`METRICS`' names and ``perplexity``); ``only`` a subset of them."""
-    only = only or (*METRICS, "perplexity")
+    """Scores by task name (:data:`TASKS`); ``only`` a subset of them."""
+    only = only or TASKS
     encode = Encoder(model, batch_size)
     scores = {name: sts_score(encode, tasks[name]) for name in ("STS-B dev", "SICK-R trial") if name in only}
     if "SciFact" in only:

@@ -72,8 +72,8 @@ def load_init_adapter(model, config: GRPOConfig) -> None:
             raise ValueError(f"init_adapter: {path} has {name} {saved.get(name)!r}, the config {expected!r}")
     weights = read_adapter_weights(path)
     ours = get_peft_model_state_dict(model)  # keyed as PEFT saves an adapter, so as ``weights``
-    if set(ours) != set(weights):
-        missing, extra = sorted(set(ours) - set(weights)), sorted(set(weights) - set(ours))
+    missing, extra = sorted(ours.keys() - weights.keys()), sorted(weights.keys() - ours.keys())
+    if missing or extra:
         raise ValueError(
             f"init_adapter: {path} is not the adapter this config builds "
             f"({len(missing)} LoRA matrices missing, e.g. {missing[:1]}; {len(extra)} not in the model, e.g. {extra[:1]}): "
