@@ -46,7 +46,7 @@ def export(checkpoint: Path, out: Path, scores: dict | None = None, example: dic
             # the default's prompt limit; training cut prompts shorter only to save time
             "max_input_tokens": DEFAULT_MODEL_CONFIG["max_input_tokens"],
         },
-        "training": {**_summary(state["config"]), "step": state["step"]},
+        "training": {**_summary(state["config"]), "step": state["step"], **_averaged_from(checkpoint)},
         # the dev scoreboard's row when given; else the dev slice the run scored at this step (eval_data)
         "scores": scores or _slice_scores(state),
         # a rationale the shipped model writes (dev_eval records some), else one from training
@@ -54,6 +54,14 @@ def export(checkpoint: Path, out: Path, scores: dict | None = None, example: dic
     }
     (out / ADAPTER_SETTINGS).write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return out
+
+
+def _averaged_from(checkpoint: Path) -> dict:
+    """Which checkpoints an averaged adapter (``average_adapters``) is the mean of; empty for one checkpoint."""
+    from .average_adapters import AVERAGED_FROM
+
+    path = checkpoint / AVERAGED_FROM
+    return {"averaged_from": json.loads(path.read_text(encoding="utf-8"))} if path.is_file() else {}
 
 
 def _slice_scores(state: dict) -> dict | None:

@@ -1,0 +1,60 @@
+"""grace_training.average_adapters: the mean of LoRA checkpoints' weight deltas, saved as a checkpoint."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from sentence_transformers import SentenceTransformer
+from test_training_quality import saved_base
+from test_training_trainer import DATA, config
+
+from grace_training.average_adapters import average_adapters
+from grace_training.export_adapter import export
+from grace_training.trainer import GRPOTrainer
+
+TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("average")
+    cfg = config(tmp_path, finetune="lora", max_steps=2, save_steps=1, learning_rate=5e-2, max_rationale_tokens=3)
+    GRPOTrainer(cfg, model=saved_base(tmp_path), train_data=DATA).train()
+    return tmp_path / "run"
+
+
+def weights(path) -> dict[str, torch.Tensor]:
+    """The weights a saved checkpoint encodes with: W + ΔW, its adapter merged at load."""
+    return SentenceTransformer(str(path), trust_remote_code=True, device="cpu")[0].model.state_dict()
+
+
+def test_the_average_is_the_mean_of_the_weight_deltas_and_loads_as_a_model(run, tmp_path):
+    first, second = run / "checkpoint-00000001", run / "checkpoint-00000002"
+    # rank 16 holds the sum of two rank-8 deltas exactly, so the cut loses nothing
+    summary = average_adapters([first, second], tmp_path / "avg", rank=16)
+    assert summary["relative_cut_error"] < 1e-5 and summary["relative_distance_to_mean"][0] > 0
+    # W + mean ΔW = the mean of the two merged weights
+    one, two, mean = weights(first), weights(second), weights(tmp_path / "avg")
+    assert one.keys() == mean.keys() and any(not torch.equal(one[name], two[name]) for name in one)
+    for name in one:
+        torch.testing.assert_close(mean[name], (one[name] + two[name]) / 2, atol=1e-6, rtol=1e-5)
+    assert not (tmp_path / "avg" / "trainer_state" / "optimizer.pt").exists()  # nothing resumes from an average
+
+    # at the sources' rank (the default) the cut is measured; a checkpoint averaged with itself is itself
+    same = average_adapters([second, second], tmp_path / "same")
+    assert same["rank"] == 8 and same["relative_cut_error"] < 1e-5
+    expected = SentenceTransformer(str(second), trust_remote_code=True, device="cpu").encode(TEXTS)
+    got = SentenceTransformer(str(tmp_path / "same"), trust_remote_code=True, device="cpu").encode(TEXTS)
+    torch.testing.assert_close(torch.as_tensor(got), torch.as_tensor(expected), atol=1e-5, rtol=1e-4)
+
+    shipped = json.loads((export(tmp_path / "avg", tmp_path / "shipped") / "grace_settings.json").read_text())
+    assert shipped["training"]["averaged_from"]["sources"] == [str(first), str(second)]
+
+
+def test_averaging_refuses_one_source_and_what_is_not_a_checkpoint(run, tmp_path):
+    with pytest.raises(SystemExit, match="at least two"):
+        average_adapters([run / "checkpoint-00000001"], tmp_path / "out")
+    with pytest.raises(SystemExit, match="not a LoRA checkpoint"):
+        average_adapters([run / "checkpoint-00000001", tmp_path], tmp_path / "out")
