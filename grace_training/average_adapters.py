@@ -38,12 +38,16 @@ def average_adapters(sources: list[Path], out: Path, rank: int | None = None) ->
 
     missing = [str(source) for source in sources if not all((source / name).is_file() for name in ADAPTER_FILES)]
     if missing:
-        raise SystemExit(f"not a LoRA checkpoint or adapter directory (no {' / '.join(ADAPTER_FILES)}): {', '.join(missing)}")
+        raise SystemExit(
+            f"not a LoRA checkpoint or adapter directory (no {' / '.join(ADAPTER_FILES)}): {', '.join(missing)}"
+        )
     if len(sources) < 2:
         raise SystemExit("give at least two checkpoints to average")
     template = sources[-1]
     if not (template / "modules.json").is_file():
-        raise SystemExit(f"{template}: the last source must be a training checkpoint (a saved model), not a bare adapter")
+        raise SystemExit(
+            f"{template}: the last source must be a training checkpoint (a saved model), not a bare adapter"
+        )
     base_path = json.loads((template / "adapter_config.json").read_text(encoding="utf-8"))["base_model_name_or_path"]
     base = AutoModelForCausalLM.from_pretrained(base_path, torch_dtype=torch.float32)
     names = [f"source_{i}" for i in range(len(sources))]
@@ -75,6 +79,10 @@ def average_adapters(sources: list[Path], out: Path, rank: int | None = None) ->
         "relative_distance_to_mean": spread,
     }
     (out / AVERAGED_FROM).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    card = out / "README.md"
+    if card.is_file():  # the copied card describes the last source; say what this directory is
+        note = f"\n## Averaged adapter\n\nThe LoRA adapter here is the mean of {len(sources)} checkpoints' weight deltas (`{AVERAGED_FROM}`).\n"
+        card.write_text(card.read_text(encoding="utf-8") + note, encoding="utf-8")
     return summary
 
 
@@ -93,14 +101,23 @@ def _distances(model, names: list[str], averaged: str) -> tuple[float, list[floa
             cut += float((mean - module.get_delta_weight(averaged)).pow(2).sum())
             total += float(mean.pow(2).sum())
             spread = [s + float((delta - mean).pow(2).sum()) for s, delta in zip(spread, deltas)]
+    if not total:  # adapters that never moved from PEFT's zero B: nothing to measure against
+        return 0.0, [0.0] * len(names)
     return (cut / total) ** 0.5, [round((s / total) ** 0.5, 4) for s in spread]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("sources", type=Path, nargs="+", help="checkpoints (or adapter directories) of one run; the last must be a checkpoint")
+    parser.add_argument(
+        "sources",
+        type=Path,
+        nargs="+",
+        help="checkpoints (or adapter directories) of one run; the last must be a checkpoint",
+    )
     parser.add_argument("--out", type=Path, required=True, help="a new directory")
-    parser.add_argument("--rank", type=int, help="LoRA rank of the average (default: the sources' rank, the shipped size)")
+    parser.add_argument(
+        "--rank", type=int, help="LoRA rank of the average (default: the sources' rank, the shipped size)"
+    )
     args = parser.parse_args(argv)
     summary = average_adapters(args.sources, args.out, args.rank)
     print(json.dumps(summary, indent=2))

@@ -51,6 +51,7 @@ def test_the_average_is_the_mean_of_the_weight_deltas_and_loads_as_a_model(run, 
 
     shipped = json.loads((export(tmp_path / "avg", tmp_path / "shipped") / "grace_settings.json").read_text())
     assert shipped["training"]["averaged_from"]["sources"] == [str(first), str(second)]
+    assert "mean of 2 checkpoints" in (tmp_path / "avg" / "README.md").read_text()
 
 
 def test_averaging_refuses_one_source_and_what_is_not_a_checkpoint(run, tmp_path):
