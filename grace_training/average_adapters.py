@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 
+from grace_st.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base
+
+from .checkpoint import TRAINING_FILES
+
 AVERAGED_FROM = "averaged_from.json"
-ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
-# trainer state that belongs to one point of the run, not to an average of several
-NOT_COPIED = ("optimizer.pt", "scheduler.pt", "rng.pt")
+ADAPTER_FILES = (ADAPTER_CONFIG, ADAPTER_WEIGHTS)
 
 
 def average_adapters(sources: list[Path], out: Path, rank: int | None = None) -> dict:
@@ -48,7 +50,7 @@ def average_adapters(sources: list[Path], out: Path, rank: int | None = None) ->
         raise SystemExit(
             f"{template}: the last source must be a training checkpoint (a saved model), not a bare adapter"
         )
-    base_path = json.loads((template / "adapter_config.json").read_text(encoding="utf-8"))["base_model_name_or_path"]
+    base_path, _ = adapter_base(template)
     base = AutoModelForCausalLM.from_pretrained(base_path, torch_dtype=torch.float32)
     names = [f"source_{i}" for i in range(len(sources))]
     model = PeftModel.from_pretrained(base, str(sources[0]), adapter_name=names[0])
@@ -61,16 +63,17 @@ def average_adapters(sources: list[Path], out: Path, rank: int | None = None) ->
     model.add_weighted_adapter(names, [1 / len(names)] * len(names), "average", combination_type="svd", svd_rank=rank)
     error, spread = _distances(model, names, "average")
 
-    shutil.copytree(template, out, dirs_exist_ok=False, ignore=shutil.ignore_patterns(*NOT_COPIED))
+    # the optimizer, scheduler and RNG state belong to one point of the run, not to an average of several
+    shutil.copytree(template, out, dirs_exist_ok=False, ignore=shutil.ignore_patterns(*TRAINING_FILES))
     saved = out / "_average"
     # the embeddings are not adapted; without this PEFT looks the base up on the Hub to check its vocabulary
     model.save_pretrained(str(saved), selected_adapters=["average"], save_embedding_layers=False)
     for name in ADAPTER_FILES:
         shutil.move(str(saved / "average" / name), out / name)
     shutil.rmtree(saved)
-    config = json.loads((out / "adapter_config.json").read_text(encoding="utf-8"))
+    config = json.loads((out / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     config["base_model_name_or_path"] = base_path
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     summary = {
         "sources": [str(source) for source in sources],
         "rank": rank,
