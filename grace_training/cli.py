@@ -8,6 +8,7 @@ grace-train --config FILE --resume --allow-config-change num_rollouts=4  # chang
 grace-train --config FILE --overwrite-output-dir                      # start over where an earlier run is
 grace-train --config FILE --dry-run                                   # validate, print the plan
 grace-train --config FILE --method infonce output_dir=runs/infonce    # the "w/ CL" baseline
+grace-train --config FILE --method infonce output_dir=runs/infonce --resume --max-minutes 55  # its next chunk
 grace-train --config grace_training/configs/gircse_smollm2.yaml      # GIRCSE (method: gircse)
 """
 
@@ -173,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"config": config.to_dict(), "plan": summary}, indent=2))
         return 0
     if method == "infonce":
-        return _train_infonce(config, directory, args.max_minutes)
+        return _train_infonce(config, directory, args.max_minutes, args.resume)
     from .trainer import GRPOTrainer
 
     try:
@@ -193,17 +194,24 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _train_infonce(config: GRPOConfig, directory: dict[str, Any], max_minutes: float | None) -> int:
-    """The InfoNCE baseline, in a directory it owns as a GRPO run does (it is redone, never resumed;
-    ``--max-minutes`` ends it early, saved)."""
-    from .contrastive import train_infonce
+def _train_infonce(
+    config: GRPOConfig, directory: dict[str, Any], max_minutes: float | None, resume: bool | str
+) -> int:
+    """The InfoNCE baseline, in a directory it owns as a GRPO run does; ``--max-minutes`` ends a chunk
+    with a checkpoint and ``--resume`` goes on from it."""
+    from .contrastive import last_trainer_checkpoint, train_infonce
 
+    if resume is True and last_trainer_checkpoint(config.output_dir) is None:  # refused before the directory is claimed
+        return _refuse(f"--resume: {Path(config.output_dir) / 'trainer'} holds no complete InfoNCE checkpoint to go "
+                       "on from", code=1)
     try:
         if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, one process takes it
-            claim_output_dir(config.output_dir, **{**directory, "resume": False})
+            claim_output_dir(config.output_dir, **directory)
+        path = train_infonce(config, max_minutes=max_minutes, resume=resume)
     except OutputDirError as error:
         return _refuse(str(error))
-    path = train_infonce(config, max_minutes=max_minutes)
+    except CheckpointError as error:
+        return _refuse(str(error), code=1)
     print(f"InfoNCE baseline saved to {path}")
     return 0
 

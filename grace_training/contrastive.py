@@ -13,6 +13,7 @@ checkpoint; set ``max_rationale_tokens=0`` on it to score the pooled prompt alon
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ from torch import Tensor
 
 from grace_st import GenerativeEncoder
 
+from .checkpoint import CheckpointError
 from .config import GRPOConfig
 from .data import Triplet, load_data, source_weights
 from .metrics import MetricsLogger
@@ -114,8 +116,11 @@ def step_cost_callback(metrics: MetricsLogger, max_minutes: float | None = None)
             self.flush()  # a step the trainer did not log (logging_steps > 1)
             now = time.process_time()
             self.pending, self.cpu = {"step": state.global_step, "time/step_cpu_s": now - self.cpu}, now
-            if self.deadline is not None and time.monotonic() > self.deadline:
+            if state.global_step >= state.max_steps:
+                control.should_save = False  # the Trainer's save at the last step: `final` holds the result
+            elif self.deadline is not None and time.monotonic() > self.deadline:
                 control.should_training_stop = True
+                control.should_save = True  # the next chunk resumes from this step
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if self.pending is not None and self.pending["step"] == state.global_step:
@@ -128,11 +133,46 @@ def step_cost_callback(metrics: MetricsLogger, max_minutes: float | None = None)
     return StepCost()
 
 
+def last_trainer_checkpoint(output_dir: str | Path) -> tuple[Path, int] | None:
+    """The baseline's newest complete checkpoint (``<output_dir>/trainer/checkpoint-<step>``) and its step.
+
+    The Trainer writes ``trainer_state.json`` last, so a directory without it is a save a kill cut short
+    and is passed over, as GRPO's resume passes over an incomplete checkpoint."""
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    found = [
+        _trainer_checkpoint(path)
+        for path in (Path(output_dir) / "trainer").glob(f"{PREFIX_CHECKPOINT_DIR}-*")
+        if (path / "trainer_state.json").is_file()
+    ]
+    return max(found, key=lambda found: found[1]) if found else None
+
+
+def _trainer_checkpoint(path: Path) -> tuple[Path, int]:
+    """A Trainer checkpoint directory and its step, or :class:`CheckpointError` naming what is missing."""
+    state = path / "trainer_state.json"
+    try:
+        return path, int(json.loads(state.read_text(encoding="utf-8"))["global_step"])
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{state}: not a complete InfoNCE checkpoint ({error})") from error
+
+
 def train_infonce(
-    config: GRPOConfig, *, model=None, train_data: list[Triplet] | None = None, max_minutes: float | None = None
+    config: GRPOConfig,
+    *,
+    model=None,
+    train_data: list[Triplet] | None = None,
+    max_minutes: float | None = None,
+    resume: bool | str = False,
 ) -> Path:
     """Fine-tune with MNRL on ``config.train_data``; returns ``<output_dir>/final`` (a GRACE model directory).
-    ``max_minutes``: stop at the first step past that wall time (:func:`step_cost_callback`)."""
+
+    ``max_minutes``: stop at the first step past that wall time (:func:`step_cost_callback`), with a
+    checkpoint there. ``resume``: go on from the newest checkpoint under ``<output_dir>/trainer``, or from the checkpoint
+    directory given (sentence-transformers' Trainer restores the weights, AdamW's moments, the RNG states and the data
+    position: the run goes on as if it had not stopped), so the yardstick can run for as many CPU hours
+    as a GRACE run, one chunk at a time. The Trainer's optimizer and RNG files are ``torch.save``
+    files; it reads them back with ``weights_only=True`` (tensors and plain containers, no code)."""
     from sentence_transformers import (
         SentenceTransformer,
         SentenceTransformerTrainer,
@@ -173,11 +213,25 @@ def train_infonce(
         loss = {name: graded if "score" in part.column_names else infonce for name, part in dataset.items()}
     known = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
     args = SentenceTransformerTrainingArguments(**{k: v for k, v in arguments.items() if k in known})
-    metrics = MetricsLogger(output, config.report_to, enabled=int(os.environ.get("RANK", "0")) == 0)
+    checkpoint = None
+    if isinstance(resume, str):
+        checkpoint = _trainer_checkpoint(Path(resume))
+    elif resume:
+        checkpoint = last_trainer_checkpoint(output)
+        if checkpoint is None:
+            raise CheckpointError(f"--resume: {output / 'trainer'} holds no complete InfoNCE checkpoint to go on from")
+    metrics = MetricsLogger(
+        output,
+        config.report_to,
+        enabled=int(os.environ.get("RANK", "0")) == 0,
+        resume_step=checkpoint[1] if checkpoint else None,
+    )
     trainer = SentenceTransformerTrainer(
         model=st, args=args, train_dataset=dataset, loss=loss, callbacks=[step_cost_callback(metrics, max_minutes)]
     )
-    trainer.train()
+    if checkpoint:
+        logger.info("InfoNCE baseline: resuming from %s (step %d)", checkpoint[0], checkpoint[1])
+    trainer.train(resume_from_checkpoint=str(checkpoint[0]) if checkpoint else None)
     metrics.close()
 
     encoder.model.eval()
@@ -188,8 +242,9 @@ def train_infonce(
 
 
 def _trainer_arguments(config: GRPOConfig, output: Path) -> dict:
-    """sentence-transformers training arguments for the baseline (constant rate, no checkpoints:
-    a run this size is redone, not resumed)."""
+    """sentence-transformers training arguments for the baseline: a constant rate, and the Trainer's own
+    checkpoints every ``save_steps`` (0: only where ``--max-minutes`` stops it), the last
+    ``save_total_limit`` kept."""
     arguments = {
         "output_dir": str(output / "trainer"),
         "num_train_epochs": config.epochs,
@@ -203,7 +258,9 @@ def _trainer_arguments(config: GRPOConfig, output: Path) -> dict:
         "seed": config.seed,
         "bf16": config.bf16,
         "dataloader_pin_memory": torch.cuda.is_available(),
-        "save_strategy": "no",
+        "save_strategy": "steps",
+        "save_steps": config.save_steps or 10**9,
+        "save_total_limit": config.save_total_limit,
         "logging_steps": config.logging_steps,
         "report_to": [r for r in config.report_to if r == "tensorboard"] or "none",
         "dataloader_drop_last": True,

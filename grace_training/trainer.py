@@ -250,7 +250,7 @@ class GRPOTrainer:
         if self.step == 0 and self.eval_data:
             self.last_scores = self.evaluate()
             self.metrics.log(0, self.last_scores)
-        progress = _progress_bar(self.total_steps, self.step, disable=not main)
+        progress = _progress_bar(cfg.method, self.total_steps, self.step, disable=not main)
         saved_at = None
         while self.step < self.total_steps:
             batch = self.batch_for_step(self.step)
@@ -858,7 +858,9 @@ def lr_schedule(config: GRPOConfig, total_steps: int):
     return factor
 
 
-def _progress_bar(total: int, initial: int, disable: bool):
+def _progress_bar(method: str, total: int, initial: int, disable: bool):
+    """Named after the method trained (a GIRCSE run labelled "GRPO" would misstate what it does)."""
     from tqdm.auto import tqdm
 
-    return tqdm(total=total, initial=initial, disable=disable, desc="GRPO", unit="step", dynamic_ncols=True)
+    desc = {"grace": "GRACE (GRPO)", "gircse": "GIRCSE (ICR)"}.get(method, method)
+    return tqdm(total=total, initial=initial, disable=disable, desc=desc, unit="step", dynamic_ncols=True)

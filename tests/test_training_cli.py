@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from conftest import CORPUS, make_st_model
 from sentence_transformers import SentenceTransformer
 
@@ -108,6 +109,38 @@ def test_infonce_baseline_stops_and_saves_after_max_minutes(tmp_path):
     path = train_infonce(cfg, model=make_st_model(), train_data=data, max_minutes=0)
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
     assert (path / "modules.json").is_file()  # saved where it stopped
+
+
+def test_infonce_baseline_resumes_where_max_minutes_stopped_it(tmp_path):
+    """The yardstick in chunks: a run stopped by --max-minutes and resumed ends with the weights and the
+    per-step losses of the same run done in one go (the Trainer restores AdamW, the RNG and the data position)."""
+    pytest.importorskip("datasets")
+    from grace_training.checkpoint import CheckpointError
+    from grace_training.contrastive import last_trainer_checkpoint, train_infonce
+
+    data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
+
+    def config(out):
+        return GRPOConfig(batch_size=2, max_steps=3, max_input_tokens=160, output_dir=str(out), report_to=["jsonl"],
+                          infonce_learning_rate=1e-3, save_steps=0)
+
+    def losses(out):
+        return [(line["step"], line["loss"]) for line in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
+
+    whole = make_st_model()
+    train_infonce(config(tmp_path / "whole"), model=whole, train_data=data)
+
+    with pytest.raises(CheckpointError, match="no complete InfoNCE checkpoint"):
+        train_infonce(config(tmp_path / "chunks"), model=make_st_model(), train_data=data, resume=True)
+    train_infonce(config(tmp_path / "chunks"), model=make_st_model(), train_data=data, max_minutes=0)
+    assert last_trainer_checkpoint(tmp_path / "chunks")[1] == 1  # saved where the chunk stopped
+    resumed = make_st_model()
+    train_infonce(config(tmp_path / "chunks"), model=resumed, train_data=data, resume=True)
+
+    assert losses(tmp_path / "chunks") == losses(tmp_path / "whole")
+    trained = whole[0].model.state_dict()
+    for name, value in resumed[0].model.state_dict().items():
+        torch.testing.assert_close(value, trained[name], rtol=0, atol=1e-6, msg=name)
 
 
 def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, monkeypatch):

@@ -372,6 +372,19 @@ def test_cli_dry_run_and_infonce_refuse_a_foreign_directory(cli_setup, tmp_path,
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
+def test_cli_infonce_goes_on_in_chunks_and_refuses_a_resume_with_nothing_to_resume(cli_setup, tmp_path, capsys):
+    """The yardstick run as GRPO is: --max-minutes ends a chunk at a checkpoint, --resume goes on from it;
+    --resume where no checkpoint is says so in one line (exit 1, as GRPO's), and starts nothing."""
+    out = tmp_path / "infonce"
+    assert cli(cli_setup, out, "max_steps=2", "--method", "infonce", "--resume") == 1
+    assert "no complete InfoNCE checkpoint" in one_error_line(capsys) and not out.exists()
+    assert cli(cli_setup, out, "max_steps=2", "save_steps=0", "--method", "infonce", "--max-minutes", "0") == 0
+    assert [p.name for p in (out / "trainer").iterdir()] == ["checkpoint-1"]
+    assert cli(cli_setup, out, "max_steps=2", "save_steps=0", "--method", "infonce", "--resume") == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2] and (out / "final" / "modules.json").is_file()
+
+
 @pytest.mark.parametrize("where", ["/", "/etc"])
 def test_cli_refuses_a_system_directory_in_one_line(cli_setup, capsys, where):
     assert main(["--config", str(cli_setup / "config.yaml"), f"output_dir={where}", "--dry-run"]) == 2
