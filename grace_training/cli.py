@@ -199,19 +199,18 @@ def _train_infonce(
 ) -> int:
     """The InfoNCE baseline, in a directory it owns as a GRPO run does; ``--max-minutes`` ends a chunk
     with a checkpoint and ``--resume`` goes on from it."""
-    from .contrastive import last_trainer_checkpoint, train_infonce
+    from .contrastive import resume_checkpoint, train_infonce
 
-    if resume is True and last_trainer_checkpoint(config.output_dir) is None:  # refused before the directory is claimed
-        return _refuse(f"--resume: {Path(config.output_dir) / 'trainer'} holds no complete InfoNCE checkpoint to go "
-                       "on from", code=1)
+    try:
+        checkpoint = resume_checkpoint(config.output_dir, resume)  # refused before the directory is claimed
+    except CheckpointError as error:
+        return _refuse(str(error), code=1)
     try:
         if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, one process takes it
             claim_output_dir(config.output_dir, **directory)
-        path = train_infonce(config, max_minutes=max_minutes, resume=resume)
     except OutputDirError as error:
         return _refuse(str(error))
-    except CheckpointError as error:
-        return _refuse(str(error), code=1)
+    path = train_infonce(config, max_minutes=max_minutes, resume=str(checkpoint[0]) if checkpoint else False)
     print(f"InfoNCE baseline saved to {path}")
     return 0
 

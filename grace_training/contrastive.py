@@ -148,6 +148,21 @@ def last_trainer_checkpoint(output_dir: str | Path) -> tuple[Path, int] | None:
     return max(found, key=lambda found: found[1]) if found else None
 
 
+def resume_checkpoint(output_dir: str | Path, resume: bool | str) -> tuple[Path, int] | None:
+    """What ``resume`` names: ``False`` nothing, ``True`` the newest complete checkpoint of ``output_dir``,
+    a path that checkpoint; :class:`CheckpointError` when there is none to go on from."""
+    if isinstance(resume, str):
+        return _trainer_checkpoint(Path(resume))
+    if not resume:
+        return None
+    checkpoint = last_trainer_checkpoint(output_dir)
+    if checkpoint is None:
+        raise CheckpointError(
+            f"--resume: {Path(output_dir) / 'trainer'} holds no complete InfoNCE checkpoint to go on from"
+        )
+    return checkpoint
+
+
 def _trainer_checkpoint(path: Path) -> tuple[Path, int]:
     """A Trainer checkpoint directory and its step, or :class:`CheckpointError` naming what is missing."""
     state = path / "trainer_state.json"
@@ -168,8 +183,8 @@ def train_infonce(
     """Fine-tune with MNRL on ``config.train_data``; returns ``<output_dir>/final`` (a GRACE model directory).
 
     ``max_minutes``: stop at the first step past that wall time (:func:`step_cost_callback`), with a
-    checkpoint there. ``resume``: go on from the newest checkpoint under ``<output_dir>/trainer``, or from the checkpoint
-    directory given (sentence-transformers' Trainer restores the weights, AdamW's moments, the RNG states and the data
+    checkpoint there. ``resume``: go on from the newest checkpoint under ``<output_dir>/trainer``, or from
+    the checkpoint directory given (sentence-transformers' Trainer restores the weights, AdamW's moments, the RNG states and the data
     position: the run goes on as if it had not stopped), so the yardstick can run for as many CPU hours
     as a GRACE run, one chunk at a time. The Trainer's optimizer and RNG files are ``torch.save``
     files; it reads them back with ``weights_only=True`` (tensors and plain containers, no code)."""
@@ -213,13 +228,7 @@ def train_infonce(
         loss = {name: graded if "score" in part.column_names else infonce for name, part in dataset.items()}
     known = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
     args = SentenceTransformerTrainingArguments(**{k: v for k, v in arguments.items() if k in known})
-    checkpoint = None
-    if isinstance(resume, str):
-        checkpoint = _trainer_checkpoint(Path(resume))
-    elif resume:
-        checkpoint = last_trainer_checkpoint(output)
-        if checkpoint is None:
-            raise CheckpointError(f"--resume: {output / 'trainer'} holds no complete InfoNCE checkpoint to go on from")
+    checkpoint = resume_checkpoint(output, resume)
     metrics = MetricsLogger(
         output,
         config.report_to,
