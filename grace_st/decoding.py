@@ -12,7 +12,8 @@ and none changing what is computed, only how fast (results differ by float32 rou
   (:func:`shared_prefix_length`);
 - ``drop_finished``: rows whose rationale has ended leave the batch and the KV cache;
 - ``packed_linears``: linear layers on oneDNN-packed weights (:mod:`grace_st.packed_linear`),
-  with ``merge_adapters`` a PEFT LoRA layer on its merged weight (one product, not three);
+  with ``merge_adapters`` a PEFT LoRA layer on its merged weight (one product, not three) and
+  ``one_row_layout`` a single row's product on the weight laid out as MKL streams it fastest;
 - ``dedupe_prompts``: identical prompts in a batch (the K rollouts of one positive in training)
   are prefilled once and their keys and values copied to every row that shares them;
 - ``decode_rows``: continuous batching. A call with more rows than this decodes that many at
@@ -21,7 +22,7 @@ and none changing what is computed, only how fast (results differ by float32 rou
   (:func:`grace_st.generation.stream_rollouts`).
 
 ``benchmarks/decode_ablation.py`` measures what each buys (``benchmarks/continuous_batching.py``
-the last). ``DecodeOptions.plain()`` turns all seven off: textbook incremental decoding with a
+the last). ``DecodeOptions.plain()`` turns them all off: textbook incremental decoding with a
 ``DynamicCache``, every row of a call at once.
 """
 
@@ -49,6 +50,9 @@ class DecodeOptions:
     packed_linears: bool = True
     dedupe_prompts: bool = True
     merge_adapters: bool = True  # takes effect with packed_linears: a PEFT LoRA layer runs on W + ΔW
+    # takes effect with packed_linears: a float32 call of one row (batch-1 decoding) runs on the
+    # weight laid out as a matrix-vector product reads it fastest (grace_st.packed_linear)
+    one_row_layout: bool = True
     # Sampling by one uniform a row a token (grace_st.generation.inverse_cdf_draw) rather than
     # torch.multinomial: the same distribution, other draws for a given seed. Not an optimisation
     # of the loop, so plain() keeps it; off only to time or reproduce the older sampler.
@@ -65,7 +69,7 @@ class DecodeOptions:
     def plain(cls) -> DecodeOptions:
         return cls(
             preallocated_cache=False, share_prefix=False, drop_finished=False, packed_linears=False,
-            dedupe_prompts=False, merge_adapters=False, decode_rows=None,
+            dedupe_prompts=False, merge_adapters=False, one_row_layout=False, decode_rows=None,
         )
 
 
@@ -405,12 +409,19 @@ class IncrementalDecoder:
         return batch_states, logits
 
 
+def packed_linears_for(model, options: DecodeOptions):
+    """The :func:`grace_st.packed_linear.packed_linears` block ``options`` ask for."""
+    return packed_linears(
+        model, enabled=options.packed_linears, merge_adapters=options.merge_adapters,
+        one_row_layout=options.one_row_layout,
+    )
+
+
 @contextlib.contextmanager
 def incremental_decoder(
     model, hidden_layer: int = -1, options: DecodeOptions | None = None
 ) -> Iterator[IncrementalDecoder]:
     """An :class:`IncrementalDecoder` for one batch, with packed linear layers on if ``options`` say so."""
     options = options or DecodeOptions()
-    packing = packed_linears(model, enabled=options.packed_linears, merge_adapters=options.merge_adapters)
-    with packing, _final_hidden_states(model) as captured:
+    with packed_linears_for(model, options), _final_hidden_states(model) as captured:
         yield IncrementalDecoder(model, captured, hidden_layer, options)

@@ -34,9 +34,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from .decoding import DecodeOptions, continuous_batching, decoder_states, position_ids_from_mask
+from .decoding import DecodeOptions, continuous_batching, decoder_states, packed_linears_for, position_ids_from_mask
 from .generation import Rationales, Rollouts, generate_rollouts, left_pad, per_row, prompt_pooling_mask, stream_rollouts
-from .packed_linear import packed_linears
 from .pooling import masked_mean
 from .second_pass import pooled_embeddings
 from .soft_tokens import soft_token_rollouts, soft_token_states
@@ -301,8 +300,7 @@ class SoftTokenEngine(RationaleEngine):
         input_ids, attention_mask = left_pad([request.prompt_ids[i] for i in chunk], self.pad_token_id)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         # the packed CPU kernels, as a rationale's rollout uses them (a no-op while autograd is on)
-        packing = packed_linears(self.model, enabled=self.options.packed_linears, merge_adapters=self.options.merge_adapters)
-        with packing:
+        with packed_linears_for(self.model, self.options):
             soft = soft_token_states(
                 self.model, input_ids, attention_mask, request.max_new_tokens, hidden_layer=self.hidden_layer,
                 top=self.trace_width,

@@ -27,6 +27,18 @@ is the weight ``merge_and_unload`` gives, the one ``encode`` uses for a saved ad
 differ from PEFT's own forward by float32 rounding. Adapters PEFT would not merge the same way
 (DoRA and other variants, a bias on B, dropout in training mode) keep PEFT's forward.
 
+A single row (a query decoded alone: every step of a search box's ``encode_query``) is a
+matrix-vector product. For a weight that is not square, MKL streams it faster along its longer
+side than oneDNN reads the blocked layout, at one thread and at two (``benchmarks/row_vector_kernel.py``;
+on an AVX2 CPU up to 1.9x at one thread): stored transposed (in_features × out_features) where
+out_features > in_features (gate/up, the LM head), as stored (dot products over long rows) where
+it is smaller (k/v, down). Square weights (q/o) keep the packed layout, which two threads read
+faster. Float32 one-row calls run that way; a transposed copy (or a LoRA layer's merged weight) is
+made at a layer's first one-row call, so batch work never pays for it, and dropped with the packed
+one. Its memory: the wider layers again (SmolLM2-135M: 81M of its 135M weights, 326 MB in float32),
+once a process has decoded a single row. The choice follows the shape alone, so an embedding does
+not depend on the thread count through it.
+
 ``packed_linears(model, enabled=False)`` does nothing; rollouts pass
 ``DecodeOptions.packed_linears`` and ``DecodeOptions.merge_adapters`` (:mod:`grace_st.decoding`) there.
 """
@@ -37,7 +49,7 @@ import contextlib
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -45,9 +57,23 @@ from torch import Tensor, nn
 
 from .weights import tensor_change_key
 
-# module -> (tensor_change_key of the weight it was packed from, packed weight).
+
+class _Layouts:
+    """A layer's weight as its products read it fastest: ``packed`` (oneDNN's blocked layout) for
+    calls of several rows and for one row of a square weight, ``one_row`` (float32, made on first
+    use: the weight transposed or as stored, see the module docstring, and which of the two) for one
+    row of any other."""
+
+    __slots__ = ("key", "packed", "one_row", "square")
+
+    def __init__(self, key: tuple, weight: Tensor):
+        self.key, self.packed, self.one_row = key, torch.ops.mkldnn._reorder_linear_weight(weight), None
+        self.square = weight.shape[0] == weight.shape[1]
+
+
+# module -> its _Layouts, keyed by the tensor_change_key of the weight they were made from.
 # Kept beside the modules, not on them: packed tensors are not picklable and must not reach a state dict.
-_packed: weakref.WeakKeyDictionary[nn.Linear, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
+_packed: weakref.WeakKeyDictionary[nn.Module, _Layouts] = weakref.WeakKeyDictionary()
 _kernel_ok: bool | None = None  # None until the first packing in this process has been checked
 
 
@@ -100,19 +126,36 @@ def packed_dtypes() -> tuple[torch.dtype, ...]:
     return (torch.float32, torch.bfloat16) if native_bfloat16() else (torch.float32,)
 
 
-def _packed_weight(module: nn.Linear) -> Tensor:
+def _packed_weight(module: nn.Linear) -> _Layouts:
     key = tensor_change_key(module.weight)
     cached = _packed.get(module)
-    if cached is None or cached[0] != key:
-        cached = (key, torch.ops.mkldnn._reorder_linear_weight(module.weight.detach()))
-        _packed[module] = cached
-    return cached[1]
+    if cached is None or cached.key != key:
+        cached = _packed[module] = _Layouts(key, module.weight.detach())
+    return cached
 
 
-def _packed_forward(module: nn.Linear, packed: Tensor, input: Tensor) -> Tensor:
+def _product(
+    layouts: _Layouts, weight: Callable[[], Tensor], bias: Tensor | None, input: Tensor, one_row_layout: bool
+) -> Tensor:
+    """``F.linear(input, weight(), bias)`` on the layout that serves ``input``'s row count best."""
+    if one_row_layout and not layouts.square and input.dtype == torch.float32 and input.numel() == input.shape[-1]:
+        if layouts.one_row is None:
+            full = weight()
+            transposed = full.shape[0] > full.shape[1]
+            layouts.one_row = (full.t().contiguous() if transposed else full, transposed)
+        row, (laid, transposed) = input.reshape(1, -1), layouts.one_row
+        if not transposed:
+            output = F.linear(row, laid, bias)
+        else:
+            output = torch.mm(row, laid) if bias is None else torch.addmm(bias, row, laid)
+        return output.view(*input.shape[:-1], -1)
+    return torch.ops.mkldnn._linear_pointwise(input.contiguous(), layouts.packed, bias, "none", [], "")
+
+
+def _packed_forward(module: nn.Linear, layouts: _Layouts, one_row_layout: bool, input: Tensor) -> Tensor:
     if input.dtype != module.weight.dtype or input.device.type != "cpu" or torch.is_grad_enabled():
         return F.linear(input, module.weight, module.bias)
-    return torch.ops.mkldnn._linear_pointwise(input.contiguous(), packed, module.bias, "none", [], "")
+    return _product(layouts, module.weight.detach, module.bias, input, one_row_layout)
 
 
 def _lora_layer_class():
@@ -144,21 +187,26 @@ def _active_lora(module: nn.Module, dtypes: tuple[torch.dtype, ...], lora_class:
     return active or None
 
 
-def _packed_merged_weight(module: nn.Module, adapters: list[str]) -> Tensor:
+def _merged_weight(module: nn.Module, adapters: list[str]) -> Tensor:
+    merged = module.base_layer.weight.detach().clone()
+    for name in adapters:
+        merged += module.get_delta_weight(name).detach()
+    return merged
+
+
+def _packed_merged_weight(module: nn.Module, adapters: list[str]) -> _Layouts:
     parts = [module.base_layer.weight] + [p.weight for name in adapters for p in (module.lora_A[name], module.lora_B[name])]
     key = (tuple(tensor_change_key(part) for part in parts), tuple(float(module.scaling[name]) for name in adapters))
     cached = _packed.get(module)
-    if cached is None or cached[0] != key:
-        merged = module.base_layer.weight.detach().clone()
-        for name in adapters:
-            merged += module.get_delta_weight(name).detach()
-        cached = (key, torch.ops.mkldnn._reorder_linear_weight(merged))
-        _packed[module] = cached
+    if cached is None or cached.key != key:
+        cached = _packed[module] = _Layouts(key, _merged_weight(module, adapters))
         _packed.pop(module.base_layer, None)  # the base alone is not run inside a block any more
-    return cached[1]
+    return cached
 
 
-def _merged_lora_forward(module: nn.Module, packed: Tensor, input: Tensor, *args, **kwargs) -> Tensor:
+def _merged_lora_forward(
+    module: nn.Module, layouts: _Layouts, adapters: list[str], one_row_layout: bool, input: Tensor, *args, **kwargs
+) -> Tensor:
     # Anything PEFT would do differently (adapters switched off or merged inside the block, a
     # per-row adapter_names) and anything the packed kernel does not take (autograd, another
     # dtype or device) goes back to PEFT's own forward.
@@ -168,7 +216,7 @@ def _merged_lora_forward(module: nn.Module, packed: Tensor, input: Tensor, *args
         or input.dtype != base.weight.dtype or input.device.type != "cpu"
     ):
         return type(module).forward(module, input, *args, **kwargs)
-    return torch.ops.mkldnn._linear_pointwise(input.contiguous(), packed, base.bias, "none", [], "")
+    return _product(layouts, lambda: _merged_weight(module, adapters), base.bias, input, one_row_layout)
 
 
 def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -182,13 +230,16 @@ def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
 
 
 @contextlib.contextmanager
-def packed_linears(model: nn.Module, enabled: bool = True, merge_adapters: bool = True) -> Iterator[None]:
+def packed_linears(
+    model: nn.Module, enabled: bool = True, merge_adapters: bool = True, one_row_layout: bool = True
+) -> Iterator[None]:
     """Run ``model``'s CPU float32 (and bfloat16) linear layers on oneDNN-packed weights inside the block.
 
     Does nothing unless ``enabled``, while autograd is on, on other devices and dtypes, or when
     :func:`packing_enabled` says no. Weights are packed on first use and reused until they change.
     ``merge_adapters``: PEFT LoRA layers run on their merged weight (module docstring); off,
-    only their base and adapter products are packed, each on its own.
+    only their base and adapter products are packed, each on its own. ``one_row_layout``: float32
+    calls of a single row run on the layout MKL streams fastest (module docstring); off, on the packed one.
     """
     global _kernel_ok
     if not enabled or torch.is_grad_enabled() or not packing_enabled():
@@ -205,15 +256,17 @@ def packed_linears(model: nn.Module, enabled: bool = True, merge_adapters: bool 
         for module in model.modules():
             adapters = _active_lora(module, dtypes, lora_class)
             if adapters:
-                packed = _packed_merged_weight(module, adapters)
-                module.forward = lambda input, *args, module=module, packed=packed, **kwargs: _merged_lora_forward(
-                    module, packed, input, *args, **kwargs
+                layouts = _packed_merged_weight(module, adapters)
+                module.forward = lambda input, *args, module=module, layouts=layouts, adapters=adapters, **kwargs: (
+                    _merged_lora_forward(module, layouts, adapters, one_row_layout, input, *args, **kwargs)
                 )
                 swapped.append(module)
                 inside_merged.update(id(child) for child in module.modules() if child is not module)
             elif id(module) not in inside_merged and _packable(module, dtypes):
-                packed = _packed_weight(module)
-                module.forward = lambda input, module=module, packed=packed: _packed_forward(module, packed, input)
+                layouts = _packed_weight(module)
+                module.forward = lambda input, module=module, layouts=layouts: _packed_forward(
+                    module, layouts, one_row_layout, input
+                )
                 swapped.append(module)
         yield
     finally:

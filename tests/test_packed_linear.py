@@ -219,3 +219,72 @@ def test_lora_layers_peft_would_not_merge_the_same_way_keep_peft_forward():
             assert not any("forward" in layer.__dict__ for layer in _lora_layers(policy))
             got = policy(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_packing
+def test_one_row_runs_on_the_weight_along_its_longer_side_and_many_rows_never_lay_it_out():
+    """Batch-1 decoding is a matrix-vector product: a weight that is not square runs on its longer
+    side (transposed where out_features > in_features, else as stored; made at the first one-row
+    call, equal to F.linear to float32 rounding), a square one on the packed layout; calls of several
+    rows keep the packed layout and never pay for a copy."""
+    tokenizer, model, rows, _ = make_prompts()
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        expected_batch = model(input_ids=ids, attention_mask=mask).logits
+        expected_row = model(input_ids=ids[:1, -1:]).logits
+        with packed_linears(model):
+            got_batch = model(input_ids=ids, attention_mask=mask).logits
+            assert all(packed_linear._packed[m].one_row is None for m in _linears(model))
+            got_row = model(input_ids=ids[:1, -1:]).logits
+            kinds = set()
+            for linear in _linears(model):
+                out_features, in_features = linear.weight.shape
+                laid_out = packed_linear._packed[linear].one_row
+                if out_features == in_features:
+                    assert laid_out is None
+                    kinds.add("square")
+                    continue
+                laid, transposed = laid_out
+                assert transposed == (out_features > in_features)
+                assert torch.equal(laid, linear.weight.t() if transposed else linear.weight)
+                kinds.add(transposed)
+            assert kinds == {True, False, "square"}  # the tiny model has every kind of layer
+        with packed_linears(model, one_row_layout=False):
+            unlaid = model(input_ids=ids[:1, -1:]).logits
+    torch.testing.assert_close(got_batch, expected_batch, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_row, expected_row, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(unlaid, expected_row, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # a changed weight gets a new transposed copy too
+        for linear in _linears(model):
+            linear.weight.mul_(-0.5)
+        expected_row = model(input_ids=ids[:1, -1:]).logits
+        with packed_linears(model):
+            got_row = model(input_ids=ids[:1, -1:]).logits
+    torch.testing.assert_close(got_row, expected_row, atol=1e-5, rtol=1e-5)
+
+
+@needs_packing
+def test_one_row_of_a_lora_layer_runs_on_its_merged_weight():
+    tokenizer, model, rows, _ = make_prompts()
+    policy = _lora(model)
+    ids, _ = left_pad(rows, tokenizer.pad_token_id)
+    with torch.no_grad():
+        merged = copy.deepcopy(policy).merge_and_unload()(input_ids=ids[:1, -1:]).logits
+        with packed_linears(policy):
+            got = policy(input_ids=ids[:1, -1:]).logits
+            layers = _lora_layers(policy)
+            assert all(
+                (packed_linear._packed[layer].one_row is None) == packed_linear._packed[layer].square for layer in layers
+            )
+    torch.testing.assert_close(got, merged, atol=1e-5, rtol=1e-5)
+
+
+@needs_packing
+def test_a_query_decoded_alone_gets_the_rationale_of_the_packed_layout():
+    """The one-row layout changes how fast batch-1 decoding reads the weights, not what it writes."""
+    tokenizer, model, rows, spans = make_prompts()
+    for row, span in zip(rows, spans):
+        laid = one_pass_rollouts(model, tokenizer, [row], [span], 8)
+        packed = one_pass_rollouts(model, tokenizer, [row], [span], 8, options=DecodeOptions(one_row_layout=False))
+        assert torch.equal(laid.rationale_ids, packed.rationale_ids)
+        torch.testing.assert_close(laid.token_embeddings, packed.token_embeddings, atol=1e-5, rtol=1e-5)
