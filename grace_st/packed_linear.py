@@ -64,7 +64,7 @@ class _Layouts:
     use: the weight transposed or as stored, see the module docstring, and which of the two) for one
     row of any other."""
 
-    __slots__ = ("key", "packed", "one_row", "square")
+    __slots__ = ("key", "one_row", "packed", "square")
 
     def __init__(self, key: tuple, weight: Tensor):
         self.key, self.packed, self.one_row = key, torch.ops.mkldnn._reorder_linear_weight(weight), None
