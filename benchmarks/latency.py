@@ -188,7 +188,7 @@ def main() -> None:
         )
         # The prompt pass's FLOPs at the peak of the kernel it runs: bfloat16 matmuls only where the CPU has
         # bfloat16 kernels; elsewhere bfloat16 weights are emulated and int8's many-row calls run in float32.
-        peak = peaks["bfloat16" if weights in ("bfloat16", "int8") and native_bfloat16() else "float32"]
+        peak = peaks.get("bfloat16", peaks["float32"]) if weights in ("bfloat16", "int8") else peaks["float32"]
         for budget in args.budgets:
             cell = time_queries(model, texts, budget)
             seconds = np.array(cell["seconds"])
