@@ -247,7 +247,8 @@ class GRPOConfig:
     )
     init_adapter: str | None = key(
         None, "a LoRA adapter directory (PEFT's two files: a shipped adapter or a run's checkpoint) whose weights the "
-        "adapter starts from, with a fresh optimizer; its rank, α and layers must be the config's. The KL references "
+        "adapter starts from, with a fresh optimizer; its layers must be the config's, its rank and α too, or a lower "
+        "rank, which grows to the config's with ΔW unchanged (new directions start at zero). The KL references "
         "stay the base (the adapter disabled). null: PEFT's initialisation (ΔW = 0)",
         NON_EMPTY, resume=FIXED, card=True,  # the weights the run started from
     )

@@ -25,16 +25,31 @@ SHIPPED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 MAX_BYTES = 20 * 1024 * 1024
 
 
-def export(checkpoint: Path, out: Path, scores: dict | None = None, example: dict | None = None) -> Path:
+def export(
+    checkpoint: Path, out: Path, scores: dict | None = None, example: dict | None = None, bfloat16: bool = False
+) -> Path:
+    """``bfloat16``: store the LoRA matrices rounded to bfloat16 (half the bytes: an r 32 adapter of SmolLM2 fits the
+    package's 20 MiB); they are read back into the float32 model, so score the exported adapter, not the checkpoint."""
     adapter = checkpoint / "adapter_model.safetensors"
     if not adapter.is_file():
         raise SystemExit(f"{checkpoint}: no adapter_model.safetensors (train with finetune: lora)")
-    if adapter.stat().st_size > MAX_BYTES:
-        raise SystemExit(f"{adapter}: {adapter.stat().st_size / 2**20:.1f} MiB, over the 20 MiB shipped in the package")
+    size = adapter.stat().st_size // (2 if bfloat16 else 1)
+    if size > MAX_BYTES:
+        raise SystemExit(
+            f"{adapter}: {size / 2**20:.1f} MiB{' in bfloat16' if bfloat16 else ''}, over the 20 MiB shipped in the package"
+            + ("" if bfloat16 else " (--bfloat16 halves it)")
+        )
     state = json.loads((checkpoint / "trainer_state" / "state.json").read_text(encoding="utf-8"))
     grace = json.loads((checkpoint / "grace_config.json").read_text(encoding="utf-8"))
     out.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(adapter, out / "adapter_model.safetensors")
+    if bfloat16:
+        import torch
+        from safetensors.torch import load_file, save_file
+
+        weights = {name: value.to(torch.bfloat16) for name, value in load_file(str(adapter)).items()}
+        save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
+    else:
+        shutil.copyfile(adapter, out / "adapter_model.safetensors")
     config = json.loads((checkpoint / "adapter_config.json").read_text(encoding="utf-8"))
     config["base_model_name_or_path"] = SHIPPED_BASE  # replaced by the local base when the default is built
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -85,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scores", type=Path, help="a dev_eval.py / quality_study.py JSON")
     parser.add_argument("--scores-label", help="the row of --scores that scored this checkpoint")
     parser.add_argument("--compare-label", action="append", default=[], help="rows shown beside it (e.g. the base)")
+    parser.add_argument("--bfloat16", action="store_true", help="store the adapter's matrices in bfloat16 (half the bytes)")
     args = parser.parse_args(argv)
     scores = example = None
     if args.scores:
@@ -98,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         for label in args.compare_label:
             scores.update({f"{k} — {label}": v for k, v in rows[label]["scores"].items() if v is not None})
     method = json.loads((args.checkpoint / "grace_config.json").read_text(encoding="utf-8")).get("method", "grace")
-    print(export(args.checkpoint, args.out or ADAPTER_DIRS[method], scores, example))
+    print(export(args.checkpoint, args.out or ADAPTER_DIRS[method], scores, example, bfloat16=args.bfloat16))
     return 0
 
 

@@ -53,8 +53,12 @@ def load_init_adapter(model, config: GRPOConfig) -> None:
     """Set the fresh adapter's weights to those of ``config.init_adapter`` (PEFT's format,
     safetensors only), so that a run goes on from a shipped adapter or another run's checkpoint.
 
-    The saved adapter must be the one the config builds (rank, α, the same layers): every LoRA
-    matrix the model has is set, none is left at PEFT's initialisation, none is dropped.
+    The saved adapter must adapt the layers the config adapts: every LoRA matrix the model has is
+    set, none is left at PEFT's initialisation, none is dropped. Its rank may be lower than the
+    config's (the rank grows, [scale] docs/scale.md section 19): with r₀ < r, the first r₀ rows of
+    each A are the saved ones and the rest keep PEFT's random initialisation, the first r₀ columns
+    of each B are the saved ones rescaled by (α₀/r₀)/(α/r) and the rest zero, so ΔW = B·A·α/r is
+    the saved adapter's exactly at step 0 and the new directions start at zero with a gradient.
     """
     import json
 
@@ -67,9 +71,13 @@ def load_init_adapter(model, config: GRPOConfig) -> None:
         saved = json.loads((path / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"init_adapter: {path / ADAPTER_CONFIG} is not a readable adapter config ({error})") from error
-    for name, expected in (("r", config.lora_r), ("lora_alpha", config.lora_alpha)):
-        if saved.get(name) != expected:
-            raise ValueError(f"init_adapter: {path} has {name} {saved.get(name)!r}, the config {expected!r}")
+    saved_r, saved_alpha = saved.get("r"), saved.get("lora_alpha")
+    if not isinstance(saved_r, int) or saved_r > config.lora_r:
+        raise ValueError(f"init_adapter: {path} has r {saved_r!r}, the config {config.lora_r!r} (a rank can grow, not shrink)")
+    if saved_r == config.lora_r and saved_alpha != config.lora_alpha:
+        raise ValueError(f"init_adapter: {path} has lora_alpha {saved_alpha!r}, the config {config.lora_alpha!r}")
+    if not isinstance(saved_alpha, (int, float)) or saved_alpha <= 0 or saved.get("use_rslora"):
+        raise ValueError(f"init_adapter: {path} has lora_alpha {saved_alpha!r} (or rsLoRA scaling), not a plain LoRA scale")
     weights = read_adapter_weights(path)
     ours = get_peft_model_state_dict(model)  # keyed as PEFT saves an adapter, so as ``weights``
     missing, extra = sorted(ours.keys() - weights.keys()), sorted(weights.keys() - ours.keys())
@@ -79,7 +87,25 @@ def load_init_adapter(model, config: GRPOConfig) -> None:
             f"({len(missing)} LoRA matrices missing, e.g. {missing[:1]}; {len(extra)} not in the model, e.g. {extra[:1]}): "
             "lora_target_modules must be the ones it was trained with"
         )
+    if saved_r < config.lora_r:
+        weights = grown_lora_weights(weights, ours, saved_r, (saved_alpha / saved_r) / (config.lora_alpha / config.lora_r))
     for key, value in weights.items():
         if value.shape != ours[key].shape:
             raise ValueError(f"init_adapter: {path}: {key} has shape {tuple(value.shape)}, the model's {tuple(ours[key].shape)}")
     set_peft_model_state_dict(model, weights)
+
+
+def grown_lora_weights(saved: dict, fresh: dict, saved_r: int, rescale: float) -> dict:
+    """A rank-r₀ adapter's weights embedded in a fresh rank-r one with the same ΔW (see load_init_adapter)."""
+    grown = {}
+    for key, value in saved.items():
+        target = fresh[key].detach().clone()
+        if ".lora_A." in key:
+            target[:saved_r] = value.to(target.dtype)
+        elif ".lora_B." in key:
+            target.zero_()
+            target[:, :saved_r] = value.to(target.dtype) * rescale
+        else:
+            raise ValueError(f"init_adapter: {key}: only LoRA A and B matrices can grow in rank")
+        grown[key] = target
+    return grown

@@ -59,3 +59,32 @@ def test_averaging_refuses_one_source_and_what_is_not_a_checkpoint(run, tmp_path
         average_adapters([run / "checkpoint-00000001"], tmp_path / "out")
     with pytest.raises(SystemExit, match="not a LoRA checkpoint"):
         average_adapters([run / "checkpoint-00000001", tmp_path], tmp_path / "out")
+
+
+def test_an_adapter_exported_in_bfloat16_is_half_the_bytes_and_loads_its_rounded_weights(run, tmp_path):
+    """``export_adapter --bfloat16`` (an r 32 adapter fits the package): the matrices are stored rounded to bfloat16
+    and read back into the float32 model as exactly those values."""
+    from safetensors.torch import load_file
+
+    from grace_st.default_model import build_trained
+
+    checkpoint = run / "checkpoint-00000002"
+    full, half = export(checkpoint, tmp_path / "float32"), export(checkpoint, tmp_path / "bfloat16", bfloat16=True)
+    stored = load_file(str(half / "adapter_model.safetensors"))
+    exact = load_file(str(full / "adapter_model.safetensors"))
+    assert stored.keys() == exact.keys() and all(value.dtype == torch.bfloat16 for value in stored.values())
+    assert all(torch.equal(stored[name], exact[name].to(torch.bfloat16)) for name in exact)
+    assert (half / "adapter_model.safetensors").stat().st_size < 0.6 * (full / "adapter_model.safetensors").stat().st_size
+
+    saved_base(tmp_path / "fresh").save(str(tmp_path / "grace_base"))
+    build_trained(str(tmp_path / "grace_base"), tmp_path / "built", half)
+    rebuilt = load_file(str(tmp_path / "built" / "adapter_model.safetensors"))  # what the cached default holds
+    assert rebuilt.keys() == stored.keys() and all(value.dtype == torch.float32 for value in rebuilt.values())
+    assert all(torch.equal(rebuilt[name], stored[name].float()) for name in stored)
+    loaded = SentenceTransformer(str(tmp_path / "built"), trust_remote_code=True, device="cpu")
+    reference = SentenceTransformer(str(checkpoint), trust_remote_code=True, device="cpu")
+    loaded[0].max_input_tokens = reference[0].max_input_tokens  # the export sets the shipped 512; these texts are short
+    cosine = torch.nn.functional.cosine_similarity(
+        torch.as_tensor(loaded.encode(TEXTS)), torch.as_tensor(reference.encode(TEXTS))
+    )
+    assert cosine.min() > 0.99

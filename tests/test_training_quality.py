@@ -258,10 +258,45 @@ def test_a_run_starts_from_another_runs_adapter_and_refuses_one_that_does_not_fi
 
     with pytest.raises(ValueError, match="init_adapter: .* has r 8, the config 4"):
         second(lora_r=4)
+    with pytest.raises(ValueError, match="init_adapter: .* has lora_alpha 16, the config 32"):
+        second(lora_alpha=32)
     with pytest.raises(ValueError, match="lora_target_modules must be the ones it was trained with"):
         second(lora_target_modules=["q_proj"])
     with pytest.raises(ValueError, match="init_adapter: starting from an adapter needs finetune: lora"):
         config(tmp_path, init_adapter=str(checkpoint))
+
+
+def test_an_adapter_grows_in_rank_with_the_same_embeddings_and_trains_its_new_directions(tmp_path):
+    """``init_adapter`` of a lower rank ([scale] section 19): r 8, α 16 grown to r 24, α 16 (a third of the
+    scale, so the saved B is rescaled by 3) encodes as the saved adapter does; the saved rows of A are kept,
+    the new ones are PEFT's random ones, the new columns of B start at zero and move in the first step."""
+    first = config(tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=1, save_steps=1)
+    GRPOTrainer(first, model=saved_base(tmp_path), train_data=DATA).train()
+    checkpoint = tmp_path / "run" / "checkpoint-00000001"
+    saved = load_file(str(checkpoint / "adapter_model.safetensors"))
+    grown_config = config(
+        tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=1, save_steps=1, lora_r=24, lora_alpha=16,
+        init_adapter=str(checkpoint), output_dir=str(tmp_path / "grown"),
+    )
+    trainer = GRPOTrainer(grown_config, model=saved_base(tmp_path), train_data=DATA)
+    started = {k.replace(".default.", "."): v.detach().clone() for k, v in trainer.policy.state_dict().items() if "lora_" in k}
+    assert started.keys() == saved.keys()
+    for key, value in saved.items():
+        if ".lora_A." in key:
+            torch.testing.assert_close(started[key][:8], value, atol=0, rtol=0)
+            assert started[key][8:].abs().sum() > 0
+        else:
+            torch.testing.assert_close(started[key][:, :8], value * 3, atol=0, rtol=0)
+            assert started[key][:, 8:].abs().sum() == 0
+    texts = ["a cat on a mat", "rates rose again"]
+    loaded = SentenceTransformer(str(checkpoint), trust_remote_code=True, device="cpu")
+    torch.testing.assert_close(
+        torch.as_tensor(trainer.st_model.encode(texts)), torch.as_tensor(loaded.encode(texts)), atol=1e-5, rtol=1e-4
+    )
+    trainer.train()
+    trained = load_file(str(tmp_path / "grown" / "checkpoint-00000001" / "adapter_model.safetensors"))
+    assert trained[next(k for k in trained if ".lora_B." in k)].shape[1] == 24
+    assert any(trained[k][:, 8:].abs().sum() > 0 for k in trained if ".lora_B." in k)
 
 
 # -- budgets by prompt type ([scale]): training what ships ----------------------------------------
