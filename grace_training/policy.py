@@ -99,13 +99,14 @@ def grown_lora_weights(saved: dict, fresh: dict, saved_r: int, rescale: float) -
     """A rank-r₀ adapter's weights embedded in a fresh rank-r one with the same ΔW (see load_init_adapter)."""
     grown = {}
     for key, value in saved.items():
-        target = fresh[key].detach().clone()
-        if ".lora_A." in key:
-            target[:saved_r] = value.to(target.dtype)
-        elif ".lora_B." in key:
-            target.zero_()
-            target[:, :saved_r] = value.to(target.dtype) * rescale
-        else:
+        if ".lora_A." not in key and ".lora_B." not in key:
             raise ValueError(f"init_adapter: {key}: only LoRA A and B matrices can grow in rank")
+        target = fresh[key].detach().clone()
+        if ".lora_B." in key:
+            target.zero_()
+        part = target[:saved_r] if ".lora_A." in key else target[:, :saved_r]  # a view: writing it writes target
+        if value.shape != part.shape:
+            raise ValueError(f"init_adapter: {key} has shape {tuple(value.shape)}, the model's first r₀ of it {tuple(part.shape)}")
+        part.copy_(value if ".lora_A." in key else value * rescale)
         grown[key] = target
     return grown
