@@ -97,16 +97,18 @@ def load_init_adapter(model, config: GRPOConfig) -> None:
 
 def grown_lora_weights(saved: dict, fresh: dict, saved_r: int, rescale: float) -> dict:
     """A rank-r₀ adapter's weights embedded in a fresh rank-r one with the same ΔW (see load_init_adapter)."""
+    import torch
+
     grown = {}
     for key, value in saved.items():
-        if ".lora_A." not in key and ".lora_B." not in key:
+        is_a, is_b = ".lora_A." in key, ".lora_B." in key
+        if not (is_a or is_b):
             raise ValueError(f"init_adapter: {key}: only LoRA A and B matrices can grow in rank")
-        target = fresh[key].detach().clone()
-        if ".lora_B." in key:
-            target.zero_()
-        part = target[:saved_r] if ".lora_A." in key else target[:, :saved_r]  # a view: writing it writes target
+        # A keeps PEFT's random rows past r₀; B's columns past r₀ are zero, so the new directions add nothing yet
+        target = fresh[key].detach().clone() if is_a else torch.zeros_like(fresh[key])
+        part = target[:saved_r] if is_a else target[:, :saved_r]  # a view: writing it writes target
         if value.shape != part.shape:
             raise ValueError(f"init_adapter: {key} has shape {tuple(value.shape)}, the model's first r₀ of it {tuple(part.shape)}")
-        part.copy_(value if ".lora_A." in key else value * rescale)
+        part.copy_(value if is_a else value * rescale)
         grown[key] = target
     return grown
