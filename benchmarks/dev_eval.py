@@ -42,11 +42,21 @@ loads every --model row with those weights (docs/latency.md), e.g. the trained d
     python benchmarks/dev_eval.py --model out/checkpoint-100 --label grpo-100 --no-defaults
     python benchmarks/dev_eval.py --no-defaults --no-peer \\
         --model runs/x/checkpoint-00000100@0 --model runs/x/checkpoint-00000100@64
+
+On two cores, two one-thread processes scoring disjoint --tasks of the same model side by side finish
+sooner than one two-thread process; --merge joins their reports into one (same data, seed, sizes and
+device, no task scored twice), each row's time kept per part:
+
+    OMP_NUM_THREADS=1 python benchmarks/dev_eval.py ... --tasks SciFact --out a.json &
+    OMP_NUM_THREADS=1 python benchmarks/dev_eval.py ... --tasks "STS-B dev" "SICK-R trial" Banking77 \\
+        "MRPC val" perplexity --out b.json
+    python benchmarks/dev_eval.py --merge a.json b.json --out benchmarks/results/x.json
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from pathlib import Path
@@ -114,6 +124,54 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# what two parts must share to be one scoreboard, and what names a row across parts
+SHARED_FIELDS = ("data", "seed", "sizes", "scifact", "device")
+ROW_KEY = ("model", "rationale_tokens", "method", "weights")
+
+
+def merge_reports(parts: dict[str, dict]) -> dict:
+    """One report from reports of disjoint tasks (``parts``: file name -> report): rows with the same model,
+    budgets, method and weights become one row; a row's ``seconds`` is the sum of its parts' (CPU time at
+    one thread a part), with each part's kept in ``seconds_by_tasks``."""
+    names = list(parts)
+    if len(names) < 2:
+        raise SystemExit("dev_eval --merge: give at least two reports")
+    first = parts[names[0]]
+    for name in names[1:]:
+        for field in SHARED_FIELDS:
+            if parts[name].get(field) != first.get(field):
+                raise SystemExit(
+                    f"dev_eval --merge: {name} has another {field!r} than {names[0]} "
+                    f"({parts[name].get(field)!r} against {first.get(field)!r}); they are not one scoreboard"
+                )
+    merged = {field: first[field] for field in SHARED_FIELDS if field in first}
+    merged["tasks"] = [task for task in TASKS if any(task in parts[name]["tasks"] for name in names)]
+    merged["merged_from"] = names
+    rows: dict[tuple, dict] = {}
+    for name in names:
+        for row in parts[name]["rows"]:
+            key = tuple(json.dumps(row.get(field), sort_keys=True) for field in ROW_KEY)
+            tasks = ", ".join(row["scores"])
+            if key not in rows:
+                rows[key] = {**row, "scores": {}, "texts_encoded": 0, "encode_seconds": 0.0, "seconds_by_tasks": {}}
+            target = rows[key]
+            twice = set(row["scores"]) & set(target["scores"])
+            if twice:
+                raise SystemExit(f"dev_eval --merge: {row['label']!r} has {', '.join(sorted(twice))} in two reports")
+            target["scores"].update(row["scores"])
+            target["texts_encoded"] += row["texts_encoded"]
+            target["encode_seconds"] += row["encode_seconds"]
+            target["seconds_by_tasks"][tasks] = row["seconds"]
+            if "examples" in row:
+                target.setdefault("examples", row["examples"])
+    for row in rows.values():
+        row["scores"] = {task: row["scores"][task] for task in TASKS if task in row["scores"]}
+        row["texts_per_s"] = row["texts_encoded"] / row["encode_seconds"] if row["encode_seconds"] else float("nan")
+        row["seconds"] = sum(row["seconds_by_tasks"].values())
+    merged["rows"] = list(rows.values())
+    return merged
+
+
 def weight_forms() -> dict:
     import torch
 
@@ -166,8 +224,17 @@ def main() -> None:
         "--tasks", nargs="+", choices=TASKS, default=list(TASKS), metavar="TASK",
         help=f"score only these ({', '.join(TASKS)}; default all); the table's mean needs all five",
     )
+    parser.add_argument(
+        "--merge", nargs="+", metavar="REPORT",
+        help="score nothing: join these reports of disjoint --tasks into --out (see above)",
+    )
     parser.add_argument("--out", default="benchmarks/results/dev_eval.json")
     args = parser.parse_args()
+    if args.merge:
+        report = merge_reports({name: json.loads(Path(name).read_text()) for name in args.merge})
+        write_json(report, args.out)
+        print(table(report["rows"]) + f"\n\nwrote {args.out}")
+        return
 
     import torch
 

@@ -97,3 +97,39 @@ def test_a_row_scored_on_some_tasks_has_only_those_and_no_mean(dev_eval):
     row = {"label": "partial", "scores": scores, "texts_per_s": 1.0, "seconds": 1.0}
     line = dev_eval.table([row]).splitlines()[-1]
     assert line.startswith(f"| partial | {scores['STS-B dev']:.4f} | — | — | — | — | — | n/a |")
+
+
+def _part(tasks: dict[str, float], seconds: float, sizes: dict | None = None) -> dict:
+    """A dev_eval report of one GRACE row scored on ``tasks`` alone."""
+    row = {
+        "label": "run 68", "model": "runs/x/checkpoint-68", "rationale_tokens": {"query": 32, "document": 0},
+        "method": "grace", "weights": None, "scores": tasks, "texts_encoded": 100, "encode_seconds": seconds / 2,
+        "texts_per_s": 200 / seconds, "seconds": seconds, "examples": [{"text": "t", "rationale": "r"}],
+    }
+    return {"data": "/d", "seed": 1, "sizes": sizes or {"sts": 300}, "scifact": {"corpus": 1000}, "device": "cpu",
+            "tasks": list(tasks), "rows": [row]}
+
+
+def test_merged_parts_make_one_row_with_every_task_its_mean_and_each_part_s_time(dev_eval):
+    merged = dev_eval.merge_reports({
+        "a.json": _part({"SciFact": 0.6}, 2000.0),
+        "b.json": _part({"STS-B dev": 0.8, "SICK-R trial": 0.7, "Banking77": 0.65, "MRPC val": 0.85,
+                         "perplexity": 210.0}, 1300.0),
+    })
+    assert merged["merged_from"] == ["a.json", "b.json"]
+    assert merged["tasks"] == ["STS-B dev", "SICK-R trial", "SciFact", "Banking77", "MRPC val", "perplexity"]
+    (row,) = merged["rows"]
+    assert list(row["scores"]) == merged["tasks"]  # the scoreboard's order, not the parts'
+    assert row["seconds"] == 3300.0 and row["seconds_by_tasks"] == {
+        "SciFact": 2000.0, "STS-B dev, SICK-R trial, Banking77, MRPC val, perplexity": 1300.0}
+    assert row["texts_encoded"] == 200 and row["texts_per_s"] == pytest.approx(200 / 1650.0)
+    line = dev_eval.table([row]).splitlines()[-1]
+    assert f"| {sum([0.8, 0.7, 0.6, 0.65, 0.85]) / 5:.4f} | 210.00 |" in line  # a full row has its mean again
+
+
+def test_merge_refuses_parts_that_are_not_one_scoreboard_or_score_a_task_twice(dev_eval):
+    with pytest.raises(SystemExit, match="another 'sizes'"):
+        dev_eval.merge_reports({"a.json": _part({"SciFact": 0.6}, 1.0),
+                                "b.json": _part({"Banking77": 0.6}, 1.0, sizes={"sts": 500})})
+    with pytest.raises(SystemExit, match="SciFact in two reports"):
+        dev_eval.merge_reports({"a.json": _part({"SciFact": 0.6}, 1.0), "b.json": _part({"SciFact": 0.61}, 1.0)})
