@@ -24,7 +24,10 @@ sentence is a training instance):
                                  model must still generate (not in the mean)
 
 Each row also records its throughput (texts encoded / seconds spent encoding) and, for a GRACE
-row, the rationale it writes for the first --examples STS-B dev sentences. The --out JSON is
+row, the rationale it writes for the first --examples STS-B dev sentences and how repetitive its rationales
+are (rationale_distinct_words: the mean share of distinct words in a rationale over the first
+--repetition-texts STS-B dev sentences; a policy rewarded for its embedding can learn to repeat a topic
+word, "race race race ...", which perplexity on held-back text does not see). The --out JSON is
 rewritten after every row, so a killed run keeps the rows it finished.
 
 Rows: the untrained base without a rationale (max_rationale_tokens=0) and with a 64-token
@@ -81,6 +84,13 @@ def examples(model, texts: list[str], batch_size: int) -> list[dict[str, str]]:
         {"text": item["text"], "rationale": item["rationale"]}
         for item in grace_st.explain(model, texts, batch_size=batch_size)
     ]
+
+
+def distinct_words(rationale: str) -> float | None:
+    """The share of a rationale's words (lower-cased, punctuation stripped) that are distinct; None if it has none."""
+    words = [word.strip(".,;:!?\"'()").lower() for word in rationale.split()]
+    words = [word for word in words if word]
+    return len(set(words)) / len(words) if words else None
 
 
 def parse_model(spec: str, default_tokens: int) -> tuple[str, int | None, bool]:
@@ -162,8 +172,9 @@ def merge_reports(parts: dict[str, dict]) -> dict:
             target["texts_encoded"] += row["texts_encoded"]
             target["encode_seconds"] += row["encode_seconds"]
             target["seconds_by_tasks"][tasks] = row["seconds"]
-            if "examples" in row:
-                target.setdefault("examples", row["examples"])
+            for written in ("examples", "rationale_distinct_words"):  # recorded by whichever part ran explain
+                if written in row:
+                    target.setdefault(written, row[written])
     for row in rows.values():
         row["scores"] = {task: row["scores"][task] for task in TASKS if task in row["scores"]}
         row["texts_per_s"] = row["texts_encoded"] / row["encode_seconds"] if row["encode_seconds"] else float("nan")
@@ -221,6 +232,10 @@ def main() -> None:
         "--examples", type=int, default=3, help="rationales recorded per GRACE row (first STS-B dev texts)"
     )
     parser.add_argument(
+        "--repetition-texts", type=int, default=64,
+        help="first STS-B dev texts whose rationales give a GRACE row's rationale_distinct_words (0: skip)",
+    )
+    parser.add_argument(
         "--tasks", nargs="+", choices=TASKS, default=list(TASKS), metavar="TASK",
         help=f"score only these ({', '.join(TASKS)}; default all); the table's mean needs all five",
     )
@@ -260,7 +275,7 @@ def main() -> None:
         f"SciFact: {len(queries)} held-back claims (id_fraction >= {HELD_BACK}), corpus of {len(corpus)} documents",
         flush=True,
     )
-    example_texts = tasks["STS-B dev"][0][: args.examples]
+    example_texts = tasks["STS-B dev"][0][: max(args.examples, args.repetition_texts)]
     rows = []
     if not args.no_defaults:
         base = grace_st.default_model_path(trained=False)
@@ -317,7 +332,12 @@ def main() -> None:
             "texts_per_s": encoder.texts / encoder.seconds if encoder.seconds else float("nan"),
         }
         if grace:
-            row["examples"] = examples(model, example_texts, args.batch_size)
+            written = examples(model, example_texts, args.batch_size)
+            row["examples"] = written[: args.examples]
+            shares = [distinct_words(item["rationale"]) for item in written[: args.repetition_texts]]
+            shares = [share for share in shares if share is not None]
+            if shares:
+                row["rationale_distinct_words"] = {"mean": float(np.mean(shares)), "texts": len(shares)}
         row["seconds"] = time.perf_counter() - start
         report["rows"].append(row)
         write_json(report, args.out)

@@ -133,3 +133,9 @@ def test_merge_refuses_parts_that_are_not_one_scoreboard_or_score_a_task_twice(d
                                 "b.json": _part({"Banking77": 0.6}, 1.0, sizes={"sts": 500})})
     with pytest.raises(SystemExit, match="SciFact in two reports"):
         dev_eval.merge_reports({"a.json": _part({"SciFact": 0.6}, 1.0), "b.json": _part({"SciFact": 0.61}, 1.0)})
+
+
+def test_distinct_words_sees_a_rationale_that_repeats_its_topic(dev_eval):
+    assert dev_eval.distinct_words("A group of men, wearing a race race race race.") == pytest.approx(6 / 10)
+    assert dev_eval.distinct_words("Consumers argue that changes harm choice.") == 1.0
+    assert dev_eval.distinct_words(" ... ") is None  # nothing written: not a share of 1 or 0
