@@ -1,6 +1,10 @@
 """Average the LoRA adapters of several checkpoints of one run: weight averaging along a trajectory
 (SWA, Izmailov et al. 2018), the cheap last stage tried when the dev curve has gone flat within the
-noise between neighbouring checkpoints (docs/scale.md §13).
+noise between neighbouring checkpoints (docs/scale.md §13). With ``--rank`` the sources may also be
+the last checkpoints of different runs on the same base, at different LoRA ranks: a uniform model
+soup (Wortsman et al. 2022), fine-tuned solutions from one pretrained point averaged in weight space.
+Every source's delta is applied to the base the last source names (the packaged adapter names the Hub
+id of the base that the checkpoints name as its local copy).
 
     python -m grace_training.average_adapters runs/cont_lr1e-4/checkpoint-00000025 \
         runs/cont_lr1e-4/checkpoint-00000050 ... --out runs/average_400_600
@@ -57,8 +61,10 @@ def average_adapters(sources: list[Path], out: Path, rank: int | None = None) ->
     for name, source in zip(names[1:], sources[1:]):
         model.load_adapter(str(source), adapter_name=name)
     ranks = {model.peft_config[name].r for name in names}
-    if len(ranks) != 1:
-        raise SystemExit(f"the sources have different LoRA ranks {sorted(ranks)}: they are not one run")
+    if len(ranks) != 1 and rank is None:
+        raise SystemExit(
+            f"the sources have different LoRA ranks {sorted(ranks)}: give --rank for the average (a soup of runs)"
+        )
     rank = rank or ranks.pop()
     model.add_weighted_adapter(names, [1 / len(names)] * len(names), "average", combination_type="svd", svd_rank=rank)
     error, spread = _distances(model, names, "average")
@@ -115,11 +121,13 @@ def main(argv: list[str] | None = None) -> int:
         "sources",
         type=Path,
         nargs="+",
-        help="checkpoints (or adapter directories) of one run; the last must be a checkpoint",
+        help="checkpoints (or adapter directories) of one run, or of runs on one base with --rank; the last must be a checkpoint",
     )
     parser.add_argument("--out", type=Path, required=True, help="a new directory")
     parser.add_argument(
-        "--rank", type=int, help="LoRA rank of the average (default: the sources' rank, the shipped size)"
+        "--rank",
+        type=int,
+        help="LoRA rank of the average (default: the sources' rank, the shipped size; required when their ranks differ)",
     )
     args = parser.parse_args(argv)
     summary = average_adapters(args.sources, args.out, args.rank)

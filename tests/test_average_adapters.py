@@ -88,3 +88,19 @@ def test_an_adapter_exported_in_bfloat16_is_half_the_bytes_and_loads_its_rounded
         torch.as_tensor(loaded.encode(TEXTS)), torch.as_tensor(reference.encode(TEXTS))
     )
     assert cosine.min() > 0.99
+
+
+def test_a_soup_of_runs_at_different_ranks_needs_a_rank_and_is_their_mean(run, tmp_path):
+    """Last checkpoints of two runs on one base, at LoRA r 8 and r 4: averaged only with ``--rank`` given, and at
+    a rank that holds both deltas (8 + 4) the soup's merged weights are the mean of the runs' merged weights."""
+    cfg = config(tmp_path, finetune="lora", lora_r=4, lora_alpha=8, max_steps=1, save_steps=1, learning_rate=5e-2,
+                 max_rationale_tokens=3, seed=7)
+    GRPOTrainer(cfg, model=saved_base(tmp_path), train_data=DATA).train()
+    other, last = tmp_path / "run" / "checkpoint-00000001", run / "checkpoint-00000002"
+    with pytest.raises(SystemExit, match="different LoRA ranks"):
+        average_adapters([other, last], tmp_path / "refused")
+    summary = average_adapters([other, last], tmp_path / "soup", rank=12)
+    assert summary["rank"] == 12 and summary["relative_cut_error"] < 1e-5
+    one, two, soup = weights(other), weights(last), weights(tmp_path / "soup")
+    for name in one:
+        torch.testing.assert_close(soup[name], (one[name] + two[name]) / 2, atol=1e-6, rtol=1e-5)
