@@ -10,12 +10,20 @@ speed is how fast the kernel streams the weight. For each of SmolLM2-135M's line
 - ``transposed``: ``torch.mm(x, Wᵀ)`` with ``Wᵀ`` stored contiguous (in × out; the one-row layout);
 - ``F.linear``: PyTorch's default path (MKL on the weight as stored).
 
+With ``--two-workers`` (one row only) the product also runs on two Python threads of one intra-op thread
+each, the question being whether a matrix-vector product can use both cores where MKL's and oneDNN's
+stay near one core's bandwidth: ``halves (as stored)`` and ``halves (transposed)`` split the weight's
+output features in two, one half a thread; ``two at once`` runs two different products of the shape
+side by side (gate ∥ up, q ∥ k), each whole on its own thread, its µs the pair's time over two. Each
+hand-off costs an event set and wait (tens of µs), which is what small weights pay.
+
 Cache-cold, as in a decoding step: each call takes the next of enough distinct matrices to fill
 about 200 MB, so no weight is in a cache when it is read. Best of three sweeps. GB/s is the
 weight's bytes over the call's time, beside the machine's read bandwidth (a sum over 512 MB).
 
     python benchmarks/row_vector_kernel.py                    # JSON: benchmarks/results/row_vector_kernel.json
     python benchmarks/row_vector_kernel.py --threads 1 --rows 1 8 64
+    python benchmarks/row_vector_kernel.py --threads 2 --rows 1 --two-workers --out benchmarks/results/row_vector_two_workers.json
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import threading
 import time
 
 import torch
@@ -37,7 +46,56 @@ SHAPES = {
 }
 
 
-def time_kernels(out_features: int, in_features: int, rows: list[int], pool_mb: int = 200) -> list[dict]:
+class SecondWorker:
+    """A thread that runs one job while the caller runs another, and a barrier at the end of both."""
+
+    def __init__(self):
+        self.go, self.done, self.job = threading.Event(), threading.Event(), None
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            self.go.wait()
+            self.go.clear()
+            self.job()
+            self.done.set()
+
+    def both(self, mine, theirs) -> None:
+        self.job = theirs
+        self.go.set()
+        mine()
+        self.done.wait()
+        self.done.clear()
+
+
+def two_worker_products(weights: list, x, worker: SecondWorker) -> dict:
+    """The one-row product on two threads, three ways (module docstring); each returns the sweep's calls."""
+    out_features = weights[0].shape[0]
+    half = out_features // 2
+    out = torch.empty(1, out_features)
+    stored = [(w[:half].contiguous(), w[half:].contiguous()) for w in weights]
+    transposed = [(w[:half].t().contiguous(), w[half:].t().contiguous()) for w in weights]
+    whole = [w.t().contiguous() if out_features > w.shape[1] else w for w in weights]
+    product = torch.mm if out_features > weights[0].shape[1] else F.linear
+
+    def halves_stored():
+        for a, b in stored:
+            worker.both(lambda a=a: torch.mm(x, a.t(), out=out[:, :half]), lambda b=b: torch.mm(x, b.t(), out=out[:, half:]))
+
+    def halves_transposed():
+        for a, b in transposed:
+            worker.both(lambda a=a: torch.mm(x, a, out=out[:, :half]), lambda b=b: torch.mm(x, b, out=out[:, half:]))
+
+    def two_at_once():
+        for a, b in zip(whole[0::2], whole[1::2]):
+            worker.both(lambda a=a: product(x, a), lambda b=b: product(x, b))
+
+    return {"halves (as stored)": halves_stored, "halves (transposed)": halves_transposed, "two at once": two_at_once}
+
+
+def time_kernels(
+    out_features: int, in_features: int, rows: list[int], pool_mb: int = 200, worker: SecondWorker | None = None
+) -> list[dict]:
     count = max(2, pool_mb * 2**20 // (4 * out_features * in_features))
     generator = torch.Generator().manual_seed(0)
     weights = [torch.randn(out_features, in_features, generator=generator) for _ in range(count)]
@@ -65,6 +123,20 @@ def time_kernels(out_features: int, in_features: int, rows: list[int], pool_mb: 
                 "shape": [out_features, in_features], "rows": row_count, "kernel": kernel, "us": best * 1e6,
                 "GBps": 4 * out_features * in_features / best / 1e9,
             })
+        if worker is not None and row_count == 1:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)  # each of the two threads runs its products on its own core
+            for kernel, sweep in two_worker_products(weights, x, worker).items():
+                best = float("inf")
+                for _ in range(3):
+                    start = time.perf_counter()
+                    sweep()
+                    best = min(best, (time.perf_counter() - start) / (count - count % 2 if kernel == "two at once" else count))
+                results.append({
+                    "shape": [out_features, in_features], "rows": 1, "kernel": kernel, "us": best * 1e6,
+                    "GBps": 4 * out_features * in_features / best / 1e9,
+                })
+            torch.set_num_threads(threads)
     return results
 
 
@@ -72,6 +144,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4, 16, 64])
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--two-workers", action="store_true", help="also one row on two Python threads (docstring)")
     parser.add_argument("--out", default="benchmarks/results/row_vector_kernel.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -81,8 +154,9 @@ def main() -> None:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(), "read_bandwidth_GBps": bandwidth / 1e9, "rows": [],
     }
     print(f"{args.threads} threads, {report['cpu_capability']}; read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    worker = SecondWorker() if args.two_workers else None
     for name, shape in SHAPES.items():
-        for row in time_kernels(*shape, args.rows):
+        for row in time_kernels(*shape, args.rows, worker=worker):
             report["rows"].append({"layer": name, **row})
             write_json(report, args.out)
             print(json.dumps(report["rows"][-1]))
@@ -97,6 +171,16 @@ def main() -> None:
             f"{cell['F.linear']['us']:.0f} | {cell['transposed']['us'] / cell['packed']['us']:.2f} | "
             f"{cell['transposed']['GBps']:.1f} |"
         )
+    split = [name for name in ("halves (as stored)", "halves (transposed)", "two at once") if any(r["kernel"] == name for r in report["rows"])]
+    if split:
+        print("\n| layer | best one-thread-pool µs | " + " | ".join(f"{name} µs" for name in split) + " | best two-worker speed-up |")
+        print("|---|---|" + "---|" * len(split) + "---|")
+        for (layer, rows), cell in by_cell.items():
+            if rows != 1:
+                continue
+            single = min(cell[k]["us"] for k in ("packed", "transposed", "F.linear"))
+            twos = [cell[name]["us"] for name in split]
+            print(f"| {layer} | {single:.0f} | " + " | ".join(f"{t:.0f}" for t in twos) + f" | {single / min(twos):.2f}× |")
 
 
 if __name__ == "__main__":
