@@ -68,13 +68,17 @@ class SecondWorker:
         self.done.clear()
 
 
+TWO_WORKER_KERNELS = ("halves (as stored)", "halves (transposed)", "two at once")
+
+
 def two_worker_products(weights: list, x, worker: SecondWorker) -> dict:
-    """The one-row product on two threads, three ways (module docstring); each returns the sweep's calls."""
+    """The one-row product on two threads, three ways (module docstring): kernel -> (sweep, products it makes)."""
     out_features = weights[0].shape[0]
     half = out_features // 2
     out = torch.empty(1, out_features)
     stored = [(w[:half].contiguous(), w[half:].contiguous()) for w in weights]
     transposed = [(w[:half].t().contiguous(), w[half:].t().contiguous()) for w in weights]
+    # each whole product on the one-row layout encode uses for the shape (grace_st.packed_linear)
     whole = [w.t().contiguous() if out_features > w.shape[1] else w for w in weights]
     product = torch.mm if out_features > weights[0].shape[1] else F.linear
 
@@ -90,7 +94,19 @@ def two_worker_products(weights: list, x, worker: SecondWorker) -> dict:
         for a, b in zip(whole[0::2], whole[1::2]):
             worker.both(lambda a=a: product(x, a), lambda b=b: product(x, b))
 
-    return {"halves (as stored)": halves_stored, "halves (transposed)": halves_transposed, "two at once": two_at_once}
+    sweeps = (halves_stored, halves_transposed, two_at_once)
+    counts = (len(weights), len(weights), len(weights) - len(weights) % 2)
+    return dict(zip(TWO_WORKER_KERNELS, zip(sweeps, counts)))
+
+
+def seconds_per_product(sweep, products: int) -> float:
+    """Best of three sweeps, over the products a sweep makes."""
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        sweep()
+        best = min(best, (time.perf_counter() - start) / products)
+    return best
 
 
 def time_kernels(
@@ -110,32 +126,27 @@ def time_kernels(
         "F.linear": F.linear,
     }
     results = []
+
+    def record(row_count: int, kernel: str, seconds: float) -> None:
+        results.append({
+            "shape": [out_features, in_features], "rows": row_count, "kernel": kernel, "us": seconds * 1e6,
+            "GBps": 4 * out_features * in_features / seconds / 1e9,
+        })
+
     for row_count in rows:
         x = torch.randn(row_count, in_features, generator=generator)
         for kernel, product in products.items():
-            best = float("inf")
-            for _ in range(3):
-                start = time.perf_counter()
-                for weight in layouts[kernel]:
+
+            def sweep(product=product, laid=layouts[kernel], x=x):
+                for weight in laid:
                     product(x, weight)
-                best = min(best, (time.perf_counter() - start) / count)
-            results.append({
-                "shape": [out_features, in_features], "rows": row_count, "kernel": kernel, "us": best * 1e6,
-                "GBps": 4 * out_features * in_features / best / 1e9,
-            })
+
+            record(row_count, kernel, seconds_per_product(sweep, count))
         if worker is not None and row_count == 1:
             threads = torch.get_num_threads()
             torch.set_num_threads(1)  # each of the two threads runs its products on its own core
-            for kernel, sweep in two_worker_products(weights, x, worker).items():
-                best = float("inf")
-                for _ in range(3):
-                    start = time.perf_counter()
-                    sweep()
-                    best = min(best, (time.perf_counter() - start) / (count - count % 2 if kernel == "two at once" else count))
-                results.append({
-                    "shape": [out_features, in_features], "rows": 1, "kernel": kernel, "us": best * 1e6,
-                    "GBps": 4 * out_features * in_features / best / 1e9,
-                })
+            for kernel, (sweep, made) in two_worker_products(weights, x, worker).items():
+                record(1, kernel, seconds_per_product(sweep, made))
             torch.set_num_threads(threads)
     return results
 
@@ -171,15 +182,15 @@ def main() -> None:
             f"{cell['F.linear']['us']:.0f} | {cell['transposed']['us'] / cell['packed']['us']:.2f} | "
             f"{cell['transposed']['GBps']:.1f} |"
         )
-    split = [name for name in ("halves (as stored)", "halves (transposed)", "two at once") if any(r["kernel"] == name for r in report["rows"])]
-    if split:
-        print("\n| layer | best one-thread-pool µs | " + " | ".join(f"{name} µs" for name in split) + " | best two-worker speed-up |")
-        print("|---|---|" + "---|" * len(split) + "---|")
+    if args.two_workers:
+        names = " | ".join(f"{name} µs" for name in TWO_WORKER_KERNELS)
+        print(f"\n| layer | best one-thread-pool µs | {names} | best two-worker speed-up |")
+        print("|---|---|" + "---|" * len(TWO_WORKER_KERNELS) + "---|")
         for (layer, rows), cell in by_cell.items():
             if rows != 1:
                 continue
             single = min(cell[k]["us"] for k in ("packed", "transposed", "F.linear"))
-            twos = [cell[name]["us"] for name in split]
+            twos = [cell[name]["us"] for name in TWO_WORKER_KERNELS]
             print(f"| {layer} | {single:.0f} | " + " | ".join(f"{t:.0f}" for t in twos) + f" | {single / min(twos):.2f}× |")
 
 
