@@ -140,7 +140,7 @@ def table(rows: list[dict]) -> str:
 
 # what two parts must share to be one scoreboard, and what names a row across parts
 SHARED_FIELDS = ("data", "seed", "sizes", "scifact", "device")
-ROW_KEY = ("model", "rationale_tokens", "method", "weights")
+ROW_KEY = ("model", "rationale_tokens", "method", "weights", "repetition_penalty")
 
 
 def merge_reports(parts: dict[str, dict]) -> dict:
@@ -219,6 +219,11 @@ def main() -> None:
         "--weights", choices=("float32", "bfloat16", "int8"), default="float32",
         help="how every --model row holds its weights: as saved, bfloat16, or int8 weight-only (docs/latency.md)",
     )
+    parser.add_argument(
+        "--repetition-penalty", type=float, default=None,
+        help="every GRACE --model row decodes with this repetition_penalty (grace_st.generation.penalise_repeats); "
+        "default: the model's saved one",
+    )
     parser.add_argument("--no-peer", action="store_true", help="skip the all-MiniLM-L6-v2 row")
     parser.add_argument(
         "--rationale-tokens", type=int, default=64, help="rationale length of GRACE rows without @TOKENS"
@@ -284,9 +289,9 @@ def main() -> None:
     if not args.no_defaults:
         base = grace_st.default_model_path(trained=False)
         rows += [
-            ("SmolLM2-135M base, no rationale", base, 0, None, None),
-            ("SmolLM2-135M base, 64-token rationale", base, 64, None, None),
-            ("trained default (shipped adapter)", grace_st.default_model_path(), None, None, None),
+            ("SmolLM2-135M base, no rationale", base, 0, None, None, None),
+            ("SmolLM2-135M base, 64-token rationale", base, 64, None, None, None),
+            ("trained default (shipped adapter)", grace_st.default_model_path(), None, None, None, None),
         ]
     labels = args.label + [None] * (len(args.model) - len(args.label))
     for spec, label in zip(args.model, labels):
@@ -294,11 +299,14 @@ def main() -> None:
         suffix = "" if not override else "@saved" if tokens is None else f"@{tokens}"
         suffix += f" ({args.method})" if args.method else ""
         suffix += f" [{args.weights}]" if args.weights != "float32" else ""
+        suffix += f" rp {args.repetition_penalty:g}" if args.repetition_penalty is not None else ""
         if path in ("base", "default"):
             path = grace_st.default_model_path(trained=path == "default")
-        rows.append((label or Path(path).name + suffix, path, tokens, args.method, weight_forms()[args.weights]))
+        rows.append(
+            (label or Path(path).name + suffix, path, tokens, args.method, weight_forms()[args.weights], args.repetition_penalty)
+        )
     if not args.no_peer:
-        rows.append(("all-MiniLM-L6-v2 (peer)", minilm_path(), None, None, None))
+        rows.append(("all-MiniLM-L6-v2 (peer)", minilm_path(), None, None, None, None))
 
     report = {
         "data": str(data_dir()),
@@ -313,7 +321,7 @@ def main() -> None:
         "tasks": args.tasks,
         "rows": [],
     }
-    for label, path, rationale_tokens, method, model_kwargs in rows:
+    for label, path, rationale_tokens, method, model_kwargs, repetition_penalty in rows:
         model = grace_st.load(path, device=args.device, model_kwargs=model_kwargs)
         grace = is_grace(model)
         if grace and method is not None:
@@ -322,6 +330,8 @@ def main() -> None:
             model[0].max_rationale_tokens = rationale_tokens
         if grace and args.max_input_tokens:
             model[0].max_input_tokens = args.max_input_tokens
+        if grace and repetition_penalty is not None:
+            model[0].repetition_penalty = repetition_penalty
         start = time.perf_counter()
         scores, encoder = evaluate(model, tasks, args.batch_size, only=tuple(args.tasks))
         row = {
@@ -330,6 +340,7 @@ def main() -> None:
             "rationale_tokens": model[0].max_rationale_tokens if grace else None,
             "method": getattr(model[0], "method", None),
             "weights": model_kwargs,
+            "repetition_penalty": model[0].repetition_penalty if grace else None,
             "scores": scores,
             "texts_encoded": encoder.texts,
             "encode_seconds": encoder.seconds,

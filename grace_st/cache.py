@@ -168,12 +168,18 @@ def entry_key(fingerprint: str, instruction: str, text: str, settings: Mapping[s
         "fingerprint": fingerprint,
         "instruction": instruction,
         "text": text,
-        "settings": _canonical(dict(settings), "settings"),
+        "settings": _canonical(_keyed(settings), "settings"),
     }
     if settings.get("do_sample"):
         parts["sampler"] = SAMPLER_VERSION
     encoded = json.dumps(parts, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
+
+
+def _keyed(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings as keyed: a repetition penalty of 1 is no penalty, and is left out so that entries
+    written before the setting existed keep their keys."""
+    return {k: v for k, v in settings.items() if not (k == "repetition_penalty" and v == 1)}
 
 
 def is_deterministic(settings: Mapping[str, Any]) -> bool:

@@ -173,6 +173,7 @@ class GenerativeEncoder(InputModule):
         do_sample: bool = DEFAULTS["do_sample"],
         temperature: float = DEFAULTS["temperature"],
         top_p: float = DEFAULTS["top_p"],
+        repetition_penalty: float = DEFAULTS["repetition_penalty"],
         seed: int | None = DEFAULTS["seed"],
         num_rationales: int | dict[str, int] = DEFAULTS["num_rationales"],
         hidden_layer: int = DEFAULTS["hidden_layer"],
@@ -194,6 +195,7 @@ class GenerativeEncoder(InputModule):
             "do_sample": do_sample,
             "temperature": temperature,
             "top_p": top_p,
+            "repetition_penalty": repetition_penalty,
             "seed": seed,
             "num_rationales": num_rationales,
             "hidden_layer": hidden_layer,
@@ -518,7 +520,7 @@ class GenerativeEncoder(InputModule):
 
     def rollout_request(self, features: dict[str, Tensor]) -> RolloutRequest:
         """The engine's request for preprocessed prompts: each row unpadded, its L_sys, the sampling
-        settings (temperature 0 unless ``do_sample``) and seeds, and the batch's budget."""
+        settings (temperature 0 unless ``do_sample``, the repetition penalty) and seeds, and the batch's budget."""
         prompts = [row[mask.bool()].tolist() for row, mask in zip(features["input_ids"], features["attention_mask"])]
         return RolloutRequest(
             prompts,
@@ -527,6 +529,7 @@ class GenerativeEncoder(InputModule):
             top_p=self.top_p,
             max_new_tokens=self.batch_plan(features)[0],
             seeds=features["rationale_seeds"].tolist() if "rationale_seeds" in features else None,
+            repetition_penalty=self.repetition_penalty,
         )
 
     def outputs(

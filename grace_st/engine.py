@@ -45,7 +45,8 @@ from .soft_tokens import soft_token_rollouts, soft_token_states
 class RolloutRequest:
     """Rows to think about: prompts ``P(x)`` (token ids, unpadded) and their L_sys, one temperature for
     every row or one a row (0: greedy), a sampling seed a row (None: torch's global generator), and
-    the shared top-p and rationale budget (0: the prompt alone is pooled)."""
+    the shared top-p and rationale budget (0: the prompt alone is pooled), and the repetition penalty
+    over each rationale's own tokens (1: none; :func:`~grace_st.generation.penalise_repeats`)."""
 
     prompt_ids: list[list[int]]
     instruction_lengths: list[int]
@@ -53,6 +54,7 @@ class RolloutRequest:
     top_p: float
     max_new_tokens: int
     seeds: list[int] | None = None
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         self.temperatures = per_row(self.temperatures, len(self.prompt_ids))
@@ -145,6 +147,12 @@ class RationaleEngine:
         ``batch_size`` is None (``encode``'s batch), else in chunks of similar prompt length
         (:func:`length_buckets`); each row has its own seed, so chunking does not change what is sampled."""
         if self.generator is not None:
+            if request.repetition_penalty != 1.0:
+                # vLLM's repetition_penalty counts the prompt's tokens too: another rationale than the HF rollout's
+                raise ValueError(
+                    f"repetition_penalty {request.repetition_penalty} needs the HF rollout: vLLM's penalty also "
+                    "counts the text's tokens; set repetition_penalty=1 or turn vLLM off (use_hf)"
+                )
             temperatures = request.temperatures
             return Thoughts(
                 self.generator.generate(
@@ -236,6 +244,7 @@ class RationaleEngine:
             temperature=request.temperatures,
             top_p=request.top_p,
             seeds=request.seeds,
+            repetition_penalty=request.repetition_penalty,
             hidden_layer=self.hidden_layer,
             options=self.options,
             device=next(self.model.parameters()).device,
@@ -258,6 +267,7 @@ class RationaleEngine:
             temperature=temperatures,
             top_p=request.top_p,
             seeds=None if request.seeds is None else [request.seeds[i] for i in chunk],
+            repetition_penalty=request.repetition_penalty,
             hidden_layer=self.hidden_layer,
             options=self.options,
         )

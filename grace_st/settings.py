@@ -161,6 +161,15 @@ SETTINGS: dict[str, Setting] = {
         lambda v: _is_number(v) and 0 < v <= 1,
         **_how("float"),
     ),
+    "repetition_penalty": Setting(
+        1.0,
+        "CTRL's repetition penalty over the rationale's own tokens (greedy or sampled): a token the rationale "
+        "already holds has its logit divided by this (multiplied when negative); 1 turns it off. The text's "
+        "tokens are not penalised",
+        "a finite number >= 1",
+        lambda v: _is_number(v) and v >= 1,
+        **_how("float"),
+    ),
     "seed": Setting(
         0,
         "with sampling, each text's rationale is seeded from seed and the text, so it does not depend on "
@@ -280,6 +289,8 @@ def check_settings(values: Mapping[str, Any], *, num_layers: int | None = None, 
             raise ValueError(f"{where}num_rationales > 1{of} needs max_rationale_tokens > 0")
     if get("method", "grace") == "gircse" and get("do_sample", False):
         raise ValueError(f"{where}method 'gircse' samples nothing (its soft tokens are the whole distribution): set do_sample=False")
+    if get("method", "grace") == "gircse" and get("repetition_penalty", 1.0) != 1.0:
+        raise ValueError(f"{where}method 'gircse' writes no tokens to penalise (it feeds back soft tokens): set repetition_penalty=1")
     if get("do_sample", False) and not get("temperature", 1.0) > 0:
         raise ValueError(f"{where}temperature must be > 0 when sampling, got {get('temperature')!r}")
     if num_layers is not None and "hidden_layer" in values and not -1 <= values["hidden_layer"] <= num_layers:

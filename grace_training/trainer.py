@@ -180,6 +180,15 @@ class GRPOTrainer:
         self.encoder.max_input_tokens = config.max_input_tokens
         self.encoder.max_rationale_tokens = config.max_rationale_tokens
         self.encoder.method = "gircse" if config.method == "gircse" else "grace"  # what the saved model encodes with
+        if self.encoder.repetition_penalty != 1.0:
+            # Rollouts are draws from the policy itself: GRPO's ratios and KL are taken against its own
+            # distribution, which a decoding-time penalty would bend. Trained without, saved without.
+            logger.warning(
+                "the start model's repetition_penalty %s is turned off: training rolls out the policy's own "
+                "distribution, and the trained model is saved with repetition_penalty=1 (set it again to decode with it)",
+                self.encoder.repetition_penalty,
+            )
+            self.encoder.repetition_penalty = 1.0
         if config.finetune == "lora":
             self.encoder.model = add_lora_adapter(self.encoder.model, config)
         self.policy = self.encoder.model

@@ -26,6 +26,7 @@ SETTINGS = {
     "do_sample": False,
     "temperature": 1.0,
     "top_p": 1.0,
+    "repetition_penalty": 1.0,
     "seed": 0,
     "num_rationales": 1,
     "hidden_layer": -1,
@@ -283,6 +284,7 @@ def test_key_depends_on_every_part():
         "do_sample": True,
         "temperature": 0.7,
         "top_p": 0.9,
+        "repetition_penalty": 1.2,
         "seed": 1,
         "num_rationales": 4,
         "hidden_layer": 3,
@@ -296,6 +298,8 @@ def test_key_depends_on_every_part():
     assert base == entry_key(fingerprint, "Read the text.", "a cat", {**SETTINGS, "temperature": 1, "top_p": 1})
     assert base == entry_key(fingerprint, "Read the text.", "a cat", {**SETTINGS, "eos_token_ids": (2,)})
     assert base == entry_key(fingerprint, "Read the text.", "a cat", {**SETTINGS, "seed": np.int64(0)})
+    # no penalty is keyed as before the setting existed (this digest is the key grace-st gave then): old caches still hit
+    assert base == "cbe809536031cb000efb406af8f682f0cb3c14b2a5b2b629fb979a722a244d35"
 
 
 def test_sampled_keys_name_the_sampler_and_greedy_keys_do_not(monkeypatch):

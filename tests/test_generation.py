@@ -313,3 +313,38 @@ def test_decode_rows_must_be_a_positive_int():
     for bad in (0, -1, 2.5, "64"):
         with pytest.raises(ValueError, match="decode_rows"):
             DecodeOptions(decode_rows=bad)
+
+
+def test_the_repetition_penalty_divides_positive_logits_and_multiplies_negative_ones_of_written_tokens():
+    from grace_st.generation import penalise_repeats
+
+    logits = torch.tensor([[2.0, -2.0, 1.0], [2.0, -2.0, 1.0]])
+    written = torch.tensor([[True, True, False], [False, False, False]])
+    assert torch.equal(penalise_repeats(logits, written, 2.0), torch.tensor([[1.0, -4.0, 1.0], [2.0, -2.0, 1.0]]))
+    assert penalise_repeats(logits, None, 2.0) is logits and penalise_repeats(logits, written, 1.0) is logits
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_repetition_penalty_keeps_a_rationale_from_repeating_its_own_tokens(do_sample):
+    """Without a penalty the tiny model's greedy rationales repeat tokens; with a large one no rationale
+    holds a token twice. A penalty of 1 is exactly no penalty."""
+    tokenizer, model, rows, spans = _many_prompts(3)
+    decoding = dict(do_sample=do_sample, seeds=list(range(len(rows))) if do_sample else None)
+    free = one_pass_rollouts(model, tokenizer, rows, spans, 12, **decoding)
+    assert any(len(set(r)) < len(r) for r in _rationales(free))  # not vacuous: the model repeats itself
+    _assert_same_rollouts(one_pass_rollouts(model, tokenizer, rows, spans, 12, repetition_penalty=1.0, **decoding), free)
+    penalised = one_pass_rollouts(model, tokenizer, rows, spans, 12, repetition_penalty=1e6, **decoding)
+    assert all(len(set(r)) == len(r) for r in _rationales(penalised))
+    assert _rationales(penalised) != _rationales(free)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_repetition_penalty_streams_as_it_decodes_in_one_pass(do_sample):
+    """Continuous batching clears a slot's written tokens when the slot takes the next prompt: each row's
+    penalty counts its own rationale only, as in one pass."""
+    tokenizer, model, rows, spans = _many_prompts()
+    decoding = dict(do_sample=do_sample, seeds=list(range(len(rows))) if do_sample else None, repetition_penalty=1.5)
+    free = one_pass_rollouts(model, tokenizer, rows, spans, 10, **decoding)
+    stops = [tokenizer.eos_token_id] + [_rationales(free)[i][j] for i, j in [(0, 2), (2, 5), (5, 1)]]
+    one_pass = one_pass_rollouts(model, tokenizer, rows, spans, 10, stops, **decoding)
+    _assert_same_rollouts(_stream(model, tokenizer, rows, spans, 10, stops, 3, **decoding), one_pass)

@@ -109,6 +109,8 @@ def test_method_is_a_saved_setting_and_gircse_refuses_what_it_cannot_do(tmp_path
     assert torch.allclose(torch.as_tensor(loaded.encode(TEXTS)), torch.as_tensor(before), atol=1e-6)
     with pytest.raises(ValueError, match="samples nothing"):
         make_st_model(method="gircse", do_sample=True)
+    with pytest.raises(ValueError, match="writes no tokens to penalise"):
+        make_st_model(method="gircse", repetition_penalty=1.2)
     with pytest.raises(ValueError, match="method must be 'grace' or 'gircse'"):
         make_st_model(method="soft")
     with pytest.raises(ValueError, match="vLLM cannot"):

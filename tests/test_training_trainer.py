@@ -296,3 +296,13 @@ def test_save_model_dir_writes_the_gathered_weights_given_not_the_ones_in_memory
         assert len(expected) >= len(written) - 1  # all but a tied lm_head
     for name, tensor in expected.items():
         assert torch.equal(written[name], tensor), name
+
+
+def test_training_rolls_out_the_policy_without_the_start_models_repetition_penalty(tmp_path, caplog):
+    """A decoding-time repetition penalty would make rollouts draws from another distribution than the one
+    GRPO's ratios are taken against: the trainer turns it off, says so, and saves the model without it."""
+    model = make_st_model(repetition_penalty=1.5)
+    with caplog.at_level("WARNING", logger="grace_training.trainer"):
+        trainer = GRPOTrainer(config(tmp_path, max_steps=1), model=model, train_data=DATA)
+    assert trainer.encoder.repetition_penalty == 1.0
+    assert "repetition_penalty 1.5 is turned off" in caplog.text

@@ -289,5 +289,9 @@ def test_encoder_on_the_vllm_path_matches_the_hf_path(fake_vllm, tmp_path, monke
         assert a["rationale"] == b["rationale"] == c["rationale"] and a["truncated"] == b["truncated"]
         np.testing.assert_allclose(a["embedding"], b["embedding"], atol=1e-5)
         np.testing.assert_array_equal(b["embedding"], c["embedding"])
+    model[0].repetition_penalty = 1.3  # vLLM's penalty would count the text's tokens too: refused, not approximated
+    with pytest.raises(ValueError, match="repetition_penalty 1.3 needs the HF rollout"):
+        model.encode(["An uncached text."])
+    model[0].repetition_penalty = 1.0
     model[0].use_hf()
     np.testing.assert_allclose(model.encode(texts), np.stack([a["embedding"] for a in hf]), atol=1e-6)
