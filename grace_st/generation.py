@@ -161,9 +161,12 @@ def penalise_repeats(logits: Tensor, written: Tensor | None, penalty: float) -> 
     return torch.where(written, penalised, logits)
 
 
-def _written(rows: int, logits: Tensor, penalty: float) -> Tensor | None:
-    """Which tokens each row's rationale has written so far, (rows, V) bool: None without a penalty."""
-    return None if penalty == 1.0 else torch.zeros((rows, logits.shape[-1]), dtype=torch.bool, device=logits.device)
+def _written(rows: int, logits: Tensor | None, penalty: float) -> Tensor | None:
+    """Which tokens each row's rationale has written so far, (rows, V) bool: None without a penalty, or
+    without logits (a budget of 0 writes nothing)."""
+    if penalty == 1.0 or logits is None:
+        return None
+    return torch.zeros((rows, logits.shape[-1]), dtype=torch.bool, device=logits.device)
 
 
 def _sampling(eos_token_ids, temperature, rows: int, do_sample: bool, seeds, device):

@@ -336,6 +336,9 @@ def test_a_repetition_penalty_keeps_a_rationale_from_repeating_its_own_tokens(do
     penalised = one_pass_rollouts(model, tokenizer, rows, spans, 12, repetition_penalty=1e6, **decoding)
     assert all(len(set(r)) == len(r) for r in _rationales(penalised))
     assert _rationales(penalised) != _rationales(free)
+    # a budget of 0 writes nothing to penalise: the prompt is pooled as without a penalty
+    prompt_only = one_pass_rollouts(model, tokenizer, rows, spans, 0, **decoding)
+    _assert_same_rollouts(one_pass_rollouts(model, tokenizer, rows, spans, 0, repetition_penalty=1.3, **decoding), prompt_only)
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
