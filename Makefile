@@ -53,7 +53,7 @@ bench: $(VENV)/.installed model
 # from the last checkpoint (run it again after an interruption): step 400 of the [scale] recipe (docs/scale.md section 11,
 # 1.75 CPU hours of steps), then 68 hybrid steps from that adapter (section 12: init_adapter, seed 43, 10 warm-up steps;
 # 0.75 CPU hours on session 9's slower machine, about 0.4 on session 8's). About 2.5-3 hours on a 2-core CPU; then it
-# exports the result into the package.
+# exports the result into the package, to decode with repetition_penalty 1.3 (chosen on dev data, docs/scale.md section 21).
 DEFAULT_STEP := 400
 DEFAULT_RUN := runs/train_default
 CONTINUED_STEP := 68
@@ -70,7 +70,7 @@ train-default: $(VENV)/.installed model
 			init_adapter=$(DEFAULT_RUN)/checkpoint-$$(printf %08d $(DEFAULT_STEP)) warm_start_steps=0 seed=43 \
 			warmup_steps=10 max_steps=$(CONTINUED_STEP) --resume --max-minutes 55 || exit 1; \
 	done
-	$(PY) -m grace_training.export_adapter $(CONTINUED_RUN)/checkpoint-$$(printf %08d $(CONTINUED_STEP))
+	$(PY) -m grace_training.export_adapter $(CONTINUED_RUN)/checkpoint-$$(printf %08d $(CONTINUED_STEP)) --repetition-penalty 1.3
 
 # The [scale] run (docs/scale.md): one chunk of at most 55 minutes a call, resumed from its latest
 # checkpoint; call it again until the run reaches max_steps (warm start, then the hybrid, in one run).

@@ -26,10 +26,17 @@ MAX_BYTES = 20 * 1024 * 1024
 
 
 def export(
-    checkpoint: Path, out: Path, scores: dict | None = None, example: dict | None = None, bfloat16: bool = False
+    checkpoint: Path,
+    out: Path,
+    scores: dict | None = None,
+    example: dict | None = None,
+    bfloat16: bool = False,
+    repetition_penalty: float | None = None,
 ) -> Path:
     """``bfloat16``: store the LoRA matrices rounded to bfloat16 (half the bytes: an r 32 adapter of SmolLM2 fits the
-    package's 20 MiB); they are read back into the float32 model, so score the exported adapter, not the checkpoint."""
+    package's 20 MiB); they are read back into the float32 model, so score the exported adapter, not the checkpoint.
+    ``repetition_penalty``: the decoding setting the default encodes with (training rolls out without one; the
+    shipped value was chosen on dev data after training, docs/scale.md §21); None leaves the encoder's default."""
     adapter = checkpoint / "adapter_model.safetensors"
     if not adapter.is_file():
         raise SystemExit(f"{checkpoint}: no adapter_model.safetensors (train with finetune: lora)")
@@ -60,6 +67,7 @@ def export(
             "max_rationale_tokens": grace["max_rationale_tokens"],
             # the default's prompt limit; training cut prompts shorter only to save time
             "max_input_tokens": DEFAULT_MODEL_CONFIG["max_input_tokens"],
+            **({} if repetition_penalty is None else {"repetition_penalty": repetition_penalty}),
         },
         "training": {**_summary(state["config"]), "step": state["step"], **_averaged_from(checkpoint)},
         # the dev scoreboard's row when given; else the dev slice the run scored at this step (eval_data)
@@ -101,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--scores-label", help="the row of --scores that scored this checkpoint")
     parser.add_argument("--compare-label", action="append", default=[], help="rows shown beside it (e.g. the base)")
     parser.add_argument("--bfloat16", action="store_true", help="store the adapter's matrices in bfloat16 (half the bytes)")
+    parser.add_argument(
+        "--repetition-penalty", type=float, help="the repetition_penalty the default decodes with (default: none, 1)"
+    )
     args = parser.parse_args(argv)
     scores = example = None
     if args.scores:
@@ -114,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         for label in args.compare_label:
             scores.update({f"{k} — {label}": v for k, v in rows[label]["scores"].items() if v is not None})
     method = json.loads((args.checkpoint / "grace_config.json").read_text(encoding="utf-8")).get("method", "grace")
-    print(export(args.checkpoint, args.out or ADAPTER_DIRS[method], scores, example, bfloat16=args.bfloat16))
+    out = args.out or ADAPTER_DIRS[method]
+    print(export(args.checkpoint, out, scores, example, bfloat16=args.bfloat16, repetition_penalty=args.repetition_penalty))
     return 0
 
 

@@ -90,6 +90,17 @@ def test_an_adapter_exported_in_bfloat16_is_half_the_bytes_and_loads_its_rounded
     assert cosine.min() > 0.99
 
 
+def test_an_exported_adapter_carries_the_repetition_penalty_the_default_decodes_with(run, tmp_path):
+    from grace_st.default_model import ADAPTER_SETTINGS, build_trained
+
+    plain = export(run / "checkpoint-00000002", tmp_path / "plain")
+    assert "repetition_penalty" not in json.loads((plain / ADAPTER_SETTINGS).read_text())["encoder"]
+    penalised = export(run / "checkpoint-00000002", tmp_path / "penalised", repetition_penalty=1.3)
+    saved_base(tmp_path / "fresh").save(str(tmp_path / "grace_base"))
+    build_trained(str(tmp_path / "grace_base"), tmp_path / "built", penalised)
+    assert SentenceTransformer(str(tmp_path / "built"), trust_remote_code=True, device="cpu")[0].repetition_penalty == 1.3
+
+
 def test_a_soup_of_runs_at_different_ranks_needs_a_rank_and_is_their_mean(run, tmp_path):
     """Last checkpoints of two runs on one base, at LoRA r 8 and r 4: averaged only with ``--rank`` given, and at
     a rank that holds both deltas (8 + 4) the soup's merged weights are the mean of the runs' merged weights."""
