@@ -90,7 +90,7 @@ def make_tokenizer(template: str = "chatml"):
     return tokenizer
 
 
-def make_model(tokenizer, seed: int = 0, layers: int = 2):
+def make_model(tokenizer, seed: int = 0, layers: int = 2, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
@@ -106,7 +106,7 @@ def make_model(tokenizer, seed: int = 0, layers: int = 2):
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=None,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
