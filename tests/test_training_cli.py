@@ -92,6 +92,7 @@ def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
     assert changed
     loaded = SentenceTransformer(str(path), trust_remote_code=True, device="cpu")
     assert type(loaded[0]).__name__ == "GenerativeEncoder" and loaded.encode(["x"]).shape == (1, 32)
+    assert loaded[0].max_rationale_tokens == 0  # it encodes as it was trained: from the prompt alone
     assert "InfoNCE" in (path / "README.md").read_text()
     # its cost, measured as GRPO's: one line a step with the step's CPU seconds and loss
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
