@@ -40,9 +40,8 @@ def interpolate_weights(tuned: Path, alpha: float, out: Path, base: Path | None 
     lm = model[0].model
     start = AutoModelForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32).state_dict()
     weights = lm.state_dict()
-    mismatched = sorted(
-        name for name in weights if name not in start or start[name].shape != weights[name].shape
-    ) + sorted(name for name in start if name not in weights)
+    shared = weights.keys() & start.keys()
+    mismatched = sorted(weights.keys() ^ start.keys()) + sorted(n for n in shared if start[n].shape != weights[n].shape)
     if mismatched:
         raise SystemExit(
             f"{tuned} and {base} are not one architecture: {len(mismatched)} weights differ in name or shape "
@@ -71,10 +70,14 @@ def interpolate_weights(tuned: Path, alpha: float, out: Path, base: Path | None 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("tuned", type=Path, help="a saved GRACE model with its full weights (e.g. an InfoNCE run's final/)")
+    parser.add_argument(
+        "tuned", type=Path, help="a saved GRACE model with its full weights (e.g. an InfoNCE run's final/)"
+    )
     parser.add_argument("--alpha", type=float, required=True, help="how much of the fine-tuning to keep, in [0, 1]")
     parser.add_argument("--out", type=Path, required=True, help="a new directory")
-    parser.add_argument("--base", type=Path, help="the model the tuned one was trained from (default: the untrained embedded base)")
+    parser.add_argument(
+        "--base", type=Path, help="the model the tuned one was trained from (default: the untrained embedded base)"
+    )
     args = parser.parse_args(argv)
     print(json.dumps(interpolate_weights(args.tuned, args.alpha, args.out, args.base), indent=2))
     return 0

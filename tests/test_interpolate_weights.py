@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer
 from sentence_transformers import SentenceTransformer
+from test_average_adapters import weights as lm_weights
 
 from grace_st import from_causal_lm
 from grace_training.interpolate_weights import INTERPOLATED_FROM, interpolate_weights
@@ -27,10 +28,6 @@ def saved(path, seed: int = 0, layers: int = 2, shift: float = 0.0):
                 weight.add_(shift * torch.randn(weight.shape, generator=generator))
     from_causal_lm(model=lm, tokenizer=tokenizer, max_rationale_tokens=4, device="cpu").save(str(path))
     return path
-
-
-def lm_weights(path) -> dict[str, torch.Tensor]:
-    return SentenceTransformer(str(path), trust_remote_code=True, device="cpu")[0].model.state_dict()
 
 
 def test_every_weight_moves_to_the_interpolated_point_and_the_result_loads(tmp_path):
