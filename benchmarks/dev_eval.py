@@ -194,6 +194,11 @@ def weight_forms() -> dict:
     return {"float32": None, "bfloat16": {"dtype": torch.bfloat16}, "int8": {"weight_quantization": "int8"}}
 
 
+def weights_record(model_kwargs: dict | None) -> dict | None:
+    """A row's --weights as its JSON holds it: ``{"dtype": "torch.bfloat16"}``, not the dtype object."""
+    return None if model_kwargs is None else {key: str(value) for key, value in model_kwargs.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -339,7 +344,7 @@ def main() -> None:
             "model": path,
             "rationale_tokens": model[0].max_rationale_tokens if grace else None,
             "method": getattr(model[0], "method", None),
-            "weights": model_kwargs,
+            "weights": weights_record(model_kwargs),
             "repetition_penalty": model[0].repetition_penalty if grace else None,
             "scores": scores,
             "texts_encoded": encoder.texts,

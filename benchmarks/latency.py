@@ -3,9 +3,9 @@
 Each cell encodes the same real queries one by one (the SciFact claims training holds back, then Banking77
 texts the scoreboard keeps out of training), at one query rationale budget G, with the weights in one form:
 float32 (as saved), bfloat16 (``model_kwargs={"dtype": torch.bfloat16}``) or int8 (``model_kwargs=
-{"weight_quantization": "int8"}``, grace_st.quantization), and float32 as ``encode`` ran before the one-row
-layout (``float32-packed-only``: every product on oneDNN's packed weight, grace_st.packed_linear; the "vs before"
-column). p50/p95 are over the queries, after one warm-up call.
+{"weight_quantization": "int8"}``, grace_st.quantization), and float32 as ``encode`` ran before the native
+single-row step (``float32-pytorch-step``: PyTorch's step, grace_st.one_row_step off; the "vs before" column) or
+before the one-row layout too (``float32-packed-only``, a choice, not run by default). p50/p95 are over the queries, after one warm-up call.
 
 The floor of one query is a roofline over its passes: the prompt pass costs at least the larger of reading
 every weight once and its FLOPs (2 · P · prompt tokens) at the matmul peak of the kernel it runs (bfloat16
@@ -19,7 +19,7 @@ Also per form: the first call a CLI user waits for (a fresh process: load, then 
 against float32 at the same G, the share of queries whose rationale is token for token the same and the
 mean cosine of their embeddings.
 
-    python benchmarks/latency.py                  # float32 / bfloat16 / int8 / float32-packed-only × G 0, 16, 32, 64
+    python benchmarks/latency.py                  # float32 / bfloat16 / int8 / float32-pytorch-step × G 0, 16, 32, 64
     python benchmarks/latency.py --weights float32 int8 --budgets 32 --queries 40
 """
 
@@ -46,10 +46,16 @@ WEIGHTS = {
     "float32": {},
     "bfloat16": {"dtype": torch.bfloat16},
     "int8": {"weight_quantization": "int8"},
-    # float32 as encode ran it before the one-row layout (grace_st.packed_linear): every product on the
-    # packed weight. The "vs before" column divides by this row's p50.
+    # float32 as encode ran it before the native single-row step (grace_st.one_row_step): PyTorch's
+    # step, with the one-row layout. The "vs before" column divides by this row's p50.
+    "float32-pytorch-step": {},
+    "int8-pytorch-step": {"weight_quantization": "int8"},
+    # float32 as encode ran it before the one-row layout (grace_st.packed_linear): PyTorch's step, every
+    # product on the packed weight (session 17's "before").
     "float32-packed-only": {},
 }
+BEFORE = "float32-pytorch-step"
+DEFAULT_WEIGHTS = ["float32", "bfloat16", "int8", BEFORE]
 
 
 def queries(count: int) -> tuple[list[str], str]:
@@ -95,6 +101,8 @@ def load(path: str, weights: str):
     from sentence_transformers import SentenceTransformer
 
     model = SentenceTransformer(path, device="cpu", trust_remote_code=True, model_kwargs=WEIGHTS[weights])
+    if weights.endswith("-pytorch-step") or weights == "float32-packed-only":
+        model[0].decode_options = dataclasses.replace(model[0].decode_options, one_row_kernel=False)
     if weights == "float32-packed-only":
         model[0].decode_options = dataclasses.replace(model[0].decode_options, one_row_layout=False)
     return model
@@ -150,7 +158,7 @@ def _rationale_length(ids: list[int], encoder) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", help="GRACE model directory (default: the embedded trained default)")
-    parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
+    parser.add_argument("--weights", nargs="+", default=DEFAULT_WEIGHTS, choices=list(WEIGHTS))
     parser.add_argument("--budgets", nargs="+", type=int, default=[0, 16, 32, 64])
     parser.add_argument("--queries", type=int, default=100)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
@@ -188,7 +196,7 @@ def main() -> None:
         )
         # The prompt pass's FLOPs at the peak of the kernel it runs: bfloat16 matmuls only where the CPU has
         # bfloat16 kernels; elsewhere bfloat16 weights are emulated and int8's many-row calls run in float32.
-        peak = peaks.get("bfloat16", peaks["float32"]) if weights in ("bfloat16", "int8") else peaks["float32"]
+        peak = peaks.get("bfloat16", peaks["float32"]) if weights.startswith(("bfloat16", "int8")) else peaks["float32"]
         for budget in args.budgets:
             cell = time_queries(model, texts, budget)
             seconds = np.array(cell["seconds"])
@@ -226,7 +234,7 @@ def main() -> None:
             print(json.dumps(row))
         del model
     baseline = {r["budget"]: r["p50_s"] for r in report["rows"] if r["weights"] == "float32"}
-    before = {r["budget"]: r["p50_s"] for r in report["rows"] if r["weights"] == "float32-packed-only"}
+    before = {r["budget"]: r["p50_s"] for r in report["rows"] if r["weights"] == BEFORE}
     print(
         "\n| weights | G | rationale tok | p50 s | p95 s | floor p50 s | % of floor | vs float32 p50 | vs before p50 "
         "| same rationale | cosine | load + first call s |"

@@ -37,6 +37,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .one_row_step import OneRowStep
 from .packed_linear import packed_linears
 
 
@@ -53,6 +54,9 @@ class DecodeOptions:
     # takes effect with packed_linears: a float32 call of one row (batch-1 decoding) runs on the
     # weight laid out as a matrix-vector product reads it fastest (grace_st.packed_linear)
     one_row_layout: bool = True
+    # A single row's decoding step as one native call on every core (grace_st.one_row_step), where
+    # the model, weights and pooled layer allow it; elsewhere the step runs as without it.
+    one_row_kernel: bool = True
     # Sampling by one uniform a row a token (grace_st.generation.inverse_cdf_draw) rather than
     # torch.multinomial: the same distribution, other draws for a given seed. Not an optimisation
     # of the loop, so plain() keeps it; off only to time or reproduce the older sampler.
@@ -69,7 +73,7 @@ class DecodeOptions:
     def plain(cls) -> DecodeOptions:
         return cls(
             preallocated_cache=False, share_prefix=False, drop_finished=False, packed_linears=False,
-            dedupe_prompts=False, merge_adapters=False, one_row_layout=False, decode_rows=None,
+            dedupe_prompts=False, merge_adapters=False, one_row_layout=False, one_row_kernel=False, decode_rows=None,
         )
 
 
@@ -122,6 +126,15 @@ class PreallocatedLayer(DynamicLayer):
         self.length = end
         self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
         return self.keys, self.values
+
+    def advance(self, columns: int) -> None:
+        """Count ``columns`` more as filled: written into the buffers by someone else
+        (:class:`grace_st.one_row_step.OneRowStep`)."""
+        end = self.length + columns
+        if end > self.capacity:
+            raise RuntimeError(f"KV cache of {self.capacity} positions cannot hold {end}")
+        self.length = end
+        self.keys, self.values = self._keys[:, :, :end], self._values[:, :, :end]
 
     def get_seq_length(self) -> int:
         return self.length if self.is_initialized else 0
@@ -227,6 +240,8 @@ class IncrementalDecoder:
         self.rows: Tensor | None = None
         self.mask: Tensor | None = None  # attention mask over the KV cache's columns, for ``rows``
         self.released: Tensor | None = None  # continuous batching: which cache rows no prompt holds now
+        self.one_row: OneRowStep | None | bool = options.one_row_kernel and hidden_layer == -1  # built at first use
+        self.one_row_threads = 0  # the threads the native step runs on (PyTorch's count when it began)
 
     def _forward(self, logits: bool = True, **inputs) -> tuple[Tensor, Tensor | None]:
         """One forward pass: (hidden states of the fed tokens, next-token logits of each row's last one)."""
@@ -400,13 +415,40 @@ class IncrementalDecoder:
         # would put NaN into its keys and values, where a later prompt could meet them behind the mask.
         fed = alive if self.released is None else torch.ones_like(alive)
         self.mask = torch.cat([self.mask, fed[:, None].long()], dim=1)
-        states, logits = self._forward(
-            input_ids=tokens[:, None], attention_mask=self.mask,
-            position_ids=self.mask.sum(1, keepdim=True) - 1, past_key_values=self.kv_cache,
-        )
+        positions = self.mask.sum(1, keepdim=True) - 1
+        fast = self._one_row_step(tokens, positions)
+        if fast is not None:
+            states, logits = fast
+        else:
+            states, logits = self._forward(
+                input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions, past_key_values=self.kv_cache
+            )
         batch_states = states.new_zeros((self.batch, 1, states.shape[-1]))
         batch_states[self.rows] = states
         return batch_states, logits
+
+    def _one_row_step(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The step as one native call (:mod:`grace_st.one_row_step`) when a single row is fed outside
+        continuous batching; None where it does not apply (the caller runs the model's forward)."""
+        if self.one_row is False or len(tokens) != 1 or self.released is not None:
+            return None
+        if self.one_row is True:
+            self.one_row = OneRowStep.for_model(self.model) or False
+        if self.one_row is False or not self.one_row.applies(self.kv_cache, len(tokens)):
+            return None
+        if not self.one_row_threads:
+            # PyTorch's own small ops between native steps (the next token's choice over the whole
+            # vocabulary) run on one thread until the block ends: its other threads would otherwise
+            # spin after each of them on the cores the native step needs (12 % of a step, measured).
+            self.one_row_threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+        return self.one_row(int(tokens[0]), self.kv_cache, self.mask[0], int(positions[0, 0]), self.one_row_threads)
+
+    def close(self) -> None:
+        """Give PyTorch back the threads :meth:`_one_row_step` took."""
+        if self.one_row_threads:
+            torch.set_num_threads(self.one_row_threads)
+            self.one_row_threads = 0
 
 
 def packed_linears_for(model, options: DecodeOptions):
@@ -424,4 +466,8 @@ def incremental_decoder(
     """An :class:`IncrementalDecoder` for one batch, with packed linear layers on if ``options`` say so."""
     options = options or DecodeOptions()
     with packed_linears_for(model, options), _final_hidden_states(model) as captured:
-        yield IncrementalDecoder(model, captured, hidden_layer, options)
+        decoder = IncrementalDecoder(model, captured, hidden_layer, options)
+        try:
+            yield decoder
+        finally:
+            decoder.close()

@@ -75,6 +75,8 @@ class _Layouts:
 # Kept beside the modules, not on them: packed tensors are not picklable and must not reach a state dict.
 _packed: weakref.WeakKeyDictionary[nn.Module, _Layouts] = weakref.WeakKeyDictionary()
 _kernel_ok: bool | None = None  # None until the first packing in this process has been checked
+# Modules whose forward a packed_linears block has swapped for now: patched by us, not by someone else.
+_swapped_here: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def packing_enabled() -> bool:
@@ -158,6 +160,10 @@ def _packed_forward(module: nn.Linear, layouts: _Layouts, one_row_layout: bool, 
     return _product(layouts, module.weight.detach, module.bias, input, one_row_layout)
 
 
+def _patched_elsewhere(module: nn.Module) -> bool:
+    return "forward" in module.__dict__ and module not in _swapped_here
+
+
 def _lora_layer_class():
     try:
         from peft.tuners.lora.layer import Linear
@@ -169,7 +175,7 @@ def _lora_layer_class():
 def _active_lora(module: nn.Module, dtypes: tuple[torch.dtype, ...], lora_class: type | None) -> list[str] | None:
     """The adapters to merge into a PEFT LoRA linear layer's packed weight, or None where the
     merged product would not equal PEFT's forward (or there is nothing to merge)."""
-    if lora_class is None or not isinstance(module, lora_class) or "forward" in module.__dict__:
+    if lora_class is None or not isinstance(module, lora_class) or _patched_elsewhere(module):
         return None
     base = module.base_layer
     if not _packable(base, dtypes) or module.merged or module.disable_adapters or module.fan_in_fan_out:
@@ -194,9 +200,14 @@ def _merged_weight(module: nn.Module, adapters: list[str]) -> Tensor:
     return merged
 
 
-def _packed_merged_weight(module: nn.Module, adapters: list[str]) -> _Layouts:
+def _merged_key(module: nn.Module, adapters: list[str]) -> tuple:
+    """A key that changes whenever a LoRA layer's merged weight may have: its base, its adapters, their scaling."""
     parts = [module.base_layer.weight] + [p.weight for name in adapters for p in (module.lora_A[name], module.lora_B[name])]
-    key = (tuple(tensor_change_key(part) for part in parts), tuple(float(module.scaling[name]) for name in adapters))
+    return (tuple(tensor_change_key(part) for part in parts), tuple(float(module.scaling[name]) for name in adapters))
+
+
+def _packed_merged_weight(module: nn.Module, adapters: list[str]) -> _Layouts:
+    key = _merged_key(module, adapters)
     cached = _packed.get(module)
     if cached is None or cached.key != key:
         cached = _packed[module] = _Layouts(key, _merged_weight(module, adapters))
@@ -254,6 +265,8 @@ def packed_linears(
     lora_class = _lora_layer_class() if merge_adapters else None  # once a block, not once a module
     try:
         for module in model.modules():
+            if module in _swapped_here:  # an enclosing block's: it stays as that block swapped it
+                continue
             adapters = _active_lora(module, dtypes, lora_class)
             if adapters:
                 layouts = _packed_merged_weight(module, adapters)
@@ -261,6 +274,7 @@ def packed_linears(
                     _merged_lora_forward(module, layouts, adapters, one_row_layout, input, *args, **kwargs)
                 )
                 swapped.append(module)
+                _swapped_here.add(module)
                 inside_merged.update(id(child) for child in module.modules() if child is not module)
             elif id(module) not in inside_merged and _packable(module, dtypes):
                 layouts = _packed_weight(module)
@@ -272,6 +286,7 @@ def packed_linears(
     finally:
         for module in swapped:
             del module.forward
+            _swapped_here.discard(module)
 
 
 def matmul_peak_flops(dtype: torch.dtype, size: int = 2048, trials: int = 4, seconds: float = 0.25) -> tuple[float, str]:

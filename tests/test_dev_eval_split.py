@@ -139,3 +139,12 @@ def test_distinct_words_sees_a_rationale_that_repeats_its_topic(dev_eval):
     assert dev_eval.distinct_words("A group of men, wearing a race race race race.") == pytest.approx(6 / 10)
     assert dev_eval.distinct_words("Consumers argue that changes harm choice.") == 1.0
     assert dev_eval.distinct_words(" ... ") is None  # nothing written: not a share of 1 or 0
+
+
+def test_every_weights_form_is_recorded_as_json(dev_eval):
+    """--weights bfloat16 loads with a torch dtype; the row records it as text (a dtype object once
+    failed the report's write after a whole scoreboard)."""
+    records = {name: dev_eval.weights_record(kwargs) for name, kwargs in dev_eval.weight_forms().items()}
+    assert json.loads(json.dumps(records)) == {
+        "float32": None, "bfloat16": {"dtype": "torch.bfloat16"}, "int8": {"weight_quantization": "int8"}
+    }

@@ -1,0 +1,314 @@
+"""One decoding step of a single row as one native call on every core (``one_row_step.c``).
+
+A search box embeds one query at a time: with the shipped budgets, 32 decoding steps at batch 1,
+each a matrix-vector product with every weight. PyTorch runs those on one thread (MKL) or reads
+its blocked layout slowly (oneDNN), and a step dispatches ~400 small operations around them, so
+the loop reached 37-42 % of the bandwidth floor (docs/latency.md). The C step splits the rows of
+every product between threads and does the norms, rotary embedding, cache write and attention in
+between without leaving C. It runs transformers' LlamaDecoderLayer formulas on the same weights
+(a LoRA layer on its merged weight, as :mod:`grace_st.packed_linear` merges it), so its hidden
+states and logits equal the PyTorch loop's to float32 rounding; each row's dot product is summed
+in one fixed order, so an embedding does not depend on the thread count.
+
+It is built with the system's C compiler at first use (``-O3 -march=native``; about a second) into
+``$GRACE_ST_HOME/kernels``, keyed by the source, the flags and this CPU's feature flags. Where it
+does not apply, the step runs as before: no C compiler (logged once), a model other than a plain
+Llama-family decoder (biases, another activation, another block), weights other than float32 or
+grace_st.quantization's int8 on the CPU (bfloat16), autograd on, or pooled states other than the last layer's
+(``hidden_layer`` -1). ``DecodeOptions(one_row_kernel=False)`` turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import weakref
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .default_model import grace_home
+from .packed_linear import _active_lora, _lora_layer_class, _merged_key, _merged_weight
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "one_row_step.c"
+FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
+PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")
+
+
+class _Matrix(ctypes.Structure):
+    _fields_ = [("weight", ctypes.c_void_p), ("scale", ctypes.c_void_p)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        ("input_norm", ctypes.c_void_p),
+        ("post_norm", ctypes.c_void_p),
+        *[(name, _Matrix) for name in PRODUCTS],
+        ("key_cache", ctypes.c_void_p),
+        ("value_cache", ctypes.c_void_p),
+    ]
+
+
+_library_state: dict = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def _compile(compiler: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside its final name, then renamed: another process never loads a half-written library.
+    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
+        built = Path(scratch) / target.name
+        subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True)
+        os.replace(built, target)
+
+
+def library():
+    """The compiled step's entry point, or None where it cannot be built here (logged once)."""
+    if "function" in _library_state:
+        return _library_state["function"]
+    function = None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None or platform.system() == "Windows":
+        logger.info("no C compiler found: single-row decoding runs PyTorch's own step")
+    else:
+        key = hashlib.sha256(
+            "\0".join([SOURCE.read_text(), compiler, *FLAGS, platform.machine(), _cpu_flags()]).encode()
+        )
+        target = grace_home() / "kernels" / f"one_row_step-{key.hexdigest()[:16]}.so"
+        try:
+            if not target.exists():
+                _compile(compiler, target)
+            function = ctypes.CDLL(str(target)).grace_one_row_step
+        except (OSError, subprocess.CalledProcessError) as error:
+            detail = getattr(error, "stderr", b"") or b""
+            logger.info(
+                "the single-row step could not be built (%s %s): PyTorch's own step runs", error, detail.decode()[-500:]
+            )
+    if function is not None:
+        function.restype = ctypes.c_int
+        function.argtypes = [
+            ctypes.POINTER(_Layer),
+            ctypes.c_int,
+            ctypes.c_void_p,
+            _Matrix,
+            *[ctypes.c_int] * 7,
+            ctypes.c_float,
+            ctypes.c_float,
+            ctypes.c_int,
+            ctypes.c_int,
+            *[ctypes.c_void_p] * 6,
+            ctypes.c_int,
+        ]
+    _library_state["function"] = function
+    return function
+
+
+def _pointer(tensor: Tensor) -> int:
+    return tensor.data_ptr()
+
+
+# A LoRA layer's merged weight, kept until the base or the adapter changes (packed_linear's key).
+_merged: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, Tensor]] = weakref.WeakKeyDictionary()
+
+
+def _product(module: nn.Module, lora_class) -> tuple[Tensor, Tensor | None] | None:
+    """What a product with ``module`` multiplies by: (float32 weight, None), a LoRA layer's merged
+    weight, or (int8 rows, float32 scale a row) for grace_st.quantization's layer; None otherwise."""
+    from .quantization import Int8WeightOnlyLinear
+
+    if type(module) is Int8WeightOnlyLinear:
+        if module.bias is not None or module.qweight.device.type != "cpu":
+            return None
+        return module.qweight.contiguous(), module.scale.float().contiguous()
+    if type(module) is nn.Linear:
+        weight = module.weight
+    else:
+        adapters = _active_lora(module, (torch.float32,), lora_class)
+        if not adapters:
+            return None
+        key = _merged_key(module, adapters)
+        cached = _merged.get(module)
+        if cached is None or cached[0] != key:
+            cached = _merged[module] = (key, _merged_weight(module, adapters))
+        weight, module = cached[1], module.base_layer
+    if module.bias is not None or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    return weight.detach().contiguous(), None
+
+
+# model -> (the identity of its tensors, its bound step or None), see OneRowStep.for_model
+_steps: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, OneRowStep | None]] = weakref.WeakKeyDictionary()
+
+
+def _matrix(product: tuple[Tensor, Tensor | None]) -> _Matrix:
+    weight, scale = product
+    return _Matrix(_pointer(weight), None if scale is None else _pointer(scale))
+
+
+def _supported_config(config) -> bool:
+    return (
+        getattr(config, "model_type", None) == "llama"
+        and getattr(config, "hidden_act", None) == "silu"
+        and not getattr(config, "attention_bias", False)
+        and not getattr(config, "mlp_bias", False)
+        and getattr(config, "pretraining_tp", 1) == 1
+    )
+
+
+class OneRowStep:
+    """The C step bound to a model's weights: :meth:`__call__` feeds one token to a one-row
+    :func:`grace_st.decoding.preallocated_cache` and returns the final normed hidden state and the
+    next-token logits, as the model's forward would. Made by :meth:`for_model`."""
+
+    def __init__(self, function, decoder: nn.Module, layers: list[dict], final_norm: Tensor, lm_head: tuple):
+        self.function, self.decoder = function, decoder
+        # kept alive: the C side holds raw pointers to them
+        self.tensors, self.final_norm, self.lm_head = layers, final_norm, lm_head
+        self.lm_head_matrix, self.int8 = _matrix(lm_head), lm_head[1] is not None
+        self.table = (_Layer * len(layers))()
+        for slot, layer in zip(self.table, layers):
+            slot.input_norm, slot.post_norm = _pointer(layer["input_norm"]), _pointer(layer["post_norm"])
+            for name in PRODUCTS:
+                setattr(slot, name, _matrix(layer[name]))
+        config = decoder.config
+        self.hidden, self.vocab = config.hidden_size, lm_head[0].shape[0]
+        attention = decoder.layers[0].self_attn
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = attention.head_dim
+        self.intermediate = config.intermediate_size
+        self.eps = float(decoder.layers[0].input_layernorm.variance_epsilon)
+        self.scale = float(attention.scaling)
+        self.bound_cache: tuple | None = None
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> OneRowStep | None:
+        """The step for ``model`` if it applies (module docstring), else None. Kept for the next call
+        while the model's tensors are the same ones: the step reads them in place, so values written
+        into them are seen; a LoRA layer's merged weight is a copy, so such a model is bound anew each call."""
+        key = tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
+        cached = _steps.get(model)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        step = cls._bind(model)
+        lora_class = _lora_layer_class()
+        if lora_class is None or not any(isinstance(module, lora_class) for module in model.modules()):
+            _steps[model] = (key, step)
+        return step
+
+    @classmethod
+    def _bind(cls, model: nn.Module) -> OneRowStep | None:
+        decoder = model.get_decoder()
+        config = getattr(decoder, "config", None)
+        if config is None or not _supported_config(config) or type(decoder).__name__ != "LlamaModel":
+            return None
+        if type(decoder.embed_tokens) is not nn.Embedding or decoder.embed_tokens.weight.dtype != torch.float32:
+            return None
+        head = model.get_output_embeddings()
+        function = library()
+        if function is None or head is None:
+            return None
+        lora_class = _lora_layer_class()
+        layers = []
+        for layer in decoder.layers:
+            attention, mlp = layer.self_attn, layer.mlp
+            if type(layer).__name__ != "LlamaDecoderLayer" or getattr(attention, "sliding_window", None):
+                return None
+            products = {name: _product(getattr(attention, f"{name}_proj"), lora_class) for name in "qkvo"}
+            products.update(
+                {name: _product(getattr(mlp, f"{name}_proj"), lora_class) for name in ("gate", "up", "down")}
+            )
+            norms = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight}
+            if any(p is None for p in products.values()) or any(n.dtype != torch.float32 for n in norms.values()):
+                return None
+            layers.append({**products, **{name: n.detach().contiguous() for name, n in norms.items()}})
+        lm_head = _product(head, lora_class)
+        norm = decoder.norm.weight.detach()
+        if lm_head is None or norm.dtype != torch.float32:
+            return None
+        # one kind of weight throughout: the C step rounds activations to bfloat16 around every int8 product
+        if len({lm_head[1] is None} | {p[1] is None for layer in layers for p in (layer[n] for n in PRODUCTS)}) > 1:
+            return None
+        return cls(function, decoder, layers, norm.contiguous(), lm_head)
+
+    def applies(self, kv_cache, rows: int) -> bool:
+        """Whether this step can feed the next token of ``rows`` rows into ``kv_cache`` (one row,
+        every layer preallocated and contiguous, autograd off)."""
+        if rows != 1 or torch.is_grad_enabled() or kv_cache is None:
+            return False
+        layers = getattr(kv_cache, "layers", ())
+        return len(layers) == len(self.table) and all(
+            getattr(layer, "is_initialized", False)
+            and hasattr(layer, "_keys")
+            and layer._keys.shape[0] == 1
+            and layer._keys.is_contiguous()
+            and layer._values.is_contiguous()
+            and layer._keys.dtype == torch.float32
+            and layer.length < layer.capacity
+            for layer in layers
+        )
+
+    def __call__(self, token: int, kv_cache, mask: Tensor, position: int, threads: int) -> tuple[Tensor, Tensor] | None:
+        """Feed ``token`` at ``position`` on ``threads`` threads; ``mask``: the row's attention mask
+        over the cache's columns, the new one included. Returns states (1, 1, hidden) and logits (1, vocab), or None
+        when the native step could not get its memory or threads (nothing written)."""
+        layers = kv_cache.layers
+        bound = tuple(layer._keys.data_ptr() for layer in layers)
+        if bound != self.bound_cache:
+            for slot, layer in zip(self.table, layers):
+                slot.key_cache, slot.value_cache = _pointer(layer._keys), _pointer(layer._values)
+            self.bound_cache = bound
+        length, capacity = layers[0].length, layers[0].capacity
+        if mask.shape[-1] != length + 1:
+            raise ValueError(f"the mask covers {mask.shape[-1]} columns, the cache {length} and the new token")
+        embedding = self.decoder.embed_tokens.weight[token].contiguous()
+        positions = torch.tensor([[position]])
+        cos, sin = self.decoder.rotary_emb(embedding[None, None], positions)
+        cos, sin = cos.reshape(-1).float().contiguous(), sin.reshape(-1).float().contiguous()
+        columns = mask.reshape(-1).to(torch.uint8).contiguous()
+        states = torch.empty(1, 1, self.hidden)
+        scores = torch.empty(1, self.vocab)
+        status = self.function(
+            self.table,
+            len(self.table),
+            _pointer(self.final_norm),
+            self.lm_head_matrix,
+            int(self.int8),
+            self.vocab,
+            self.hidden,
+            self.intermediate,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.eps,
+            self.scale,
+            capacity,
+            length,
+            _pointer(columns),
+            _pointer(embedding),
+            _pointer(cos),
+            _pointer(sin),
+            _pointer(states),
+            _pointer(scores),
+            threads,
+        )
+        if status != 0:  # no memory or no thread: nothing was written, the caller runs PyTorch's step
+            return None
+        for layer in layers:
+            layer.advance(1)
+        return states, scores

@@ -1,0 +1,192 @@
+"""The single-row decoding step as one native call (grace_st.one_row_step) against PyTorch's step."""
+
+import logging
+
+import pytest
+import torch
+from conftest import make_lora_model, make_model, make_prompts, make_tokenizer, one_pass_rollouts
+
+from grace_st import one_row_step
+from grace_st.decoding import DecodeOptions
+from grace_st.one_row_step import OneRowStep
+
+needs_compiler = pytest.mark.skipif(one_row_step.library() is None, reason="no C compiler to build the native step")
+PYTORCH_STEP = DecodeOptions(one_row_kernel=False)
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """How many steps the native call took (the test fails if the kernel silently never ran)."""
+    calls = []
+    original = OneRowStep.__call__
+
+    def counted(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(OneRowStep, "__call__", counted)
+    return calls
+
+
+def _assert_same(native, pytorch):
+    assert torch.equal(native.rationale_ids, pytorch.rationale_ids)
+    assert torch.equal(native.pooling_mask, pytorch.pooling_mask)
+    torch.testing.assert_close(native.token_embeddings, pytorch.token_embeddings, atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_row_decoded_alone_gets_pytorch_s_rationale_and_states(tied, do_sample, native_calls):
+    tokenizer, _, rows, spans = make_prompts()
+    model = make_model(tokenizer, tied=tied)
+    for row, span in zip(rows, spans):
+        decoding = {"do_sample": do_sample, "seeds": [11] if do_sample else None}
+        native = one_pass_rollouts(model, tokenizer, [row], [span], 12, **decoding)
+        pytorch = one_pass_rollouts(model, tokenizer, [row], [span], 12, options=PYTORCH_STEP, **decoding)
+        _assert_same(native, pytorch)
+    assert len(native_calls) >= 11 * len(rows) and all(native_calls)
+
+
+@needs_compiler
+def test_the_step_s_logits_and_cache_equal_the_model_s_forward():
+    """One step straight against transformers' forward: the keys and values it writes, the final
+    normed state and every logit."""
+    from grace_st.decoding import preallocated_cache
+
+    _, model, rows, _ = make_prompts()
+    ids = torch.tensor([rows[2]])
+    with torch.no_grad():
+        caches = [preallocated_cache(model, ids.shape[1] + 1) for _ in range(2)]
+        for cache in caches:
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        expected = model(
+            input_ids=torch.tensor([[7]]), past_key_values=caches[0], use_cache=True, output_hidden_states=True
+        )
+        step = OneRowStep.for_model(model)
+        states, logits = step(7, caches[1], torch.ones(ids.shape[1] + 1, dtype=torch.long), ids.shape[1], 2)
+    torch.testing.assert_close(logits, expected.logits[:, -1], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(states, expected.hidden_states[-1], atol=1e-5, rtol=1e-5)
+    for ours, theirs in zip(caches[1].layers, caches[0].layers):
+        assert ours.length == theirs.length
+        torch.testing.assert_close(ours.keys, theirs.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values, theirs.values, atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
+def test_the_thread_count_does_not_change_a_bit():
+    """Each row's dot product is summed in one order whichever thread computes it; PyTorch gets its
+    thread count back when the rollout ends."""
+    tokenizer, model, rows, spans = make_prompts()
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            results.append(one_pass_rollouts(model, tokenizer, rows[2:3], spans[2:3], 12))
+            # PyTorch's ops ran on one thread between native steps; its count is back after the rollout
+            assert torch.get_num_threads() == count
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        assert torch.equal(other.rationale_ids, results[0].rationale_ids)
+        assert torch.equal(other.token_embeddings, results[0].token_embeddings)
+
+
+@needs_compiler
+def test_the_last_row_of_a_batch_decodes_natively_behind_its_padding(native_calls):
+    """Rows that finish leave the batch; the last one left (left padding and a shared prefix in its
+    cache, masked) is decoded by the native step and gets what PyTorch's step gives it."""
+    tokenizer, model, rows, spans = make_prompts()
+    free = one_pass_rollouts(model, tokenizer, rows, spans, 12)
+    written = [[t for t in row if t >= 0] for row in free.rationale_ids.tolist()]
+    # stop every row but the longest prompt's (index 2) early on a token it writes
+    stops = [tokenizer.eos_token_id] + [written[i][1] for i in (0, 1, 3) if written[i][1] not in written[2]]
+    native = one_pass_rollouts(model, tokenizer, rows, spans, 12, stops)
+    pytorch = one_pass_rollouts(model, tokenizer, rows, spans, 12, stops, options=PYTORCH_STEP)
+    _assert_same(native, pytorch)
+    assert any(native_calls), "the surviving row never reached the native step"
+
+
+@needs_compiler
+def test_a_lora_policy_decodes_on_its_merged_weight(native_calls):
+    tokenizer = make_tokenizer()
+    _, _, rows, spans = make_prompts()
+    policy = make_lora_model(tokenizer, seed=4)
+    native = one_pass_rollouts(policy, tokenizer, rows[:1], spans[:1], 10)
+    pytorch = one_pass_rollouts(policy, tokenizer, rows[:1], spans[:1], 10, options=PYTORCH_STEP)
+    _assert_same(native, pytorch)
+    assert all(native_calls) and native_calls
+    # a changed adapter is picked up at the next call, not served from the merged weight of the last
+    with torch.no_grad():
+        for name, parameter in policy.named_parameters():
+            if "lora_B" in name:
+                parameter.mul_(-1)
+    _assert_same(
+        one_pass_rollouts(policy, tokenizer, rows[:1], spans[:1], 10),
+        one_pass_rollouts(policy, tokenizer, rows[:1], spans[:1], 10, options=PYTORCH_STEP),
+    )
+
+
+def test_where_it_does_not_apply_pytorch_s_step_runs(native_calls, monkeypatch):
+    """Another pooled layer, bfloat16 weights, another architecture (biases), and no compiler: the step is never
+    taken, and the rollout is what it was."""
+    tokenizer, model, rows, spans = make_prompts()
+    one_pass_rollouts(model, tokenizer, rows[:1], spans[:1], 6, hidden_layer=1)
+    assert native_calls == []
+
+    assert OneRowStep.for_model(make_model(tokenizer).to(torch.bfloat16)) is None
+    biased = make_model(tokenizer)
+    biased.config.attention_bias = True
+    assert OneRowStep.for_model(biased) is None
+    model.model.layers[0].mlp.up_proj = torch.nn.Linear(32, 64, bias=True)
+    assert OneRowStep.for_model(model) is None
+
+    monkeypatch.setattr(one_row_step, "_library_state", {"function": None})
+    tokenizer, model, rows, spans = make_prompts()
+    assert OneRowStep.for_model(model) is None
+    _assert_same(
+        one_pass_rollouts(model, tokenizer, rows[:1], spans[:1], 6),
+        one_pass_rollouts(model, tokenizer, rows[:1], spans[:1], 6, options=PYTORCH_STEP),
+    )
+    assert native_calls == []
+
+
+def test_a_compiler_that_fails_leaves_pytorch_s_step_and_says_why(monkeypatch, tmp_path, caplog):
+    monkeypatch.setenv("GRACE_ST_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", "false")
+    monkeypatch.setattr(one_row_step, "_library_state", {})
+    with caplog.at_level(logging.INFO, logger="grace_st.one_row_step"):
+        assert one_row_step.library() is None
+    assert "could not be built" in caplog.text
+    assert not list(tmp_path.rglob("*.so"))
+
+
+@needs_compiler
+def test_the_library_is_built_once_into_the_grace_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("GRACE_ST_HOME", str(tmp_path))
+    monkeypatch.setattr(one_row_step, "_library_state", {})
+    assert one_row_step.library() is not None
+    built = list((tmp_path / "kernels").glob("one_row_step-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(one_row_step, "_library_state", {})
+    assert one_row_step.library() is not None
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+@needs_compiler
+def test_int8_weights_decode_natively_as_the_int8_layers_do(native_calls):
+    """grace_st.quantization's layers: int8 rows and a scale a row, inputs and outputs rounded to
+    bfloat16; the native step does the same arithmetic in another order of sums."""
+    from grace_st.quantization import quantize_weights
+
+    tokenizer, model, rows, spans = make_prompts()
+    quantize_weights(model, "int8")
+    for row, span in zip(rows, spans):
+        native = one_pass_rollouts(model, tokenizer, [row], [span], 12)
+        pytorch = one_pass_rollouts(model, tokenizer, [row], [span], 12, options=PYTORCH_STEP)
+        assert torch.equal(native.rationale_ids, pytorch.rationale_ids)
+        torch.testing.assert_close(native.token_embeddings, pytorch.token_embeddings, atol=2e-2, rtol=2e-2)
+    assert native_calls and all(native_calls)
