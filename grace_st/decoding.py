@@ -2,7 +2,7 @@
 
 :func:`grace_st.generation.generate_rollouts` is the method (Eqs. 1–3); it asks an
 :class:`IncrementalDecoder` for the hidden states and next-token logits of the prompts, then of
-one token a row a step. Six optimisations live here, each switched by :class:`DecodeOptions`
+one token a row a step. Seven optimisations live here, each switched by :class:`DecodeOptions`
 and none changing what is computed, only how fast (results differ by float32 rounding at most;
 ``tests/test_generation.py`` checks each against the plain loop and the two-pass reference):
 
@@ -16,6 +16,8 @@ and none changing what is computed, only how fast (results differ by float32 rou
   ``one_row_layout`` a single row's product on the weight laid out as MKL streams it fastest;
 - ``dedupe_prompts``: identical prompts in a batch (the K rollouts of one positive in training)
   are prefilled once and their keys and values copied to every row that shares them;
+- ``one_row_kernel``: a single row's step (a query encoded alone) as one native call on every
+  core (:mod:`grace_st.one_row_step`), where the model and weights allow it;
 - ``decode_rows``: continuous batching. A call with more rows than this decodes that many at
   once, and a row whose rationale has ended hands its cache slot to the next prompt
   (:meth:`IncrementalDecoder.admit`), so a batch does not decode on with fewer and fewer live rows

@@ -284,7 +284,7 @@ static void attend(Step *s, const Layer *layer) {
         for (int d = 0; d < hd; d++) out[d] = 0.0f;
         for (int j = 0; j < columns; j++) {
             if (!s->mask[j]) continue;
-            float p = scores[j] / total;
+            float p = total > 0.0f ? scores[j] / total : 0.0f; /* no column to attend: zeros, not NaN */
             const float *value = values + (size_t)j * hd;
             for (int d = 0; d < hd; d++) out[d] += p * value[d];
         }

@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
 import weakref
 from pathlib import Path
 
@@ -194,7 +195,9 @@ class OneRowStep:
         self.intermediate = config.intermediate_size
         self.eps = float(decoder.layers[0].input_layernorm.variance_epsilon)
         self.scale = float(attention.scaling)
-        self.bound_cache: tuple | None = None
+        # The table with a KV cache's buffers filled in, one a thread: two threads encoding with one model
+        # at once must not write into each other's cache.
+        self.local = threading.local()
 
     @classmethod
     def for_model(cls, model: nn.Module) -> OneRowStep | None:
@@ -269,10 +272,13 @@ class OneRowStep:
         when the native step could not get its memory or threads (nothing written)."""
         layers = kv_cache.layers
         bound = tuple(layer._keys.data_ptr() for layer in layers)
-        if bound != self.bound_cache:
-            for slot, layer in zip(self.table, layers):
+        table = getattr(self.local, "table", None)
+        if getattr(self.local, "bound", None) != bound:
+            table = (_Layer * len(self.table))()
+            ctypes.memmove(table, self.table, ctypes.sizeof(self.table))
+            for slot, layer in zip(table, layers):
                 slot.key_cache, slot.value_cache = _pointer(layer._keys), _pointer(layer._values)
-            self.bound_cache = bound
+            self.local.table, self.local.bound = table, bound
         length, capacity = layers[0].length, layers[0].capacity
         if mask.shape[-1] != length + 1:
             raise ValueError(f"the mask covers {mask.shape[-1]} columns, the cache {length} and the new token")
@@ -284,8 +290,8 @@ class OneRowStep:
         states = torch.empty(1, 1, self.hidden)
         scores = torch.empty(1, self.vocab)
         status = self.function(
-            self.table,
-            len(self.table),
+            table,
+            len(table),
             _pointer(self.final_norm),
             self.lm_head_matrix,
             int(self.int8),

@@ -190,3 +190,38 @@ def test_int8_weights_decode_natively_as_the_int8_layers_do(native_calls):
         assert torch.equal(native.rationale_ids, pytorch.rationale_ids)
         torch.testing.assert_close(native.token_embeddings, pytorch.token_embeddings, atol=2e-2, rtol=2e-2)
     assert native_calls and all(native_calls)
+
+
+@needs_compiler
+def test_two_threads_decoding_with_one_model_keep_to_their_own_caches():
+    """The bound step is shared by a model's callers; each thread fills in its own cache's buffers."""
+    import threading
+
+    from grace_st.decoding import preallocated_cache
+
+    _, model, rows, _ = make_prompts()
+    step = OneRowStep.for_model(model)
+    prompts = [torch.tensor([rows[0]]), torch.tensor([rows[2]])]
+
+    def decode(ids, results, start=None):
+        with torch.no_grad():
+            cache = preallocated_cache(model, ids.shape[1] + 6)
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            if start is not None:
+                start.wait()
+            for offset in range(6):
+                length = ids.shape[1] + offset
+                results.append(step(5 + offset, cache, torch.ones(length + 1, dtype=torch.long), length, 1)[1])
+
+    alone = [[], []]
+    for ids, results in zip(prompts, alone):
+        decode(ids, results)
+    together = [[], []]
+    start = threading.Barrier(2)
+    threads = [threading.Thread(target=decode, args=(ids, results, start)) for ids, results in zip(prompts, together)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for expected, got in zip(alone, together):
+        assert len(got) == 6 and all(torch.equal(a, b) for a, b in zip(expected, got))
