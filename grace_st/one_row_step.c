@@ -46,7 +46,7 @@ typedef struct {
     int n_layers;
     const float *final_norm;
     Matrix lm_head;
-    int int8; /* every product on int8 weights: inputs and outputs rounded to bfloat16 as grace_st.quantization does */
+    int int8; /* every product on int8 weights (the LM head's tells): inputs and outputs rounded to bfloat16 as grace_st.quantization does */
     int vocab, hidden, intermediate, heads, kv_heads, head_dim;
     float eps, scale;
     int capacity, length;
@@ -73,36 +73,6 @@ static inline float dot(const float *restrict w, const float *restrict x, int n)
     for (int width = LANES / 2; width > 0; width /= 2)
         for (int l = 0; l < width; l++) acc[l] += acc[l + width];
     return acc[0];
-}
-
-/* Four rows at once: the same per-row arithmetic as dot(), x read once for four weight rows. */
-static inline void dot4(const float *restrict w, const float *restrict x, int n, float *out) {
-    const float *w0 = w, *w1 = w + n, *w2 = w + 2 * (size_t)n, *w3 = w + 3 * (size_t)n;
-    float a0[LANES] = {0}, a1[LANES] = {0}, a2[LANES] = {0}, a3[LANES] = {0};
-    int j = 0;
-    for (; j + LANES <= n; j += LANES)
-        for (int l = 0; l < LANES; l++) {
-            float xv = x[j + l];
-            a0[l] += w0[j + l] * xv;
-            a1[l] += w1[j + l] * xv;
-            a2[l] += w2[j + l] * xv;
-            a3[l] += w3[j + l] * xv;
-        }
-    for (int l = 0; j + l < n; l++) {
-        float xv = x[j + l];
-        a0[l] += w0[j + l] * xv;
-        a1[l] += w1[j + l] * xv;
-        a2[l] += w2[j + l] * xv;
-        a3[l] += w3[j + l] * xv;
-    }
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; l++) {
-            a0[l] += a0[l + width];
-            a1[l] += a1[l + width];
-            a2[l] += a2[l + width];
-            a3[l] += a3[l + width];
-        }
-    out[0] = a0[0], out[1] = a1[0], out[2] = a2[0], out[3] = a3[0];
 }
 
 /* One int8 weight row with x: each weight converted to float, summed in CHAINS independent sets
@@ -187,26 +157,13 @@ static inline void share(int rows, int thread, int threads, int *begin, int *end
     if (*begin > rows) *begin = rows;
 }
 
-/* out[r] (+)= W[r] . x for rows [begin, end) of an `n`-wide matrix. An int8 matrix scales each
- * row's sum and rounds it to bfloat16 (grace_st.quantization.Int8WeightOnlyLinear's output). */
+/* out[r] (+)= W[r] . x for rows [begin, end) of an `n`-wide matrix, one row at a time, so the
+ * matrix streams in order (blocks of four rows sharing each load of x were no faster). An int8
+ * matrix scales each row's sum and rounds it to bfloat16 (grace_st.quantization.Int8WeightOnlyLinear's output). */
 static void rows_product(Matrix m, const float *x, float *out, int begin, int end, int n, int add) {
-    int r = begin;
-    if (m.scale) {
-        const signed char *w = m.weight;
-        for (; r < end; r++) {
-            float value = bfloat16(dot_int8(w + (size_t)r * n, x, n) * m.scale[r]);
-            out[r] = add ? out[r] + value : value;
-        }
-        return;
-    }
-    const float *w = m.weight;
-    float four[4];
-    for (; r + 4 <= end; r += 4) {
-        dot4(w + (size_t)r * n, x, n, four);
-        for (int i = 0; i < 4; i++) out[r + i] = add ? out[r + i] + four[i] : four[i];
-    }
-    for (; r < end; r++) {
-        float value = dot(w + (size_t)r * n, x, n);
+    for (int r = begin; r < end; r++) {
+        float value = m.scale ? bfloat16(dot_int8((const signed char *)m.weight + (size_t)r * n, x, n) * m.scale[r])
+                              : dot((const float *)m.weight + (size_t)r * n, x, n);
         out[r] = add ? out[r] + value : value;
     }
 }
@@ -348,7 +305,7 @@ static void *start(void *argument) {
 
 /* Returns 0, or -1 when memory or a thread could not be had (the caller falls back). */
 int grace_one_row_step(
-    const Layer *layers, int n_layers, const float *final_norm, Matrix lm_head, int int8, int vocab, int hidden,
+    const Layer *layers, int n_layers, const float *final_norm, Matrix lm_head, int vocab, int hidden,
     int intermediate, int heads, int kv_heads, int head_dim, float eps, float scale, int capacity, int length,
     const unsigned char *mask, const float *embedding, const float *cos, const float *sin, float *states_out,
     float *logits_out, int threads) {
@@ -360,7 +317,7 @@ int grace_one_row_step(
     float *memory = malloc((shared + threads * private) * sizeof(float));
     if (!memory) return -1;
     Step s = {
-        .layers = layers, .n_layers = n_layers, .final_norm = final_norm, .lm_head = lm_head, .int8 = int8,
+        .layers = layers, .n_layers = n_layers, .final_norm = final_norm, .lm_head = lm_head, .int8 = lm_head.scale != NULL,
         .vocab = vocab,
         .hidden = hidden, .intermediate = intermediate, .heads = heads, .kv_heads = kv_heads,
         .head_dim = head_dim, .eps = eps, .scale = scale, .capacity = capacity, .length = length, .mask = mask,

@@ -108,7 +108,7 @@ def library():
             ctypes.c_int,
             ctypes.c_void_p,
             _Matrix,
-            *[ctypes.c_int] * 7,
+            *[ctypes.c_int] * 6,
             ctypes.c_float,
             ctypes.c_float,
             ctypes.c_int,
@@ -181,7 +181,7 @@ class OneRowStep:
         self.function, self.decoder = function, decoder
         # kept alive: the C side holds raw pointers to them
         self.tensors, self.final_norm, self.lm_head = layers, final_norm, lm_head
-        self.lm_head_matrix, self.int8 = _matrix(lm_head), lm_head[1] is not None
+        self.lm_head_matrix = _matrix(lm_head)
         self.table = (_Layer * len(layers))()
         for slot, layer in zip(self.table, layers):
             slot.input_norm, slot.post_norm = _pointer(layer["input_norm"]), _pointer(layer["post_norm"])
@@ -195,9 +195,7 @@ class OneRowStep:
         self.intermediate = config.intermediate_size
         self.eps = float(decoder.layers[0].input_layernorm.variance_epsilon)
         self.scale = float(attention.scaling)
-        # The table with a KV cache's buffers filled in, one a thread: two threads encoding with one model
-        # at once must not write into each other's cache.
-        self.local = threading.local()
+        self.local = threading.local()  # _bind_cache's table, one a thread
 
     @classmethod
     def for_model(cls, model: nn.Module) -> OneRowStep | None:
@@ -251,34 +249,43 @@ class OneRowStep:
 
     def applies(self, kv_cache, rows: int) -> bool:
         """Whether this step can feed the next token of ``rows`` rows into ``kv_cache`` (one row,
-        every layer preallocated and contiguous, autograd off)."""
+        every layer preallocated, contiguous and with a free column, autograd off)."""
         if rows != 1 or torch.is_grad_enabled() or kv_cache is None:
             return False
         layers = getattr(kv_cache, "layers", ())
-        return len(layers) == len(self.table) and all(
-            getattr(layer, "is_initialized", False)
-            and hasattr(layer, "_keys")
-            and layer._keys.shape[0] == 1
+        if len(layers) != len(self.table) or not all(getattr(layer, "_keys", None) is not None for layer in layers):
+            return False
+        return self._bind_cache(layers) and layers[0].length < layers[0].capacity
+
+    def _bind_cache(self, layers) -> bool:
+        """This thread's table with the cache's buffers filled in, made when the buffers change (and
+        checked then): two threads encoding with one model at once must not write into each other's cache."""
+        bound = tuple(layer._keys.data_ptr() for layer in layers)
+        if getattr(self.local, "bound", None) == bound:
+            return True
+        if not all(
+            layer._keys.shape[0] == 1
+            and layer._keys.dtype == torch.float32
             and layer._keys.is_contiguous()
             and layer._values.is_contiguous()
-            and layer._keys.dtype == torch.float32
-            and layer.length < layer.capacity
             for layer in layers
-        )
+        ):
+            return False
+        table = (_Layer * len(self.table))()
+        ctypes.memmove(table, self.table, ctypes.sizeof(self.table))
+        for slot, layer in zip(table, layers):
+            slot.key_cache, slot.value_cache = _pointer(layer._keys), _pointer(layer._values)
+        self.local.table, self.local.bound = table, bound
+        return True
 
     def __call__(self, token: int, kv_cache, mask: Tensor, position: int, threads: int) -> tuple[Tensor, Tensor] | None:
-        """Feed ``token`` at ``position`` on ``threads`` threads; ``mask``: the row's attention mask
-        over the cache's columns, the new one included. Returns states (1, 1, hidden) and logits (1, vocab), or None
-        when the native step could not get its memory or threads (nothing written)."""
+        """Feed ``token`` at ``position`` on ``threads`` threads into ``kv_cache``; ``mask``: the row's attention mask over the cache's columns, the
+        new one included. Returns states (1, 1, hidden) and logits (1, vocab), or None when the
+        native step could not get its memory or threads (nothing written)."""
         layers = kv_cache.layers
-        bound = tuple(layer._keys.data_ptr() for layer in layers)
-        table = getattr(self.local, "table", None)
-        if getattr(self.local, "bound", None) != bound:
-            table = (_Layer * len(self.table))()
-            ctypes.memmove(table, self.table, ctypes.sizeof(self.table))
-            for slot, layer in zip(table, layers):
-                slot.key_cache, slot.value_cache = _pointer(layer._keys), _pointer(layer._values)
-            self.local.table, self.local.bound = table, bound
+        if not self._bind_cache(layers):
+            raise ValueError("the native step takes a one-row, contiguous float32 cache (see applies)")
+        table = self.local.table
         length, capacity = layers[0].length, layers[0].capacity
         if mask.shape[-1] != length + 1:
             raise ValueError(f"the mask covers {mask.shape[-1]} columns, the cache {length} and the new token")
@@ -294,7 +301,6 @@ class OneRowStep:
             len(table),
             _pointer(self.final_norm),
             self.lm_head_matrix,
-            int(self.int8),
             self.vocab,
             self.hidden,
             self.intermediate,
