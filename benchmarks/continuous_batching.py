@@ -20,6 +20,7 @@ Also checks the two ways give the same rationales and embeddings. Prints a table
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import platform
@@ -60,6 +61,16 @@ class StepCounter:
         decoding.IncrementalDecoder.step, decoding.IncrementalDecoder._prefill = self._step, self._prefill
 
 
+def keep_freed_memory() -> None:
+    """glibc's malloc serves blocks over its mmap threshold (at most 32 MB) with fresh pages each time and
+    trims the heap's free top: every large tensor then page-faults its memory in again. Off: no mmap,
+    no trimming."""
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_max = -1, -4  # malloc.h
+    if not (libc.mallopt(m_mmap_max, 0) and libc.mallopt(m_trim_threshold, 2**40)):
+        raise SystemExit("--keep-freed-memory: mallopt refused (not glibc?)")
+
+
 def run_arm(model, texts: list[str], rows: int, stream: bool) -> dict:
     encoder = model[0]
     encoder.decode_options = dataclasses.replace(encoder.decode_options, decode_rows=rows if stream else None)
@@ -82,7 +93,14 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64, help="rows decoded at once, both ways")
     parser.add_argument("--repeats", type=int, default=2, help="each arm this many times, interleaved; best kept")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--keep-freed-memory", action="store_true",
+        help="glibc only: large blocks from the heap and never handed back (mallopt), to measure what the page "
+             "faults of fresh allocations cost; a process-wide setting the library itself never makes",
+    )
     args = parser.parse_args()
+    if args.keep_freed_memory:
+        keep_freed_memory()
 
     path = args.model or grace_st.default_model_path()
     model = grace_st.load(path, device="cpu")
@@ -137,7 +155,7 @@ def main() -> None:
         "model": str(path), "texts": len(texts), "texts_source": source, "rationale_budget": budget,
         "rows_at_once": args.rows, "threads": torch.get_num_threads(), "repeats": args.repeats,
         "machine": platform.processor() or platform.machine(), "arms": rows, "stream_speedup": speedup,
-        "same_rationale_fraction": same, "min_embedding_cosine": cosine,
+        "same_rationale_fraction": same, "min_embedding_cosine": cosine, "keep_freed_memory": args.keep_freed_memory,
     }, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -322,6 +322,11 @@ def test_the_repetition_penalty_divides_positive_logits_and_multiplies_negative_
     written = torch.tensor([[True, True, False], [False, False, False]])
     assert torch.equal(penalise_repeats(logits, written, 2.0), torch.tensor([[1.0, -4.0, 1.0], [2.0, -2.0, 1.0]]))
     assert penalise_repeats(logits, None, 2.0) is logits and penalise_repeats(logits, written, 1.0) is logits
+    # the written entries alone are touched, with CTRL's formula over the whole vocabulary bit for bit
+    logits, written = torch.randn(5, 300), torch.rand(5, 300) < 0.05
+    dense = torch.where(written, torch.where(logits > 0, logits / 1.3, logits * 1.3), logits)
+    before = logits.clone()
+    assert torch.equal(penalise_repeats(logits, written, 1.3), dense) and torch.equal(logits, before)
 
 
 @pytest.mark.parametrize("do_sample", [False, True])
