@@ -259,8 +259,10 @@ class OneRowStep:
 
     def _bind_cache(self, layers) -> bool:
         """This thread's table with the cache's buffers filled in, made when the buffers change (and
-        checked then): two threads encoding with one model at once must not write into each other's cache."""
-        bound = tuple(layer._keys.data_ptr() for layer in layers)
+        checked then): two threads encoding with one model at once must not write into each other's cache.
+        Both buffers of every layer name the table: a new cache can get a freed cache's keys' address and
+        values elsewhere, and a table kept by the keys alone would write into the freed values."""
+        bound = tuple((layer._keys.data_ptr(), layer._values.data_ptr()) for layer in layers)
         if getattr(self.local, "bound", None) == bound:
             return True
         if not all(

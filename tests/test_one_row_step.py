@@ -225,3 +225,28 @@ def test_two_threads_decoding_with_one_model_keep_to_their_own_caches():
         thread.join()
     for expected, got in zip(alone, together):
         assert len(got) == 6 and all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@needs_compiler
+def test_a_new_cache_that_shares_one_buffer_s_address_with_the_last_is_bound_anew():
+    """The allocator can give a new cache the freed keys' address and put its values elsewhere: the
+    step must write into the new values, never through the old table into freed memory."""
+    from grace_st.decoding import preallocated_cache
+
+    _, model, rows, _ = make_prompts()
+    ids = torch.tensor([rows[2]])
+    length = ids.shape[1]
+    with torch.no_grad():
+        first, second = (preallocated_cache(model, length + 2) for _ in range(2))
+        for cache in (first, second):
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        step = OneRowStep.for_model(model)
+        expected = step(7, first, torch.ones(length + 1, dtype=torch.long), length, 1)[1]
+        for old, new in zip(first.layers, second.layers):
+            new._keys = old._keys  # the same keys buffer (the same token goes to the same column), new values
+        logits = step(7, second, torch.ones(length + 1, dtype=torch.long), length, 1)[1]
+    assert torch.equal(logits, expected)
+    for old, new in zip(first.layers, second.layers):
+        assert new.length == length + 1
+        assert torch.equal(new._values[:, :, length], old._values[:, :, length])
+        assert new._values[:, :, length].abs().sum() > 0
