@@ -57,17 +57,36 @@ def main() -> None:
         logits = torch.randn(rows, VOCAB, generator=generator)
         written = torch.zeros(rows, VOCAB, dtype=torch.bool)
         written[torch.arange(rows)[:, None], torch.randint(0, VOCAB, (rows, args.written), generator=generator)] = True
-        same = torch.equal(whole_vocabulary(logits, written, args.penalty), penalise_repeats(logits, written, args.penalty))
-        before = best_ms(lambda: whole_vocabulary(logits, written, args.penalty), args.seconds)
-        after = best_ms(lambda: penalise_repeats(logits, written, args.penalty), args.seconds)
-        results.append({"rows": rows, "whole_vocabulary_ms": before, "written_only_ms": after,
-                        "speedup": before / after, "bit_identical": same})
-        print(f"{rows:>5} {before:>15.3f} {after:>16.3f} {before / after:>8.1f}x {str(same):>5}")
+        same = torch.equal(
+            whole_vocabulary(logits, written, args.penalty), penalise_repeats(logits, written, args.penalty)
+        )
+        before = best_ms(lambda l=logits, w=written: whole_vocabulary(l, w, args.penalty), args.seconds)
+        after = best_ms(lambda l=logits, w=written: penalise_repeats(l, w, args.penalty), args.seconds)
+        results.append(
+            {
+                "rows": rows,
+                "whole_vocabulary_ms": before,
+                "written_only_ms": after,
+                "speedup": before / after,
+                "bit_identical": same,
+            }
+        )
+        print(f"{rows:>5} {before:>15.3f} {after:>16.3f} {before / after:>8.1f}x {same!s:>5}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({
-        "threads": torch.get_num_threads(), "machine": platform.processor() or platform.machine(),
-        "vocabulary": VOCAB, "written_per_row": args.written, "penalty": args.penalty, "cells": results,
-    }, indent=2) + "\n")
+    args.out.write_text(
+        json.dumps(
+            {
+                "threads": torch.get_num_threads(),
+                "machine": platform.processor() or platform.machine(),
+                "vocabulary": VOCAB,
+                "written_per_row": args.written,
+                "penalty": args.penalty,
+                "cells": results,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     print(f"wrote {args.out}")
 
 
