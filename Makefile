@@ -49,28 +49,38 @@ bench: $(VENV)/.installed model
 	$(PY) benchmarks/encode_throughput.py
 	$(PY) benchmarks/decode_ablation.py
 
-# Reproduces the shipped adapter (grace_st/default_adapter) in two stages, each in chunks of at most 55 minutes resumed
-# from the last checkpoint (run it again after an interruption): step 400 of the [scale] recipe (docs/scale.md section 11,
-# 1.75 CPU hours of steps), then 68 hybrid steps from that adapter (section 12: init_adapter, seed 43, 10 warm-up steps;
-# 0.75 CPU hours on session 9's slower machine, about 0.4 on session 8's). About 2.5-3 hours on a 2-core CPU; then it
-# exports the result into the package, to decode with repetition_penalty 1.3 (chosen on dev data, docs/scale.md section 21).
-DEFAULT_STEP := 400
-DEFAULT_RUN := runs/train_default
-CONTINUED_STEP := 68
-CONTINUED_RUN := runs/train_default_continued
+# Reproduces the shipped adapter (grace_st/default_adapter, docs/scale.md section 24) in three steps; the first two run
+# in chunks of at most 55 minutes resumed from the last checkpoint (run it again after an interruption):
+# 1. the yardstick: InfoNCE with full fine-tuning on the [scale] data, stopped at step 455 of its 1000-step run
+#    (section 23: 1.52 CPU hours, 62 minutes on a 2-core AVX-512 CPU);
+# 2. the shipped last stage from it: 100 steps of the hybrid (LoRA r 8, text_kl_coef 1, seed 46; 0.68 CPU hours);
+# 3. the whole delta from the base as a rank-32 LoRA adapter fitted to the layers' inputs on 256 training instances
+#    (grace_training.lowrank_adapter, a few minutes), exported into the package in bfloat16, decoding with
+#    repetition_penalty 1.3 (chosen on dev data, section 21). About 1.5 hours on a 2-core AVX-512 CPU.
+YARDSTICK_RUN := runs/train_default_yardstick
+YARDSTICK_STEP := 455
+STAGE_RUN := runs/train_default_stage
+STAGE_STEP := 100
+LOWRANK_RANK := 32
+LOWRANK_DIR := runs/train_default_lowrank$(LOWRANK_RANK)
 train-default: $(VENV)/.installed model
-	for chunk in 1 2 3 4 5 6; do \
-		[ -d $(DEFAULT_RUN)/checkpoint-$$(printf %08d $(DEFAULT_STEP)) ] && break; \
-		$(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml output_dir=$(DEFAULT_RUN) \
-			max_steps=$(DEFAULT_STEP) --resume --max-minutes 55 || exit 1; \
+	for chunk in 1 2 3 4; do \
+		[ -f $(YARDSTICK_RUN)/trainer/checkpoint-$(YARDSTICK_STEP)/trainer_state.json ] && break; \
+		resume=$$(ls -d $(YARDSTICK_RUN)/trainer/checkpoint-* >/dev/null 2>&1 && echo --resume); \
+		$(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml --method infonce \
+			output_dir=$(YARDSTICK_RUN) finetune=full infonce_learning_rate=1e-5 save_steps=$(YARDSTICK_STEP) \
+			save_total_limit=2 --stop-at-step $(YARDSTICK_STEP) $$resume --max-minutes 55 || exit 1; \
 	done
 	for chunk in 1 2 3; do \
-		[ -d $(CONTINUED_RUN)/checkpoint-$$(printf %08d $(CONTINUED_STEP)) ] && break; \
-		$(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml output_dir=$(CONTINUED_RUN) \
-			init_adapter=$(DEFAULT_RUN)/checkpoint-$$(printf %08d $(DEFAULT_STEP)) warm_start_steps=0 seed=43 \
-			warmup_steps=10 max_steps=$(CONTINUED_STEP) --resume --max-minutes 55 || exit 1; \
+		[ -d $(STAGE_RUN)/checkpoint-$$(printf %08d $(STAGE_STEP)) ] && break; \
+		$(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml \
+			model_name_or_path=$(YARDSTICK_RUN)/final output_dir=$(STAGE_RUN) warm_start_steps=0 seed=46 'eval_data=[]' \
+			save_steps=25 --stop-at-step $(STAGE_STEP) --resume --max-minutes 55 || exit 1; \
 	done
-	$(PY) -m grace_training.export_adapter $(CONTINUED_RUN)/checkpoint-$$(printf %08d $(CONTINUED_STEP)) --repetition-penalty 1.3
+	rm -rf $(LOWRANK_DIR)
+	$(PY) -m grace_training.lowrank_adapter $(STAGE_RUN)/checkpoint-$$(printf %08d $(STAGE_STEP)) \
+		--rank $(LOWRANK_RANK) --config grace_training/configs/scale_grace.yaml --out $(LOWRANK_DIR)
+	$(PY) -m grace_training.export_adapter $(LOWRANK_DIR) --bfloat16 --repetition-penalty 1.3
 
 # The [scale] run (docs/scale.md): one chunk of at most 55 minutes a call, resumed from its latest
 # checkpoint; call it again until the run reaches max_steps (warm start, then the hybrid, in one run).

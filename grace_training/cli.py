@@ -4,6 +4,7 @@ grace-train --config grace_training/configs/cpu_smollm2.yaml                 # t
 grace-train --config FILE max_steps=10 output_dir=runs/x              # key=value overrides
 grace-train --config FILE --resume                                    # continue the latest checkpoint
 grace-train --config FILE --resume --max-minutes 55                   # one chunk of a long run
+grace-train --config FILE --stop-at-step 100                          # a point of a longer run (its schedule, its data order)
 grace-train --config FILE --resume --allow-config-change num_rollouts=4  # change what a resumed run trains
 grace-train --config FILE --overwrite-output-dir                      # start over where an earlier run is
 grace-train --config FILE --dry-run                                   # validate, print the plan
@@ -66,6 +67,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="M",
         help="train one chunk: stop at the first step that ends after M minutes, with a checkpoint; "
         "--resume continues it (long runs in chunks, e.g. 55 for sessions of an hour)",
+    )
+    parser.add_argument(
+        "--stop-at-step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="stop at step N with a checkpoint, short of max_steps: the run's schedule and data order stay those of "
+        "max_steps (a model taken part-way through a longer run, as docs/scale.md §23 took the yardstick at 455 of "
+        "1000 steps); --resume continues it",
     )
     parser.add_argument(
         "--method",
@@ -149,6 +159,8 @@ def plan(config: GRPOConfig, sample: int = 256) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        return _refuse(f"--stop-at-step {args.stop_at_step}: give a step of at least 1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         overrides = list(args.overrides)
@@ -174,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"config": config.to_dict(), "plan": summary}, indent=2))
         return 0
     if method == "infonce":
-        return _train_infonce(config, directory, args.max_minutes, args.resume)
+        return _train_infonce(config, directory, args.max_minutes, args.resume, args.stop_at_step)
     from .trainer import GRPOTrainer
 
     try:
@@ -183,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         trainer = GRPOTrainer(
             config, overwrite_output_dir=args.overwrite_output_dir, allow_config_change=args.allow_config_change
         )
-        result = trainer.train(resume=args.resume, max_minutes=args.max_minutes)
+        result = trainer.train(resume=args.resume, max_minutes=args.max_minutes, stop_at_step=args.stop_at_step)
     except ConfigError as error:  # what only the data or the process count shows (the dry run shows it too)
         return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
     except CheckpointError as error:  # --resume with no loadable checkpoint: not a crash, a decision to make
@@ -195,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train_infonce(
-    config: GRPOConfig, directory: dict[str, Any], max_minutes: float | None, resume: bool | str
+    config: GRPOConfig,
+    directory: dict[str, Any],
+    max_minutes: float | None,
+    resume: bool | str,
+    stop_at_step: int | None = None,
 ) -> int:
     """The InfoNCE baseline, in a directory it owns as a GRPO run does; ``--max-minutes`` ends a chunk
     with a checkpoint and ``--resume`` goes on from it."""
@@ -210,7 +226,12 @@ def _train_infonce(
             claim_output_dir(config.output_dir, **directory)
     except OutputDirError as error:
         return _refuse(str(error))
-    path = train_infonce(config, max_minutes=max_minutes, resume=str(checkpoint[0]) if checkpoint else False)
+    path = train_infonce(
+        config,
+        max_minutes=max_minutes,
+        resume=str(checkpoint[0]) if checkpoint else False,
+        stop_at_step=stop_at_step,
+    )
     print(f"InfoNCE baseline saved to {path}")
     return 0
 

@@ -93,11 +93,11 @@ def infonce_datasets(rows: list[Triplet], config: GRPOConfig, batch_size: int):
     return DatasetDict(datasets), routes
 
 
-def step_cost_callback(metrics: MetricsLogger, max_minutes: float | None = None):
+def step_cost_callback(metrics: MetricsLogger, max_minutes: float | None = None, stop_at_step: int | None = None):
     """A ``TrainerCallback`` that measures the baseline as GRPO is measured, so the two can be compared at
     equal CPU hours: each optimizer step's CPU seconds of this process (``time/step_cpu_s``, whatever else
     ran) with the step's loss, one line a step in ``metrics.jsonl``; and GRPO's ``--max-minutes``: the run
-    stops (and is saved) at the first step that ends past that much wall time."""
+    stops (and is saved) at the first step that ends past that much wall time, or at ``stop_at_step``."""
     from transformers import TrainerCallback
 
     class StepCost(TrainerCallback):
@@ -119,13 +119,17 @@ def step_cost_callback(metrics: MetricsLogger, max_minutes: float | None = None)
             self.pending, self.cpu = {"step": state.global_step, "time/step_cpu_s": now - self.cpu}, now
             if state.global_step >= state.max_steps:
                 control.should_save = False  # the Trainer's save at the last step: `final` holds the result
-            elif self.deadline is not None and time.monotonic() > self.deadline:
+            elif (self.deadline is not None and time.monotonic() > self.deadline) or (
+                stop_at_step is not None and state.global_step >= stop_at_step
+            ):
                 control.should_training_stop = True
                 control.should_save = True  # the next chunk resumes from this step
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if self.pending is not None and self.pending["step"] == state.global_step:
-                self.pending.update({k: v for k, v in (logs or {}).items() if k in ("loss", "grad_norm", "learning_rate")})
+                self.pending.update(
+                    {k: v for k, v in (logs or {}).items() if k in ("loss", "grad_norm", "learning_rate")}
+                )
                 self.flush()
 
         def on_train_end(self, args, state, control, **kwargs):
@@ -180,11 +184,13 @@ def train_infonce(
     train_data: list[Triplet] | None = None,
     max_minutes: float | None = None,
     resume: bool | str = False,
+    stop_at_step: int | None = None,
 ) -> Path:
     """Fine-tune with MNRL on ``config.train_data``; returns ``<output_dir>/final`` (a GRACE model directory).
 
     ``max_minutes``: stop at the first step past that wall time (:func:`step_cost_callback`), with a
-    checkpoint there. ``resume``: go on from the newest checkpoint under ``<output_dir>/trainer``, or from
+    checkpoint there; ``stop_at_step``: stop at that step, with a checkpoint (``final`` holds the model where a run
+    stops, whichever way). ``resume``: go on from the newest checkpoint under ``<output_dir>/trainer``, or from
     the checkpoint directory given (sentence-transformers' Trainer restores the weights, AdamW's moments, the RNG states and the data
     position: the run goes on as if it had not stopped), so the yardstick can run for as many CPU hours
     as a GRACE run, one chunk at a time. The Trainer's optimizer and RNG files are ``torch.save``
@@ -230,6 +236,9 @@ def train_infonce(
     known = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
     args = SentenceTransformerTrainingArguments(**{k: v for k, v in arguments.items() if k in known})
     checkpoint = resume_checkpoint(output, resume)
+    if checkpoint and stop_at_step is not None and checkpoint[1] >= stop_at_step:
+        logger.info("InfoNCE baseline: the checkpoint at step %d is already at --stop-at-step", checkpoint[1])
+        return output / "final"
     metrics = MetricsLogger(
         output,
         config.report_to,
@@ -237,7 +246,11 @@ def train_infonce(
         resume_step=checkpoint[1] if checkpoint else None,
     )
     trainer = SentenceTransformerTrainer(
-        model=st, args=args, train_dataset=dataset, loss=loss, callbacks=[step_cost_callback(metrics, max_minutes)]
+        model=st,
+        args=args,
+        train_dataset=dataset,
+        loss=loss,
+        callbacks=[step_cost_callback(metrics, max_minutes, stop_at_step)],
     )
     if checkpoint:
         logger.info("InfoNCE baseline: resuming from %s (step %d)", checkpoint[0], checkpoint[1])

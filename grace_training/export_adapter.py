@@ -69,7 +69,12 @@ def export(
             "max_input_tokens": DEFAULT_MODEL_CONFIG["max_input_tokens"],
             **({} if repetition_penalty is None else {"repetition_penalty": repetition_penalty}),
         },
-        "training": {**_summary(state["config"]), "step": state["step"], **_averaged_from(checkpoint)},
+        "training": {
+            **_summary(state["config"]),
+            "step": state["step"],
+            **_averaged_from(checkpoint),
+            **_lowrank_from(checkpoint),
+        },
         # the dev scoreboard's row when given; else the dev slice the run scored at this step (eval_data)
         "scores": scores or _slice_scores(state),
         # a rationale the shipped model writes (dev_eval records some), else one from training
@@ -87,9 +92,22 @@ def _averaged_from(checkpoint: Path) -> dict:
     return {"averaged_from": json.loads(path.read_text(encoding="utf-8"))} if path.is_file() else {}
 
 
+def _lowrank_from(checkpoint: Path) -> dict:
+    """What a low-rank adapter (``lowrank_adapter``) approximates, at which rank, and how much it kept; empty for a
+    trained adapter. ``training`` above is then the approximated model's last stage."""
+    from .lowrank_adapter import LOWRANK_FROM
+
+    path = checkpoint / LOWRANK_FROM
+    return {"lowrank_from": json.loads(path.read_text(encoding="utf-8"))} if path.is_file() else {}
+
+
 def _slice_scores(state: dict) -> dict | None:
     """The checkpoint's own dev-slice scores (``eval/...`` at its step), named as such; None without any."""
-    scores = {key.removeprefix("eval/"): value for key, value in (state.get("scores") or {}).items() if key.startswith("eval/")}
+    scores = {
+        key.removeprefix("eval/"): value
+        for key, value in (state.get("scores") or {}).items()
+        if key.startswith("eval/")
+    }
     return {f"dev slice at step {state['step']}: {key}": value for key, value in scores.items()} or None
 
 
@@ -103,12 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument(
-        "--out", type=Path, help="default: the package's adapter directory of the checkpoint's method (grace_st/default_adapter, gircse_adapter)"
+        "--out",
+        type=Path,
+        help="default: the package's adapter directory of the checkpoint's method (grace_st/default_adapter, gircse_adapter)",
     )
     parser.add_argument("--scores", type=Path, help="a dev_eval.py / quality_study.py JSON")
     parser.add_argument("--scores-label", help="the row of --scores that scored this checkpoint")
     parser.add_argument("--compare-label", action="append", default=[], help="rows shown beside it (e.g. the base)")
-    parser.add_argument("--bfloat16", action="store_true", help="store the adapter's matrices in bfloat16 (half the bytes)")
+    parser.add_argument(
+        "--bfloat16", action="store_true", help="store the adapter's matrices in bfloat16 (half the bytes)"
+    )
     parser.add_argument(
         "--repetition-penalty", type=float, help="the repetition_penalty the default decodes with (default: none, 1)"
     )
@@ -126,7 +148,11 @@ def main(argv: list[str] | None = None) -> int:
             scores.update({f"{k} — {label}": v for k, v in rows[label]["scores"].items() if v is not None})
     method = json.loads((args.checkpoint / "grace_config.json").read_text(encoding="utf-8")).get("method", "grace")
     out = args.out or ADAPTER_DIRS[method]
-    print(export(args.checkpoint, out, scores, example, bfloat16=args.bfloat16, repetition_penalty=args.repetition_penalty))
+    print(
+        export(
+            args.checkpoint, out, scores, example, bfloat16=args.bfloat16, repetition_penalty=args.repetition_penalty
+        )
+    )
     return 0
 
 

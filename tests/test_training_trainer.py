@@ -94,6 +94,7 @@ def test_end_to_end_steps_write_metrics_and_a_loadable_checkpoint(tmp_path):
 
 def test_the_dev_slice_is_the_same_whatever_the_runs_seed(tmp_path):
     """eval_max_examples samples with eval_seed, not seed: two runs' curves score the same texts."""
+
     def slice_of(**overrides):
         trainer = GRPOTrainer(
             config(tmp_path, eval_max_examples=3, **overrides), model=make_st_model(), train_data=DATA, eval_data=DATA
@@ -161,6 +162,30 @@ def test_a_run_in_timed_chunks_equals_a_straight_run(tmp_path):
         return [(r["step"], r.get("reward/final"), r.get("eval/toy/accuracy")) for r in rows]
 
     assert log(tmp_path / "b") == log(tmp_path / "a")
+
+
+def test_stop_at_step_takes_a_point_of_the_longer_run_and_resume_goes_on_from_it(tmp_path):
+    """``stop_at_step`` (grace-train --stop-at-step): the run stops there with a checkpoint holding the straight
+    run's weights at that step (its schedule and data order are max_steps'); a call that asks for the same stop
+    again trains nothing, and one without it goes on to max_steps as the straight run did."""
+    straight = make_st_model()
+    GRPOTrainer(config(tmp_path / "a", max_steps=3, save_steps=1), model=straight, train_data=DATA).train()
+    cfg = config(tmp_path / "b", max_steps=3, save_steps=0)
+    assert GRPOTrainer(cfg, model=make_st_model(), train_data=DATA).train(stop_at_step=2)["step"] == 2
+    assert latest_checkpoint(cfg.output_dir).name == "checkpoint-00000002"
+    at_two = SentenceTransformer(str(latest_checkpoint(cfg.output_dir)), trust_remote_code=True, device="cpu")
+    expected = weights(
+        SentenceTransformer(str(tmp_path / "a" / "run" / "checkpoint-00000002"), trust_remote_code=True, device="cpu")
+    )
+    for key, value in weights(at_two).items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
+
+    assert GRPOTrainer(cfg, model=make_st_model(), train_data=DATA).train(resume=True, stop_at_step=2)["step"] == 2
+    resumed = make_st_model()
+    assert GRPOTrainer(cfg, model=resumed, train_data=DATA).train(resume=True)["step"] == 3
+    expected = weights(straight)
+    for key, value in weights(resumed).items():
+        torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
 
 
 def test_a_crash_while_saving_leaves_no_partial_checkpoint(tmp_path, monkeypatch):

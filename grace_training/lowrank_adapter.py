@@ -1,0 +1,283 @@
+"""A fully fine-tuned GRACE model as a LoRA adapter on its base: the shippable form of a full fine-tuning.
+
+The package ships adapters on the embedded base (``grace_st/default_adapter``, at most 20 MiB), so a model trained
+with ``finetune: full`` (or a LoRA stage on top of one, docs/scale.md §23) ships only as a low-rank approximation of
+its weight delta. Each linear layer of the decoder gets ΔW = W_tuned − W_base cut to rank r, written as PEFT's
+``lora_B @ lora_A`` (``lora_alpha = r``, so the scaling is 1):
+
+- plain: the truncated SVD of ΔW, the rank-r matrix nearest ΔW (Eckart–Young);
+- ``calibration`` > 0 (the default): the rank-r matrix that moves the layer's *outputs* least on real prompts,
+  min ‖(ΔW − ΔW_r) X‖ over the inputs X the tuned layer sees when it encodes texts of the training data (their
+  prompts and rationales, as ``encode`` runs them). With the inputs' Gram matrix C = X Xᵀ = L Lᵀ that is the SVD of
+  ΔW L cut to rank r and mapped back by L⁻¹ (as in SVD-LLM, Wang et al. 2024). Directions the inputs never take
+  cost nothing to drop.
+
+    python -m grace_training.lowrank_adapter runs/yl_grace/checkpoint-00000100 --rank 32 --out runs/yl_lowrank32 \
+        --config grace_training/configs/scale_grace.yaml
+
+The output is a saved GRACE adapter model on the base (``dev_eval.py PATH@saved`` scores it,
+``export_adapter PATH --bfloat16`` ships it), with the tuned model's encoder settings and ``lowrank_from.json``: what
+it approximates and how much of the delta each kind of layer kept. The tuned model's embeddings and norm weights
+are not carried (the base's stay); the summary reports their share of the delta.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+LOWRANK_FROM = "lowrank_from.json"
+# every linear layer of a decoder block; the LM head is tied to the embeddings, which are not carried
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def lowrank_factors(
+    delta: torch.Tensor, rank: int, gram: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A, B)`` with ``B @ A`` the rank-``rank`` approximation of ``delta`` (out × in): the truncated SVD, or with
+    ``gram`` (the layer's input Gram matrix, in × in) the one nearest in the layer's outputs on those inputs.
+    The singular values are split evenly between the two factors, so neither is far larger than the other."""
+    delta = delta.double()
+    if gram is None:
+        u, s, vh = torch.linalg.svd(delta, full_matrices=False)
+        right = vh[:rank]
+    else:
+        gram = gram.double()
+        # damping: a direction no calibration input took must not blow up L⁻¹
+        gram = gram + 1e-4 * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+        lower = torch.linalg.cholesky(gram)
+        u, s, vh = torch.linalg.svd(delta @ lower, full_matrices=False)
+        # right = vh_r L⁻¹, i.e. the solution X of X L = vh_r
+        right = torch.linalg.solve_triangular(lower, vh[:rank], upper=False, left=False)
+    root = s[:rank].sqrt()
+    return (root[:, None] * right).float(), (u[:, :rank] * root).float()
+
+
+class InputGrams:
+    """Σ x xᵀ over every input row each target linear layer sees while hooked (float64)."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]):
+        self.grams: dict[str, torch.Tensor] = {}
+        self.tokens = 0
+        modules = dict(model.named_modules())
+        self._hooks = [modules[name].register_forward_hook(self._hook(name)) for name in names]
+
+        self._last: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+
+    def _hook(self, name: str):
+        def accumulate(module, inputs, output):
+            last_input, gram = self._last
+            if inputs[0] is not last_input:  # q/k/v (and gate/up) read one tensor: one product for the three
+                rows = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
+                gram = rows.T @ rows
+                self._last = (inputs[0], gram)
+            self.grams[name] = self.grams[name] + gram if name in self.grams else gram.clone()
+
+        return accumulate
+
+    def remove(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+
+
+def calibration_texts(config: Path, count: int, seed: int) -> list[tuple[str, list[str]]]:
+    """``count`` training instances of a ``grace-train`` config, as (prompt type, texts) groups: each instance's
+    query and positive, by the roles training encodes them with (a symmetric pair: both ``default``)."""
+    import yaml
+
+    from .data import load_data
+
+    settings = yaml.safe_load(config.read_text(encoding="utf-8"))
+    rows, _ = load_data(settings["train_data"], data_dir=settings.get("data_dir"), seed=seed)
+    rows = random.Random(seed).sample(rows, min(count, len(rows)))
+    groups: dict[str, list[str]] = {"default": [], "query": [], "document": []}
+    for row in rows:
+        groups["default" if row.symmetric else "query"].append(row.query)
+        groups["default" if row.symmetric else "document"].append(row.positive)
+    return [(kind, texts) for kind, texts in groups.items() if texts]
+
+
+@torch.no_grad()
+def encoded_sequences(model, groups: list[tuple[str, list[str]]], batch_size: int = 16) -> list[torch.Tensor]:
+    """Each text's prompt followed by the rationale the model writes for it: the tokens ``encode`` runs through the
+    LM for that text (Eq. 3's sequence)."""
+    encoder = model[0]
+    sequences = []
+    for kind, texts in groups:
+        for start in range(0, len(texts), batch_size):
+            features = encoder.preprocess(texts[start : start + batch_size], task=kind)
+            out = encoder.forward(features, task=kind)
+            for prompt, mask, rationale in zip(
+                features["input_ids"], features["attention_mask"], out["rationale_token_ids"][:, 0]
+            ):
+                sequences.append(torch.cat([prompt[mask.bool()], rationale[rationale >= 0]]))
+    return sequences
+
+
+@torch.no_grad()
+def lowrank_adapter(
+    tuned: Path,
+    out: Path,
+    rank: int,
+    *,
+    base: Path | None = None,
+    config: Path | None = None,
+    calibration: int = 256,
+    seed: int = 0,
+) -> dict:
+    """Write ``tuned``'s delta from ``base`` as a rank-``rank`` LoRA adapter model into ``out``; return the summary."""
+    from peft import LoraConfig, get_peft_model
+
+    from grace_st import default_model_path
+    from grace_st.loading import load
+
+    if rank < 1:
+        raise SystemExit(f"--rank {rank}: give a rank of at least 1")
+    if out.exists():
+        raise SystemExit(f"{out} exists: give a new directory")
+    if calibration and config is None:
+        raise SystemExit("--calibration needs --config: the grace-train config whose training data the texts come from")
+    base = base or Path(default_model_path(trained=False))
+    tuned_model, model = load(str(tuned), device="cpu"), load(str(base), device="cpu")
+    tuned_lm, lm = tuned_model[0].model, model[0].model
+    tuned_weights, base_weights = tuned_lm.state_dict(), lm.state_dict()
+    if tuned_weights.keys() != base_weights.keys() or any(
+        tuned_weights[k].shape != base_weights[k].shape for k in base_weights
+    ):
+        raise SystemExit(f"{tuned} and {base} are not one architecture: their weights differ in names or shapes")
+    names = [
+        name
+        for name, module in lm.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in TARGET_MODULES
+    ]
+    if not names:
+        raise SystemExit(f"{base}: no linear layer named {', '.join(TARGET_MODULES)}")
+
+    grams, tokens = {}, 0
+    if calibration:
+        groups = calibration_texts(config, calibration, seed)
+        sequences = encoded_sequences(tuned_model, groups)
+        hooks = InputGrams(tuned_lm, names)
+        try:
+            for sequence in sequences:
+                tuned_lm(input_ids=sequence[None], use_cache=False)
+        finally:
+            hooks.remove()
+        grams, tokens = hooks.grams, sum(len(s) for s in sequences)
+
+    lora = LoraConfig(
+        r=rank,
+        lora_alpha=rank,
+        lora_dropout=0.0,
+        target_modules=list(TARGET_MODULES),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    peft_model = get_peft_model(lm, lora)
+    layers = dict(peft_model.base_model.model.named_modules())
+    kept: dict[str, list[float]] = {}
+    for name in names:
+        delta = tuned_weights[f"{name}.weight"] - base_weights[f"{name}.weight"]
+        a, b = lowrank_factors(delta, rank, grams.get(name))
+        layers[name].lora_A["default"].weight.copy_(a)
+        layers[name].lora_B["default"].weight.copy_(b)
+        gram = grams.get(name)
+        error = delta - b @ a
+        # the share of the delta's energy kept: in the weights, and in the layer's outputs on the calibration inputs
+        kind = kept.setdefault(name.rsplit(".", 1)[-1], [0.0, 0.0, 0.0, 0.0])
+        kind[0] += float(error.pow(2).sum())
+        kind[1] += float(delta.pow(2).sum())
+        if gram is not None:
+            kind[2] += float(((error.double() @ gram) * error.double()).sum())
+            kind[3] += float(((delta.double() @ gram) * delta.double()).sum())
+
+    carried = {f"{name}.weight" for name in names}
+    # tied weights (the LM head and the embeddings) are one tensor under two names: count it once
+    untied = {tuned_weights[k].data_ptr(): k for k in reversed(list(base_weights)) if k not in carried}
+    outside = sum(float((tuned_weights[k] - base_weights[k]).pow(2).sum()) for k in untied.values())
+    inside = sum(float((tuned_weights[k] - base_weights[k]).pow(2).sum()) for k in carried)
+    encoder, tuned_encoder = model[0], tuned_model[0]
+    for key in encoder.config_keys:
+        if key != "weights_revision":
+            setattr(encoder, key, getattr(tuned_encoder, key))
+    encoder.model = peft_model
+    model.save(str(out))
+    _copy_training_state(tuned, out)
+    summary = {
+        "tuned": str(tuned),
+        **_trained_from(tuned),
+        "base": str(base),
+        "rank": rank,
+        "calibration": {"instances": calibration, "tokens": tokens, "config": str(config), "seed": seed}
+        if calibration
+        else None,
+        # share of the delta's energy (‖ΔW‖²) not in the decoder's linear layers: embeddings and norms, not carried
+        "delta_share_not_carried": outside / (outside + inside),
+        "kept_by_layer": {
+            kind: {
+                "weights": 1 - e / d,
+                **({"outputs_on_calibration": 1 - ge / gd} if gd else {}),
+            }
+            for kind, (e, d, ge, gd) in kept.items()
+        },
+    }
+    (out / LOWRANK_FROM).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return summary
+
+
+def _trained_from(tuned: Path) -> dict:
+    """The tuned model's own start and step when it is a grace-train checkpoint (a stage on a full fine-tuning)."""
+    state = tuned / "trainer_state" / "state.json"
+    if not state.is_file():
+        return {}
+    saved = json.loads(state.read_text(encoding="utf-8"))
+    return {"tuned_from": saved["config"].get("model_name_or_path"), "tuned_steps": saved["step"]}
+
+
+def _copy_training_state(tuned: Path, out: Path) -> None:
+    """The last stage's ``trainer_state/state.json`` (its config and step, for ``export_adapter``'s summary), not its
+    optimizer state, which belongs to the full-rank run."""
+    state = tuned / "trainer_state" / "state.json"
+    if state.is_file():
+        (out / "trainer_state").mkdir(exist_ok=True)
+        shutil.copyfile(state, out / "trainer_state" / "state.json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "tuned", type=Path, help="a saved GRACE model: full weights, or an adapter on a full-weight model"
+    )
+    parser.add_argument("--rank", type=int, required=True, help="the LoRA rank of every layer")
+    parser.add_argument("--out", type=Path, required=True, help="a new directory")
+    parser.add_argument("--base", type=Path, help="the adapter's base (default: the untrained embedded base)")
+    parser.add_argument("--config", type=Path, help="a grace-train config: its training data are the calibration texts")
+    parser.add_argument(
+        "--calibration",
+        type=int,
+        default=256,
+        help="training instances whose prompts and rationales calibrate the approximation (0: the plain SVD)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="which instances")
+    args = parser.parse_args(argv)
+    summary = lowrank_adapter(
+        args.tuned,
+        args.out,
+        args.rank,
+        base=args.base,
+        config=args.config,
+        calibration=args.calibration,
+        seed=args.seed,
+    )
+    print(json.dumps(summary, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
