@@ -127,9 +127,7 @@ def step_cost_callback(metrics: MetricsLogger, max_minutes: float | None = None,
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if self.pending is not None and self.pending["step"] == state.global_step:
-                self.pending.update(
-                    {k: v for k, v in (logs or {}).items() if k in ("loss", "grad_norm", "learning_rate")}
-                )
+                self.pending.update({k: v for k, v in (logs or {}).items() if k in ("loss", "grad_norm", "learning_rate")})
                 self.flush()
 
         def on_train_end(self, args, state, control, **kwargs):

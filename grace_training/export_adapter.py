@@ -103,11 +103,7 @@ def _lowrank_from(checkpoint: Path) -> dict:
 
 def _slice_scores(state: dict) -> dict | None:
     """The checkpoint's own dev-slice scores (``eval/...`` at its step), named as such; None without any."""
-    scores = {
-        key.removeprefix("eval/"): value
-        for key, value in (state.get("scores") or {}).items()
-        if key.startswith("eval/")
-    }
+    scores = {key.removeprefix("eval/"): value for key, value in (state.get("scores") or {}).items() if key.startswith("eval/")}
     return {f"dev slice at step {state['step']}: {key}": value for key, value in scores.items()} or None
 
 
@@ -121,16 +117,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("checkpoint", type=Path)
     parser.add_argument(
-        "--out",
-        type=Path,
-        help="default: the package's adapter directory of the checkpoint's method (grace_st/default_adapter, gircse_adapter)",
+        "--out", type=Path, help="default: the package's adapter directory of the checkpoint's method (grace_st/default_adapter, gircse_adapter)"
     )
     parser.add_argument("--scores", type=Path, help="a dev_eval.py / quality_study.py JSON")
     parser.add_argument("--scores-label", help="the row of --scores that scored this checkpoint")
     parser.add_argument("--compare-label", action="append", default=[], help="rows shown beside it (e.g. the base)")
-    parser.add_argument(
-        "--bfloat16", action="store_true", help="store the adapter's matrices in bfloat16 (half the bytes)"
-    )
+    parser.add_argument("--bfloat16", action="store_true", help="store the adapter's matrices in bfloat16 (half the bytes)")
     parser.add_argument(
         "--repetition-penalty", type=float, help="the repetition_penalty the default decodes with (default: none, 1)"
     )
@@ -148,11 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             scores.update({f"{k} — {label}": v for k, v in rows[label]["scores"].items() if v is not None})
     method = json.loads((args.checkpoint / "grace_config.json").read_text(encoding="utf-8")).get("method", "grace")
     out = args.out or ADAPTER_DIRS[method]
-    print(
-        export(
-            args.checkpoint, out, scores, example, bfloat16=args.bfloat16, repetition_penalty=args.repetition_penalty
-        )
-    )
+    print(export(args.checkpoint, out, scores, example, bfloat16=args.bfloat16, repetition_penalty=args.repetition_penalty))
     return 0
 
 

@@ -107,16 +107,16 @@ def calibration_texts(config: Path, count: int, seed: int) -> list[tuple[str, li
 def encoded_sequences(model, groups: list[tuple[str, list[str]]], batch_size: int = 16) -> list[torch.Tensor]:
     """Each text's prompt followed by the rationale the model writes for it: the tokens ``encode`` runs through the
     LM for that text (Eq. 3's sequence)."""
+    from tqdm.auto import tqdm
+
     encoder = model[0]
     sequences = []
-    for kind, texts in groups:
-        for start in range(0, len(texts), batch_size):
-            features = encoder.preprocess(texts[start : start + batch_size], task=kind)
-            out = encoder.forward(features, task=kind)
-            for prompt, mask, rationale in zip(
-                features["input_ids"], features["attention_mask"], out["rationale_token_ids"][:, 0]
-            ):
-                sequences.append(torch.cat([prompt[mask.bool()], rationale[rationale >= 0]]))
+    batches = [(kind, texts[i : i + batch_size]) for kind, texts in groups for i in range(0, len(texts), batch_size)]
+    for kind, batch in tqdm(batches, desc="calibration rationales", unit="batch"):
+        features = encoder.preprocess(batch, task=kind)
+        out = encoder.forward(features, task=kind)
+        rows = zip(features["input_ids"], features["attention_mask"], out["rationale_token_ids"][:, 0])
+        sequences.extend(torch.cat([prompt[mask.bool()], rationale[rationale >= 0]]) for prompt, mask, rationale in rows)
     return sequences
 
 
@@ -133,6 +133,7 @@ def lowrank_adapter(
 ) -> dict:
     """Write ``tuned``'s delta from ``base`` as a rank-``rank`` LoRA adapter model into ``out``; return the summary."""
     from peft import LoraConfig, get_peft_model
+    from tqdm.auto import tqdm
 
     from grace_st import default_model_path
     from grace_st.loading import load
@@ -165,7 +166,7 @@ def lowrank_adapter(
         sequences = encoded_sequences(tuned_model, groups)
         hooks = InputGrams(tuned_lm, names)
         try:
-            for sequence in sequences:
+            for sequence in tqdm(sequences, desc="calibration inputs", unit="text"):
                 tuned_lm(input_ids=sequence[None], use_cache=False)
         finally:
             hooks.remove()

@@ -87,17 +87,8 @@ logger = logging.getLogger(__name__)
 
 # Settings the optimizer and the schedule hold in their state, restored from a checkpoint over the config's.
 OPTIMIZER_KEYS = frozenset(
-    (
-        "learning_rate",
-        "lr_scheduler",
-        "warmup_steps",
-        "weight_decay",
-        "adam_beta1",
-        "adam_beta2",
-        "adam_epsilon",
-        "max_steps",
-        "epochs",
-    )
+    ("learning_rate", "lr_scheduler", "warmup_steps", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+     "max_steps", "epochs")
 )
 
 
@@ -226,9 +217,7 @@ class GRPOTrainer:
         if eval_data is None and config.eval_data:
             eval_data, _ = load_data(config.eval_data, **config.data_settings())
         train_data = list(train_data)
-        graded_ready = config.batch_sampling == "by_source" and (
-            config.contrastive_beta > 0 or config.method == "gircse"
-        )
+        graded_ready = config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or config.method == "gircse")
         if not graded_ready and any(row.score is not None for row in train_data):
             # a scored pair trained as a positive would pull a pair scored 0 together
             raise ValueError(
@@ -285,11 +274,7 @@ class GRPOTrainer:
             self.step += 1
             self.last_metrics = metrics
             progress.update(1)
-            shown = {
-                "reward": metrics.get("reward/final"),
-                "loss": metrics["loss"],
-                "s_per_step": metrics["time/step_s"],
-            }
+            shown = {"reward": metrics.get("reward/final"), "loss": metrics["loss"], "s_per_step": metrics["time/step_s"]}
             progress.set_postfix({name: f"{value:.4g}" for name, value in shown.items() if value is not None})
             if cfg.eval_steps and self.step % cfg.eval_steps == 0 and self.step < self.total_steps and self.eval_data:
                 self.last_scores = self.evaluate()
@@ -395,15 +380,8 @@ class GRPOTrainer:
         rewards = {name: gather(self.accelerator, value) for name, value in rewards.items()}
         truncated = gather(self.accelerator, rollouts.positives.truncated.view(advantages.shape))
         metrics = step_metrics(
-            rollouts,
-            rewards,
-            gather(self.accelerator, advantages),
-            truncated,
-            update,
-            timings,
-            config=self.config,
-            epoch=(step + 1) / self.steps_per_epoch,
-            accelerator=self.accelerator,
+            rollouts, rewards, gather(self.accelerator, advantages), truncated, update, timings,
+            config=self.config, epoch=(step + 1) / self.steps_per_epoch, accelerator=self.accelerator,
         )
         return reduce_metrics(self.accelerator, metrics)
 
@@ -419,9 +397,7 @@ class GRPOTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         # The soft steps call the decoder and the LM head one at a time, not the wrapped model once, so
         # DDP's own all-reduce is kept out and the gradients are averaged over processes here.
-        separate = (
-            accelerator.no_sync(self.policy_wrapped) if accelerator.num_processes > 1 else contextlib.nullcontext()
-        )
+        separate = accelerator.no_sync(self.policy_wrapped) if accelerator.num_processes > 1 else contextlib.nullcontext()
         with separate:
             with accelerator.autocast():
                 parts = icr_batch_loss(
@@ -551,17 +527,8 @@ class GRPOTrainer:
                 with sync, accelerator.autocast():
                     started = time.perf_counter()
                     loss, terms = self.chunk_loss(
-                        rollouts,
-                        batch,
-                        chunk,
-                        advantages[chunk],
-                        old_log_probs[i],
-                        ref_log_probs[i],
-                        num_tokens,
-                        candidates,
-                        scores,
-                        ref_text[i],
-                        num_text,
+                        rollouts, batch, chunk, advantages[chunk], old_log_probs[i], ref_log_probs[i], num_tokens,
+                        candidates, scores, ref_text[i], num_text,
                     )
                     forwarded = time.perf_counter()
                     # DDP and FSDP average gradients over processes: scaled by their number, that
@@ -634,18 +601,8 @@ class GRPOTrainer:
         return old_log_probs, ref_log_probs
 
     def chunk_loss(
-        self,
-        rollouts,
-        batch,
-        chunk,
-        advantages,
-        old_log_probs,
-        ref_log_probs,
-        num_tokens,
-        candidates,
-        scores=None,
-        ref_text=None,
-        num_text=0.0,
+        self, rollouts, batch, chunk, advantages, old_log_probs, ref_log_probs, num_tokens, candidates, scores=None,
+        ref_text=None, num_text=0.0,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """One chunk's loss with gradient: Eq. 11 (:func:`~grace_training.grpo.grpo_loss`), plus
         β · the hybrid term over the same pass's pooled states (CoSENT for a batch of scored pairs),
@@ -676,9 +633,7 @@ class GRPOTrainer:
         policy_loss = loss.detach()
         contrastive = torch.zeros((), device=self.accelerator.device)
         if hybrid and scores is not None:
-            contrastive = graded_pairs_loss(
-                candidates, rollouts, chunk, pooled, scores, cfg, self.accelerator.process_index
-            )
+            contrastive = graded_pairs_loss(candidates, rollouts, chunk, pooled, scores, cfg, self.accelerator.process_index)
             loss = loss + cfg.contrastive_beta * contrastive
         elif hybrid:
 
@@ -687,12 +642,7 @@ class GRPOTrainer:
                 encoder = self.encoder
                 device = self.accelerator.device
                 return pooled_with_grad(
-                    self.policy_wrapped,
-                    self.policy,
-                    anchors,
-                    encoder.pad_token_id,
-                    encoder.hidden_layer,
-                    device,
+                    self.policy_wrapped, self.policy, anchors, encoder.pad_token_id, encoder.hidden_layer, device,
                     prompts_only=cfg.contrastive_anchors == "recompute_prompts",
                 )
 
@@ -856,9 +806,8 @@ class GRPOTrainer:
             return
         if OPTIMIZER_KEYS & {change.key for change in changes}:
             self._apply_optimizer_settings()
-        logger.warning(
-            "--resume: config changed since %s, from step %d: %s", path, self.step + 1, "; ".join(map(str, changes))
-        )
+        logger.warning("--resume: config changed since %s, from step %d: %s", path, self.step + 1,
+                       "; ".join(map(str, changes)))
         if self.accelerator.is_main_process:
             record_config_changes(self.config.output_dir, self.step, path, changes)
 

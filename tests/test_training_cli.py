@@ -142,20 +142,11 @@ def test_infonce_baseline_resumes_where_max_minutes_stopped_it(tmp_path):
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
 
     def config(out):
-        return GRPOConfig(
-            batch_size=2,
-            max_steps=3,
-            max_input_tokens=160,
-            output_dir=str(out),
-            report_to=["jsonl"],
-            infonce_learning_rate=1e-3,
-            save_steps=0,
-        )
+        return GRPOConfig(batch_size=2, max_steps=3, max_input_tokens=160, output_dir=str(out), report_to=["jsonl"],
+                          infonce_learning_rate=1e-3, save_steps=0)
 
     def losses(out):
-        return [
-            (line["step"], line["loss"]) for line in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
-        ]
+        return [(line["step"], line["loss"]) for line in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())]
 
     whole = make_st_model()
     train_infonce(config(tmp_path / "whole"), model=whole, train_data=data)
@@ -214,16 +205,8 @@ def test_the_baseline_trains_a_graded_source_with_cosent_on_its_scores(tmp_path,
     graded = [Triplet(CORPUS[i], CORPUS[i + 1], (), "graded", float(i % 5), symmetric=True) for i in range(8)]
     retrieval = [Triplet(CORPUS[i + 1], CORPUS[i], (CORPUS[i + 3],), "beir") for i in range(8)]
     specs = [{"type": "sts", "path": "sts.tsv", "name": "graded"}, {"type": "beir", "path": "beir", "name": "beir"}]
-    settings = dict(
-        batch_size=2,
-        max_steps=2,
-        max_input_tokens=160,
-        output_dir=str(tmp_path),
-        report_to=["jsonl"],
-        contrastive_beta=1.0,
-        batch_sampling="by_source",
-        train_data=specs,
-    )
+    settings = dict(batch_size=2, max_steps=2, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"],
+                    contrastive_beta=1.0, batch_sampling="by_source", train_data=specs)
     cfg = GRPOConfig(**settings)
     datasets, _ = infonce_datasets(graded + retrieval, cfg, 2)
     assert datasets["graded"].column_names == ["anchor", "positive", "score"]
@@ -241,8 +224,7 @@ def test_the_baseline_trains_a_graded_source_with_cosent_on_its_scores(tmp_path,
     monkeypatch.setattr(sentence_transformers.SentenceTransformerTrainer, "__init__", recorded)
     train_infonce(cfg, model=make_st_model(), train_data=graded + retrieval)
     assert {name: type(loss).__name__ for name, loss in losses[0].items()} == {
-        "graded": "CoSENTLoss",
-        "beir": "MultipleNegativesRankingLoss",
+        "graded": "CoSENTLoss", "beir": "MultipleNegativesRankingLoss"
     }
     with pytest.raises(ValueError, match="scored pairs .* by_source"):
         infonce_datasets(graded, GRPOConfig(**{**settings, "batch_sampling": "shuffled", "train_data": []}), 2)
