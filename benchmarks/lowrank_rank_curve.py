@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from lowrank_fidelity import dev_texts
 
 import grace_st
-from grace_training.lowrank_adapter import TARGET_MODULES, InputGrams, calibration_texts, encoded_sequences
+from grace_training.lowrank_adapter import TARGET_MODULES, calibration_grams, delta_spectrum
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,20 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         for n, m in tuned[0].model.named_modules()
         if isinstance(m, torch.nn.Linear) and n.rsplit(".", 1)[-1] in TARGET_MODULES
     ]
-    hooks = InputGrams(tuned[0].model, names)
-    with torch.no_grad():
-        for sequence in encoded_sequences(tuned, calibration_texts(args.config, 256, 0)):
-            tuned[0].model(input_ids=sequence[None], use_cache=False)
-    hooks.remove()
+    grams, _ = calibration_grams(tuned, names, args.config, 256, 0)
     spectra = {}
-    for name in names:  # lowrank_factors' whitened SVD, kept whole so that every rank is a prefix of it
-        delta = (tuned_weights[f"{name}.weight"] - base_weights[f"{name}.weight"]).double()
-        gram = hooks.grams[name] + 1e-4 * hooks.grams[name].diagonal().mean() * torch.eye(
-            delta.shape[1], dtype=torch.float64
-        )
-        lower = torch.linalg.cholesky(gram)
-        u, s, vh = torch.linalg.svd(delta @ lower, full_matrices=False)
-        spectra[name] = (u * s, torch.linalg.solve_triangular(lower, vh, upper=False, left=False))
+    for name in names:  # every rank's cut is a prefix of the whole spectrum
+        u, s, right = delta_spectrum(tuned_weights[f"{name}.weight"] - base_weights[f"{name}.weight"], grams[name])
+        spectra[name] = (u * s, right)
 
     def cosines(ranks: dict[str, int]) -> dict[str, float]:
         weights = model[0].model.state_dict()

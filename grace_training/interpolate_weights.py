@@ -40,19 +40,10 @@ def interpolate_weights(tuned: Path, alpha: float, out: Path, base: Path | None 
     lm = model[0].model
     start = AutoModelForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32).state_dict()
     weights = lm.state_dict()
-    shared = weights.keys() & start.keys()
-    mismatched = sorted(weights.keys() ^ start.keys()) + sorted(n for n in shared if start[n].shape != weights[n].shape)
-    if mismatched:
-        raise SystemExit(
-            f"{tuned} and {base} are not one architecture: {len(mismatched)} weights differ in name or shape "
-            f"(first: {mismatched[0]})"
-        )
+    check_one_architecture(weights, start, tuned, base)
     moved = size = 0.0
-    done = set()
-    for name, weight in weights.items():
-        if weight.data_ptr() in done:  # tied weights (the LM head and the embeddings) are one tensor: move it once
-            continue
-        done.add(weight.data_ptr())
+    for name in distinct_weights(weights):
+        weight = weights[name]
         delta = weight - start[name]
         moved, size = moved + float(delta.pow(2).sum()), size + float(start[name].pow(2).sum())
         weight.copy_(start[name] + alpha * delta)
@@ -66,6 +57,28 @@ def interpolate_weights(tuned: Path, alpha: float, out: Path, base: Path | None 
     }
     (out / INTERPOLATED_FROM).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return summary
+
+
+def check_one_architecture(tuned_weights: dict, base_weights: dict, tuned, base) -> None:
+    """SystemExit unless the two state dicts hold the same weight names with the same shapes."""
+    shared = tuned_weights.keys() & base_weights.keys()
+    mismatched = sorted(tuned_weights.keys() ^ base_weights.keys()) + sorted(
+        n for n in shared if base_weights[n].shape != tuned_weights[n].shape
+    )
+    if mismatched:
+        raise SystemExit(
+            f"{tuned} and {base} are not one architecture: {len(mismatched)} weights differ in name or shape "
+            f"(first: {mismatched[0]})"
+        )
+
+
+def distinct_weights(weights: dict) -> list[str]:
+    """The names of a state dict with each tensor once: tied weights (the LM head and the embeddings) are one tensor
+    under two names, and the first name stands for it."""
+    first = {}
+    for name, weight in weights.items():
+        first.setdefault(weight.data_ptr(), name)
+    return list(first.values())
 
 
 def main(argv: list[str] | None = None) -> int:

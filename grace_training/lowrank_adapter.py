@@ -37,26 +37,33 @@ LOWRANK_FROM = "lowrank_from.json"
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def delta_spectrum(
+    delta: torch.Tensor, gram: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(u, s, right)`` in float64 with ``delta = u diag(s) right``, terms in the order a cut keeps them: the rank-r
+    cut is the first r. Without ``gram`` the SVD of ``delta`` (out × in); with ``gram`` (the layer's input Gram matrix,
+    in × in) the SVD of ``delta L`` mapped back by L⁻¹, so the first r terms are the rank-r delta nearest in the
+    layer's outputs on those inputs."""
+    delta = delta.double()
+    if gram is None:
+        return torch.linalg.svd(delta, full_matrices=False)
+    gram = gram.double()
+    # damping: a direction no calibration input took must not blow up L⁻¹
+    gram = gram + 1e-4 * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
+    lower = torch.linalg.cholesky(gram)
+    u, s, vh = torch.linalg.svd(delta @ lower, full_matrices=False)
+    # right = vh L⁻¹, i.e. the solution X of X L = vh
+    return u, s, torch.linalg.solve_triangular(lower, vh, upper=False, left=False)
+
+
 def lowrank_factors(
     delta: torch.Tensor, rank: int, gram: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A, B)`` with ``B @ A`` the rank-``rank`` approximation of ``delta`` (out × in): the truncated SVD, or with
-    ``gram`` (the layer's input Gram matrix, in × in) the one nearest in the layer's outputs on those inputs.
-    The singular values are split evenly between the two factors, so neither is far larger than the other."""
-    delta = delta.double()
-    if gram is None:
-        u, s, vh = torch.linalg.svd(delta, full_matrices=False)
-        right = vh[:rank]
-    else:
-        gram = gram.double()
-        # damping: a direction no calibration input took must not blow up L⁻¹
-        gram = gram + 1e-4 * gram.diagonal().mean() * torch.eye(gram.shape[0], dtype=gram.dtype)
-        lower = torch.linalg.cholesky(gram)
-        u, s, vh = torch.linalg.svd(delta @ lower, full_matrices=False)
-        # right = vh_r L⁻¹, i.e. the solution X of X L = vh_r
-        right = torch.linalg.solve_triangular(lower, vh[:rank], upper=False, left=False)
+    """``(A, B)`` with ``B @ A`` the rank-``rank`` cut of ``delta`` (:func:`delta_spectrum`). The singular values are
+    split evenly between the two factors, so neither is far larger than the other."""
+    u, s, right = delta_spectrum(delta, gram)
     root = s[:rank].sqrt()
-    return (root[:, None] * right).float(), (u[:, :rank] * root).float()
+    return (root[:, None] * right[:rank]).float(), (u[:, :rank] * root).float()
 
 
 class InputGrams:
@@ -116,8 +123,27 @@ def encoded_sequences(model, groups: list[tuple[str, list[str]]], batch_size: in
         features = encoder.preprocess(batch, task=kind)
         out = encoder.forward(features, task=kind)
         rows = zip(features["input_ids"], features["attention_mask"], out["rationale_token_ids"][:, 0])
-        sequences.extend(torch.cat([prompt[mask.bool()], rationale[rationale >= 0]]) for prompt, mask, rationale in rows)
+        sequences.extend(
+            torch.cat([prompt[mask.bool()], rationale[rationale >= 0]]) for prompt, mask, rationale in rows
+        )
     return sequences
+
+
+@torch.no_grad()
+def calibration_grams(model, names: list[str], config: Path, count: int, seed: int) -> tuple[dict, int]:
+    """The input Gram matrix of each named linear layer of ``model``'s LM over ``count`` training instances of
+    ``config`` (prompts and rationales, :func:`encoded_sequences`), and the number of tokens behind them."""
+    from tqdm.auto import tqdm
+
+    sequences = encoded_sequences(model, calibration_texts(config, count, seed))
+    lm = model[0].model
+    hooks = InputGrams(lm, names)
+    try:
+        for sequence in tqdm(sequences, desc="calibration inputs", unit="text"):
+            lm(input_ids=sequence[None], use_cache=False)
+    finally:
+        hooks.remove()
+    return hooks.grams, sum(len(s) for s in sequences)
 
 
 @torch.no_grad()
@@ -133,10 +159,11 @@ def lowrank_adapter(
 ) -> dict:
     """Write ``tuned``'s delta from ``base`` as a rank-``rank`` LoRA adapter model into ``out``; return the summary."""
     from peft import LoraConfig, get_peft_model
-    from tqdm.auto import tqdm
 
     from grace_st import default_model_path
     from grace_st.loading import load
+
+    from .interpolate_weights import check_one_architecture, distinct_weights
 
     if rank < 1:
         raise SystemExit(f"--rank {rank}: give a rank of at least 1")
@@ -148,10 +175,7 @@ def lowrank_adapter(
     tuned_model, model = load(str(tuned), device="cpu"), load(str(base), device="cpu")
     tuned_lm, lm = tuned_model[0].model, model[0].model
     tuned_weights, base_weights = tuned_lm.state_dict(), lm.state_dict()
-    if tuned_weights.keys() != base_weights.keys() or any(
-        tuned_weights[k].shape != base_weights[k].shape for k in base_weights
-    ):
-        raise SystemExit(f"{tuned} and {base} are not one architecture: their weights differ in names or shapes")
+    check_one_architecture(tuned_weights, base_weights, tuned, base)
     names = [
         name
         for name, module in lm.named_modules()
@@ -160,17 +184,7 @@ def lowrank_adapter(
     if not names:
         raise SystemExit(f"{base}: no linear layer named {', '.join(TARGET_MODULES)}")
 
-    grams, tokens = {}, 0
-    if calibration:
-        groups = calibration_texts(config, calibration, seed)
-        sequences = encoded_sequences(tuned_model, groups)
-        hooks = InputGrams(tuned_lm, names)
-        try:
-            for sequence in tqdm(sequences, desc="calibration inputs", unit="text"):
-                tuned_lm(input_ids=sequence[None], use_cache=False)
-        finally:
-            hooks.remove()
-        grams, tokens = hooks.grams, sum(len(s) for s in sequences)
+    grams, tokens = calibration_grams(tuned_model, names, config, calibration, seed) if calibration else ({}, 0)
 
     lora = LoraConfig(
         r=rank,
@@ -199,9 +213,8 @@ def lowrank_adapter(
             kind[3] += float(((delta.double() @ gram) * delta.double()).sum())
 
     carried = {f"{name}.weight" for name in names}
-    # tied weights (the LM head and the embeddings) are one tensor under two names: count it once
-    untied = {tuned_weights[k].data_ptr(): k for k in reversed(list(base_weights)) if k not in carried}
-    outside = sum(float((tuned_weights[k] - base_weights[k]).pow(2).sum()) for k in untied.values())
+    untied = [k for k in distinct_weights(tuned_weights) if k not in carried]
+    outside = sum(float((tuned_weights[k] - base_weights[k]).pow(2).sum()) for k in untied)
     inside = sum(float((tuned_weights[k] - base_weights[k]).pow(2).sum()) for k in carried)
     encoder, tuned_encoder = model[0], tuned_model[0]
     for key in encoder.config_keys:
