@@ -48,6 +48,11 @@ def export(
         )
     state = json.loads((checkpoint / "trainer_state" / "state.json").read_text(encoding="utf-8"))
     grace = json.loads((checkpoint / "grace_config.json").read_text(encoding="utf-8"))
+    replaced = out / ADAPTER_SETTINGS
+    # why the budgets are what they are is written from a budget study, not by training: a new adapter keeps it
+    budget_choice = (
+        json.loads(replaced.read_text(encoding="utf-8")).get("budget_choice") if replaced.is_file() else None
+    )
     out.mkdir(parents=True, exist_ok=True)
     if bfloat16:
         import torch
@@ -79,6 +84,7 @@ def export(
         "scores": scores or _slice_scores(state),
         # a rationale the shipped model writes (dev_eval records some), else one from training
         "example": example or state.get("example"),
+        **({"budget_choice": budget_choice} if budget_choice else {}),
     }
     (out / ADAPTER_SETTINGS).write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     return out

@@ -12,8 +12,12 @@ its weight delta. Each linear layer of the decoder gets ΔW = W_tuned − W_base
   ΔW L cut to rank r and mapped back by L⁻¹ (as in SVD-LLM, Wang et al. 2024). Directions the inputs never take
   cost nothing to drop.
 
+Each layer's cut is the best one for that layer alone. ``--distill-steps N`` then trains the cut's factors for N steps
+toward what the tuned model's whole stack computes: the hidden states ``encode`` pools (Eq. 3) at every position of
+the calibration sequences (:func:`distill`).
+
     python -m grace_training.lowrank_adapter runs/yl_grace/checkpoint-00000100 --rank 32 --out runs/yl_lowrank32 \
-        --config grace_training/configs/scale_grace.yaml
+        --config grace_training/configs/scale_grace.yaml --distill-steps 200 --distill-learning-rate 5e-5
 
 The output is a saved GRACE adapter model on the base (``dev_eval.py PATH@saved`` scores it,
 ``export_adapter PATH --bfloat16`` ships it), with the tuned model's encoder settings and ``lowrank_from.json``: what
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import shutil
 import sys
@@ -59,11 +64,14 @@ def delta_spectrum(
 def lowrank_factors(
     delta: torch.Tensor, rank: int, gram: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(A, B)`` with ``B @ A`` the rank-``rank`` cut of ``delta`` (:func:`delta_spectrum`). The singular values are
-    split evenly between the two factors, so neither is far larger than the other."""
+    """``(A, B)`` with ``B @ A`` the rank-``rank`` cut of ``delta`` (:func:`delta_spectrum`). Each term's row of A and
+    column of B get one norm, so neither factor is far larger than the other: the input-fitted ``right`` rows are
+    not unit vectors, and factors of very different scales would train badly under one learning rate (:func:`distill`)."""
     u, s, right = delta_spectrum(delta, gram)
-    root = s[:rank].sqrt()
-    return (root[:, None] * right[:rank]).float(), (u[:, :rank] * root).float()
+    u, s, right = u[:, :rank], s[:rank], right[:rank]
+    # u's columns are unit vectors: B's column norm is `norm`, A's row norm s ‖right‖ / norm, equal by this choice
+    norm = (s * right.norm(dim=1)).sqrt().clamp(min=torch.finfo(torch.float64).tiny)
+    return ((s / norm)[:, None] * right).float(), (u * norm).float()
 
 
 class InputGrams:
@@ -111,9 +119,11 @@ def calibration_texts(config: Path, count: int, seed: int) -> list[tuple[str, li
 
 
 @torch.no_grad()
-def encoded_sequences(model, groups: list[tuple[str, list[str]]], batch_size: int = 16) -> list[torch.Tensor]:
-    """Each text's prompt followed by the rationale the model writes for it: the tokens ``encode`` runs through the
-    LM for that text (Eq. 3's sequence)."""
+def encoded_sequences(
+    model, groups: list[tuple[str, list[str]]], batch_size: int = 16
+) -> list[tuple[torch.Tensor, int]]:
+    """Each text's prompt followed by the rationale the model writes for it, the tokens ``encode`` runs through the
+    LM for that text (Eq. 3's sequence), with its instruction span L_sys (Eq. 3 pools the positions after it)."""
     from tqdm.auto import tqdm
 
     encoder = model[0]
@@ -122,28 +132,138 @@ def encoded_sequences(model, groups: list[tuple[str, list[str]]], batch_size: in
     for kind, batch in tqdm(batches, desc="calibration rationales", unit="batch"):
         features = encoder.preprocess(batch, task=kind)
         out = encoder.forward(features, task=kind)
-        rows = zip(features["input_ids"], features["attention_mask"], out["rationale_token_ids"][:, 0])
+        rows = zip(
+            features["input_ids"],
+            features["attention_mask"],
+            features["instruction_lengths"].tolist(),
+            out["rationale_token_ids"][:, 0],
+        )
         sequences.extend(
-            torch.cat([prompt[mask.bool()], rationale[rationale >= 0]]) for prompt, mask, rationale in rows
+            (torch.cat([prompt[mask.bool()], rationale[rationale >= 0]]), span)
+            for prompt, mask, span, rationale in rows
         )
     return sequences
 
 
 @torch.no_grad()
-def calibration_grams(model, names: list[str], config: Path, count: int, seed: int) -> tuple[dict, int]:
-    """The input Gram matrix of each named linear layer of ``model``'s LM over ``count`` training instances of
-    ``config`` (prompts and rationales, :func:`encoded_sequences`), and the number of tokens behind them."""
+def input_grams(lm, names: list[str], sequences: list[tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+    """The input Gram matrix of each named linear layer of ``lm`` over ``sequences`` (:func:`encoded_sequences`)."""
     from tqdm.auto import tqdm
 
-    sequences = encoded_sequences(model, calibration_texts(config, count, seed))
-    lm = model[0].model
     hooks = InputGrams(lm, names)
     try:
-        for sequence in tqdm(sequences, desc="calibration inputs", unit="text"):
+        for sequence, _ in tqdm(sequences, desc="calibration inputs", unit="text"):
             lm(input_ids=sequence[None], use_cache=False)
     finally:
         hooks.remove()
-    return hooks.grams, sum(len(s) for s in sequences)
+    return hooks.grams
+
+
+def calibration_grams(model, names: list[str], config: Path, count: int, seed: int) -> tuple[dict, int]:
+    """The input Gram matrix of each named linear layer of ``model``'s LM over ``count`` training instances of
+    ``config`` (prompts and rationales, :func:`encoded_sequences`), and the number of tokens behind them."""
+    sequences = encoded_sequences(model, calibration_texts(config, count, seed))
+    return input_grams(model[0].model, names, sequences), sum(len(s) for s, _ in sequences)
+
+
+def _pooled_states(lm, hidden_layer: int, sequences: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """The hidden states ``encode`` pools (Eq. 3: layer ``hidden_layer``, positions after L_sys) of each sequence, run
+    as one right-padded batch."""
+    from grace_st.decoding import decoder_states
+
+    width = max(len(ids) for ids, _ in sequences)
+    input_ids = torch.zeros((len(sequences), width), dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, (ids, _) in enumerate(sequences):
+        input_ids[row, : len(ids)], attention_mask[row, : len(ids)] = ids, 1
+    states = decoder_states(lm.get_decoder(), hidden_layer, input_ids=input_ids, attention_mask=attention_mask)
+    return [states[row, span : len(ids)] for row, (ids, span) in enumerate(sequences)]
+
+
+def _relative_error(student: list[torch.Tensor], teacher: list[torch.Tensor]) -> torch.Tensor:
+    """Σ‖h_student − h_tuned‖² / Σ‖h_tuned‖² over every pooled position."""
+    error = sum((s.float() - t).pow(2).sum() for s, t in zip(student, teacher))
+    return error / sum(t.pow(2).sum() for t in teacher)
+
+
+def distill(
+    student,
+    tuned,
+    sequences: list[tuple[torch.Tensor, int]],
+    *,
+    steps: int,
+    learning_rate: float,
+    batch_size: int = 8,
+    hidden_layer: int = -1,
+    held_out: float = 0.1,
+    seed: int = 0,
+) -> dict:
+    """Train ``student``'s LoRA factors (the rank-r cut) for ``steps`` steps toward the tuned model's own pooled
+    states on ``sequences``, and keep the step whose error on a held-out tenth is lowest.
+
+    The per-layer cut is fitted to each layer's outputs on its own, while ``encode`` depends on what the whole stack
+    computes. This matches the states Eq. 3 pools, at every pooled position of prompt ⊕ rationale, with the tuned
+    model's rationale as input: those states are the embedding's terms, and (through the tied LM head) the logits
+    that choose the rationale's next token, so the rationale the adapter writes follows the tuned model's too.
+    """
+    from tqdm.auto import tqdm
+
+    generator = torch.Generator().manual_seed(seed)
+    order = torch.randperm(len(sequences), generator=generator).tolist()
+    cut = max(1, round(held_out * len(sequences)))
+    held, train = [sequences[i] for i in order[:cut]], [sequences[i] for i in order[cut:]]
+    if not train:
+        raise SystemExit(f"--distill-steps needs more than {len(sequences)} calibration sequences")
+
+    def batches(rows):  # by length, so short sequences do not pad to a long abstract
+        rows = sorted(rows, key=lambda pair: len(pair[0]))
+        return [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+
+    train_batches, held_batches = batches(train), batches(held)
+    with torch.no_grad():
+        targets = {id(b): _pooled_states(tuned, hidden_layer, b) for b in train_batches + held_batches}
+
+    def held_out_error() -> float:
+        with torch.no_grad():
+            states = [state for b in held_batches for state in _pooled_states(student, hidden_layer, b)]
+            return float(_relative_error(states, [t for b in held_batches for t in targets[id(b)]]))
+
+    factors = [p for name, p in student.named_parameters() if "lora_" in name]
+    optimizer = torch.optim.AdamW(factors, lr=learning_rate, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
+    before = held_out_error()
+    best = (before, 0, [p.detach().clone() for p in factors])
+    curve = [{"step": 0, "held_out_error": before}]
+    check_every = max(1, steps // 8)
+    bar = tqdm(range(1, steps + 1), desc="distilling the cut", unit="step")
+    for step in bar:
+        batch = train_batches[int(torch.randint(len(train_batches), (1,), generator=generator))]
+        with torch.enable_grad():  # lowrank_adapter runs under no_grad
+            loss = _relative_error(_pooled_states(student, hidden_layer, batch), targets[id(batch)])
+            loss.backward()
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad(set_to_none=True)
+        bar.set_postfix(loss=f"{loss.item():.4g}")
+        if step % check_every == 0 or step == steps:
+            error = held_out_error()
+            curve.append({"step": step, "train_batch_error": float(loss), "held_out_error": error})
+            if error < best[0]:
+                best = (error, step, [p.detach().clone() for p in factors])
+    with torch.no_grad():
+        for p, kept in zip(factors, best[2]):
+            p.copy_(kept)
+    return {
+        "steps": steps,
+        "learning_rate": learning_rate,
+        "batch_size": batch_size,
+        "sequences": len(train),
+        "held_out_sequences": len(held),
+        "kept_step": best[1],
+        "held_out_error_before": before,
+        "held_out_error_after": best[0],
+        "curve": curve,
+    }
 
 
 @torch.no_grad()
@@ -156,8 +276,11 @@ def lowrank_adapter(
     config: Path | None = None,
     calibration: int = 256,
     seed: int = 0,
+    distill_steps: int = 0,
+    distill_learning_rate: float = 3e-5,
 ) -> dict:
-    """Write ``tuned``'s delta from ``base`` as a rank-``rank`` LoRA adapter model into ``out``; return the summary."""
+    """Write ``tuned``'s delta from ``base`` as a rank-``rank`` LoRA adapter model into ``out``, refined by
+    ``distill_steps`` steps of :func:`distill` on the calibration sequences; return the summary."""
     from peft import LoraConfig, get_peft_model
 
     from grace_st import default_model_path
@@ -171,6 +294,8 @@ def lowrank_adapter(
         raise SystemExit(f"{out} exists: give a new directory")
     if calibration and config is None:
         raise SystemExit("--calibration needs --config: the grace-train config whose training data the texts come from")
+    if distill_steps and not calibration:
+        raise SystemExit("--distill-steps needs --calibration > 0: it trains on the calibration sequences")
     base = base or Path(default_model_path(trained=False))
     tuned_model, model = load(str(tuned), device="cpu"), load(str(base), device="cpu")
     tuned_lm, lm = tuned_model[0].model, model[0].model
@@ -184,7 +309,8 @@ def lowrank_adapter(
     if not names:
         raise SystemExit(f"{base}: no linear layer named {', '.join(TARGET_MODULES)}")
 
-    grams, tokens = calibration_grams(tuned_model, names, config, calibration, seed) if calibration else ({}, 0)
+    sequences = encoded_sequences(tuned_model, calibration_texts(config, calibration, seed)) if calibration else []
+    grams = input_grams(tuned_lm, names, sequences) if calibration else {}
 
     lora = LoraConfig(
         r=rank,
@@ -212,6 +338,18 @@ def lowrank_adapter(
             kind[2] += float(((error.double() @ gram) * error.double()).sum())
             kind[3] += float(((delta.double() @ gram) * delta.double()).sum())
 
+    distillation = None
+    if distill_steps:
+        distillation = distill(
+            lm,
+            tuned_lm,
+            sequences,
+            steps=distill_steps,
+            learning_rate=distill_learning_rate,
+            hidden_layer=tuned_model[0].hidden_layer,
+            seed=seed,
+        )
+
     carried = {f"{name}.weight" for name in names}
     untied = [k for k in distinct_weights(tuned_weights) if k not in carried]
     outside = sum(float((tuned_weights[k] - base_weights[k]).pow(2).sum()) for k in untied)
@@ -228,7 +366,12 @@ def lowrank_adapter(
         **_trained_from(tuned),
         "base": str(base),
         "rank": rank,
-        "calibration": {"instances": calibration, "tokens": tokens, "config": str(config), "seed": seed}
+        "calibration": {
+            "instances": calibration,
+            "tokens": sum(len(ids) for ids, _ in sequences),
+            "config": str(config),
+            "seed": seed,
+        }
         if calibration
         else None,
         # share of the delta's energy (‖ΔW‖²) not in the decoder's linear layers: embeddings and norms, not carried
@@ -240,6 +383,8 @@ def lowrank_adapter(
             }
             for kind, (e, d, ge, gd) in kept.items()
         },
+        # kept_by_layer describes the cut; the saved factors are the cut refined by this
+        "distillation": distillation,
     }
     (out / LOWRANK_FROM).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     return summary
@@ -279,6 +424,13 @@ def main(argv: list[str] | None = None) -> int:
         help="training instances whose prompts and rationales calibrate the approximation (0: the plain SVD)",
     )
     parser.add_argument("--seed", type=int, default=0, help="which instances")
+    parser.add_argument(
+        "--distill-steps",
+        type=int,
+        default=0,
+        help="steps that train the cut toward the tuned model's pooled states on the calibration sequences (0: none)",
+    )
+    parser.add_argument("--distill-learning-rate", type=float, default=3e-5, help="AdamW's peak rate, cosine decay")
     args = parser.parse_args(argv)
     summary = lowrank_adapter(
         args.tuned,
@@ -288,6 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         config=args.config,
         calibration=args.calibration,
         seed=args.seed,
+        distill_steps=args.distill_steps,
+        distill_learning_rate=args.distill_learning_rate,
     )
     print(json.dumps(summary, indent=2))
     return 0

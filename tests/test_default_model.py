@@ -151,6 +151,11 @@ def test_trained_default_is_base_plus_shipped_adapter(default_model):
     assert not np.allclose(base.encode(texts), default_model.encode(texts), atol=1e-3), "the adapter changes embeddings"
     card = (path / "README.md").read_text()
     assert "## Rationale budgets" in card and shipped["budget_choice"] in card
+    lowrank = shipped["training"].get("lowrank_from")
+    if lowrank:  # a cut of a full fine-tuning: the card says so, and how it was refined
+        assert f"rank-{lowrank['rank']}" in card
+        assert ("toward the full model's pooled hidden states" in card) == bool(lowrank.get("distillation"))
+        assert "| `lowrank_from` |" not in card  # described above the table, not dumped into it
     assert default_model[0].rationale_budget("document") == 0 and default_model[0].rationale_budget("query") == 32
 
 

@@ -32,6 +32,8 @@ def test_factors_recover_a_low_rank_delta_and_the_calibrated_cut_moves_the_outpu
     plain_error = ((full - b @ a) @ inputs).norm()
     calibrated_error = ((full - calibrated_b @ calibrated_a) @ inputs).norm()
     assert calibrated_error < 0.1 * plain_error
+    # each term's two factors have one norm, so one learning rate suits both
+    torch.testing.assert_close(calibrated_a.norm(dim=1), calibrated_b.norm(dim=0), rtol=1e-4, atol=0)
 
 
 def tuned_by_a_low_rank_delta(base_path, path, rank: int = 2, embeddings: float = 0.0):
@@ -84,6 +86,35 @@ def test_an_adapter_of_the_delta_rank_encodes_as_the_tuned_model(tmp_path, calib
     assert json.loads((tmp_path / "adapter" / LOWRANK_FROM).read_text())["rank"] == 2
 
 
+def test_distilling_the_cut_brings_it_nearer_the_tuned_model_and_keeps_the_best_step(tmp_path):
+    base = saved(tmp_path / "base")
+    tuned = tuned_by_a_low_rank_delta(base, tmp_path / "tuned", rank=4)
+    config = write_config(tmp_path)
+    cut = lowrank_adapter(tuned, tmp_path / "cut", 1, base=base, config=config, calibration=6)
+    assert cut["distillation"] is None
+    summary = lowrank_adapter(
+        tuned,
+        tmp_path / "distilled",
+        1,
+        base=base,
+        config=config,
+        calibration=6,
+        distill_steps=40,
+        distill_learning_rate=1e-2,
+    )
+    distillation = summary["distillation"]
+    assert distillation["sequences"] + distillation["held_out_sequences"] == 12  # a query and a positive each
+    assert distillation["held_out_error_after"] < 0.75 * distillation["held_out_error_before"]
+    kept = [point for point in distillation["curve"] if point["step"] == distillation["kept_step"]]
+    assert kept[0]["held_out_error"] == distillation["held_out_error_after"]
+    assert distillation["curve"][0]["held_out_error"] == pytest.approx(distillation["held_out_error_before"])
+    # texts it never trained on: the distilled adapter embeds them nearer the tuned model than the cut does
+    target = encode(tuned)
+    nearer = torch.nn.functional.cosine_similarity(encode(tmp_path / "distilled"), target)
+    farther = torch.nn.functional.cosine_similarity(encode(tmp_path / "cut"), target)
+    assert nearer.mean() > farther.mean()
+
+
 def test_a_lower_rank_keeps_less_and_the_embeddings_are_reported_not_carried(tmp_path):
     base = saved(tmp_path / "base")
     tuned = tuned_by_a_low_rank_delta(base, tmp_path / "tuned", rank=4, embeddings=0.01)
@@ -101,6 +132,8 @@ def test_refuses_a_bad_rank_an_existing_output_calibration_without_data_and_anot
         lowrank_adapter(tuned, tmp_path / "base", 2, base=base, calibration=0)
     with pytest.raises(SystemExit, match="needs --config"):
         lowrank_adapter(tuned, tmp_path / "out", 2, base=base)
+    with pytest.raises(SystemExit, match="needs --calibration"):
+        lowrank_adapter(tuned, tmp_path / "out", 2, base=base, calibration=0, distill_steps=5)
     deeper = saved(tmp_path / "deeper", layers=3)
     with pytest.raises(SystemExit, match="not one architecture"):
         lowrank_adapter(tuned, tmp_path / "out", 2, base=deeper, calibration=0)
@@ -123,3 +156,10 @@ def test_export_ships_it_with_what_it_approximates(tmp_path):
     lowrank = settings["training"]["lowrank_from"]
     assert lowrank["rank"] == 2 and lowrank["tuned"] == str(tuned)
     assert lowrank["tuned_from"] == "runs/warm_start" and lowrank["tuned_steps"] == 7
+    assert "budget_choice" not in settings
+
+    # exported over a shipped adapter: the account of its budgets (written from a budget study) stays
+    settings["budget_choice"] = "documents think 0 tokens: measured"
+    (shipped / "grace_settings.json").write_text(json.dumps(settings), encoding="utf-8")
+    again = json.loads((export(tmp_path / "adapter", shipped) / "grace_settings.json").read_text(encoding="utf-8"))
+    assert again["budget_choice"] == "documents think 0 tokens: measured"
