@@ -294,6 +294,11 @@ def lowrank_adapter(
         raise SystemExit(f"{out} exists: give a new directory")
     if calibration and config is None:
         raise SystemExit("--calibration needs --config: the grace-train config whose training data the texts come from")
+    if distill_steps < 0 or distill_learning_rate <= 0:
+        raise SystemExit(
+            f"--distill-steps {distill_steps} --distill-learning-rate {distill_learning_rate}: give steps >= 0 and a "
+            "positive rate"
+        )
     if distill_steps and not calibration:
         raise SystemExit("--distill-steps needs --calibration > 0: it trains on the calibration sequences")
     base = base or Path(default_model_path(trained=False))

@@ -132,6 +132,10 @@ def test_refuses_a_bad_rank_an_existing_output_calibration_without_data_and_anot
         lowrank_adapter(tuned, tmp_path / "base", 2, base=base, calibration=0)
     with pytest.raises(SystemExit, match="needs --config"):
         lowrank_adapter(tuned, tmp_path / "out", 2, base=base)
+    with pytest.raises(SystemExit, match="steps >= 0"):
+        lowrank_adapter(tuned, tmp_path / "out", 2, base=base, calibration=0, distill_steps=-1)
+    with pytest.raises(SystemExit, match="positive rate"):
+        lowrank_adapter(tuned, tmp_path / "out", 2, base=base, calibration=0, distill_learning_rate=0.0)
     with pytest.raises(SystemExit, match="needs --calibration"):
         lowrank_adapter(tuned, tmp_path / "out", 2, base=base, calibration=0, distill_steps=5)
     deeper = saved(tmp_path / "deeper", layers=3)
