@@ -4,7 +4,7 @@ Each cell encodes the same real queries one by one (the SciFact claims training 
 texts the scoreboard keeps out of training), at one query rationale budget G, with the weights in one form:
 float32 (as saved), bfloat16 (``model_kwargs={"dtype": torch.bfloat16}``) or int8 (``model_kwargs=
 {"weight_quantization": "int8"}``, grace_st.quantization), and float32 as ``encode`` ran before the native
-single-row step (``float32-pytorch-step``: PyTorch's step, grace_st.one_row_step off; the "vs before" column) or
+single-row step (``float32-pytorch-step``: PyTorch's step, grace_st.native_step off; the "vs before" column) or
 before the one-row layout too (``float32-packed-only``, a choice, not run by default). p50/p95 are over the queries, after one warm-up call.
 
 The floor of one query is a roofline over its passes: the prompt pass costs at least the larger of reading
@@ -46,7 +46,7 @@ WEIGHTS = {
     "float32": {},
     "bfloat16": {"dtype": torch.bfloat16},
     "int8": {"weight_quantization": "int8"},
-    # float32 as encode ran it before the native single-row step (grace_st.one_row_step): PyTorch's
+    # float32 as encode ran it before the native single-row step (grace_st.native_step): PyTorch's
     # step, with the one-row layout. The "vs before" column divides by this row's p50.
     "float32-pytorch-step": {},
     "int8-pytorch-step": {"weight_quantization": "int8"},
@@ -102,7 +102,7 @@ def load(path: str, weights: str):
 
     model = SentenceTransformer(path, device="cpu", trust_remote_code=True, model_kwargs=WEIGHTS[weights])
     if weights.endswith("-pytorch-step") or weights == "float32-packed-only":
-        model[0].decode_options = dataclasses.replace(model[0].decode_options, one_row_kernel=False)
+        model[0].decode_options = dataclasses.replace(model[0].decode_options, native_step=False)
     if weights == "float32-packed-only":
         model[0].decode_options = dataclasses.replace(model[0].decode_options, one_row_layout=False)
     return model

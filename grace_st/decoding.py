@@ -16,8 +16,8 @@ and none changing what is computed, only how fast (results differ by float32 rou
   ``one_row_layout`` a single row's product on the weight laid out as MKL streams it fastest;
 - ``dedupe_prompts``: identical prompts in a batch (the K rollouts of one positive in training)
   are prefilled once and their keys and values copied to every row that shares them;
-- ``one_row_kernel``: a single row's step (a query encoded alone) as one native call on every
-  core (:mod:`grace_st.one_row_step`), where the model and weights allow it;
+- ``native_step``: a decoding step (of a query encoded alone, or of many rows) as one native call
+  on every core (:mod:`grace_st.native_step`), where the model and weights allow it;
 - ``decode_rows``: continuous batching. A call with more rows than this decodes that many at
   once, and a row whose rationale has ended hands its cache slot to the next prompt
   (:meth:`IncrementalDecoder.admit`), so a batch does not decode on with fewer and fewer live rows
@@ -39,7 +39,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from .one_row_step import OneRowStep
+from .native_step import NativeStep
 from .packed_linear import packed_linears
 
 
@@ -56,9 +56,9 @@ class DecodeOptions:
     # takes effect with packed_linears: a float32 call of one row (batch-1 decoding) runs on the
     # weight laid out as a matrix-vector product reads it fastest (grace_st.packed_linear)
     one_row_layout: bool = True
-    # A single row's decoding step as one native call on every core (grace_st.one_row_step), where
-    # the model, weights and pooled layer allow it; elsewhere the step runs as without it.
-    one_row_kernel: bool = True
+    # A decoding step, of one row or many, as one native call on every core (grace_st.native_step),
+    # where the model, weights and pooled layer allow it; elsewhere the step runs as without it.
+    native_step: bool = True
     # Sampling by one uniform a row a token (grace_st.generation.inverse_cdf_draw) rather than
     # torch.multinomial: the same distribution, other draws for a given seed. Not an optimisation
     # of the loop, so plain() keeps it; off only to time or reproduce the older sampler.
@@ -74,8 +74,15 @@ class DecodeOptions:
     @classmethod
     def plain(cls) -> DecodeOptions:
         return cls(
-            preallocated_cache=False, share_prefix=False, drop_finished=False, packed_linears=False,
-            dedupe_prompts=False, merge_adapters=False, one_row_layout=False, one_row_kernel=False, decode_rows=None,
+            preallocated_cache=False,
+            share_prefix=False,
+            drop_finished=False,
+            packed_linears=False,
+            dedupe_prompts=False,
+            merge_adapters=False,
+            one_row_layout=False,
+            native_step=False,
+            decode_rows=None,
         )
 
 
@@ -131,7 +138,7 @@ class PreallocatedLayer(DynamicLayer):
 
     def advance(self, columns: int) -> None:
         """Count ``columns`` more as filled: written into the buffers by someone else
-        (:class:`grace_st.one_row_step.OneRowStep`)."""
+        (:class:`grace_st.native_step.NativeStep`)."""
         end = self.length + columns
         if end > self.capacity:
             raise RuntimeError(f"KV cache of {self.capacity} positions cannot hold {end}")
@@ -192,7 +199,8 @@ def continuous_batching(model, options: DecodeOptions) -> bool:
     """Whether :meth:`IncrementalDecoder.admit` can run on this model: every layer of its cache
     preallocated (full attention), and ``options`` asking for it."""
     return (
-        options.decode_rows is not None and options.preallocated_cache
+        options.decode_rows is not None
+        and options.preallocated_cache
         and _every_layer_preallocated(preallocated_cache(model, 1))
     )
 
@@ -242,8 +250,8 @@ class IncrementalDecoder:
         self.rows: Tensor | None = None
         self.mask: Tensor | None = None  # attention mask over the KV cache's columns, for ``rows``
         self.released: Tensor | None = None  # continuous batching: which cache rows no prompt holds now
-        self.one_row: OneRowStep | None | bool = options.one_row_kernel and hidden_layer == -1  # built at first use
-        self.one_row_threads = 0  # the threads the native step runs on (PyTorch's count when it began)
+        self.native: NativeStep | None | bool = options.native_step and hidden_layer == -1  # built at first use
+        self.native_threads = 0  # PyTorch's thread count while single-row native steps hold it at one
 
     def _forward(self, logits: bool = True, **inputs) -> tuple[Tensor, Tensor | None]:
         """One forward pass: (hidden states of the fed tokens, next-token logits of each row's last one)."""
@@ -303,8 +311,11 @@ class IncrementalDecoder:
         else:
             self.mask = attention_mask
             states, last_logits = self._forward(
-                logits, input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), past_key_values=self.kv_cache,
+                logits,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask),
+                past_key_values=self.kv_cache,
             )
         return states.masked_fill(attention_mask[..., None] == 0, 0.0), last_logits
 
@@ -333,8 +344,11 @@ class IncrementalDecoder:
         rest_mask = (torch.arange(width - shared, device=input_ids.device)[None, :] >= starts[:, None]).long()
         cache_mask = torch.cat([rest_mask.new_ones((batch, shared)), rest_mask], 1)
         rest_states, last_logits = self._forward(
-            logits, input_ids=input_ids[:, shared:], attention_mask=cache_mask,
-            position_ids=(cache_mask.cumsum(-1)[:, shared:] - 1).clamp(min=0), past_key_values=self.kv_cache,
+            logits,
+            input_ids=input_ids[:, shared:],
+            attention_mask=cache_mask,
+            position_ids=(cache_mask.cumsum(-1)[:, shared:] - 1).clamp(min=0),
+            past_key_values=self.kv_cache,
         )
         states = rest_states.new_zeros((batch, width, rest_states.shape[-1]))
         states[:, shared:] = rest_states
@@ -344,7 +358,12 @@ class IncrementalDecoder:
         return states, last_logits, cache_mask
 
     def admit(
-        self, slots: Tensor, input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, slot_count: int,
+        self,
+        slots: Tensor,
+        input_ids: Tensor,
+        attention_mask: Tensor,
+        instruction_lengths: Tensor,
+        slot_count: int,
         max_new_tokens: int,
     ) -> tuple[Tensor, Tensor]:
         """Continuous batching: prefill left-padded prompts into the cache rows ``slots`` (of
@@ -418,45 +437,50 @@ class IncrementalDecoder:
         fed = alive if self.released is None else torch.ones_like(alive)
         self.mask = torch.cat([self.mask, fed[:, None].long()], dim=1)
         positions = self.mask.sum(1, keepdim=True) - 1
-        fast = self._one_row_step(tokens, positions)
+        fast = self._native_step(tokens, positions)
         if fast is not None:
             states, logits = fast
         else:
             states, logits = self._forward(
-                input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions, past_key_values=self.kv_cache
+                input_ids=tokens[:, None],
+                attention_mask=self.mask,
+                position_ids=positions,
+                past_key_values=self.kv_cache,
             )
         batch_states = states.new_zeros((self.batch, 1, states.shape[-1]))
         batch_states[self.rows] = states
         return batch_states, logits
 
-    def _one_row_step(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor] | None:
-        """The step as one native call (:mod:`grace_st.one_row_step`) when a single row is fed outside
-        continuous batching; None where it does not apply (the caller runs the model's forward)."""
-        if self.one_row is False or len(tokens) != 1 or self.released is not None:
+    def _native_step(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor] | None:
+        """The step as one native call (:mod:`grace_st.native_step`); None where it does not apply
+        (the caller runs the model's forward)."""
+        if self.native is True:
+            self.native = NativeStep.for_model(self.model) or False
+        if self.native is False or not self.native.applies(self.kv_cache, len(tokens)):
             return None
-        if self.one_row is True:
-            self.one_row = OneRowStep.for_model(self.model) or False
-        if self.one_row is False or not self.one_row.applies(self.kv_cache, len(tokens)):
-            return None
-        if not self.one_row_threads:
-            # PyTorch's own small ops between native steps (the next token's choice over the whole
-            # vocabulary) run on one thread until the block ends: its other threads would otherwise
-            # spin after each of them on the cores the native step needs (12 % of a step, measured).
-            self.one_row_threads = torch.get_num_threads()
+        threads = self.native_threads or torch.get_num_threads()
+        if len(tokens) == 1 and not self.native_threads:
+            # A single row's step takes milliseconds: PyTorch's own small ops between native steps (the
+            # next token's choice over the whole vocabulary) run on one thread until the block ends, or
+            # its other threads would spin after each of them on the cores the native step needs (12 %
+            # of a step, measured).
+            self.native_threads = threads
             torch.set_num_threads(1)
-        return self.one_row(int(tokens[0]), self.kv_cache, self.mask[0], int(positions[0, 0]), self.one_row_threads)
+        return self.native(tokens, self.kv_cache, self.mask, positions, threads)
 
     def close(self) -> None:
-        """Give PyTorch back the threads :meth:`_one_row_step` took."""
-        if self.one_row_threads:
-            torch.set_num_threads(self.one_row_threads)
-            self.one_row_threads = 0
+        """Give PyTorch back the threads :meth:`_native_step` took."""
+        if self.native_threads:
+            torch.set_num_threads(self.native_threads)
+            self.native_threads = 0
 
 
 def packed_linears_for(model, options: DecodeOptions):
     """The :func:`grace_st.packed_linear.packed_linears` block ``options`` ask for."""
     return packed_linears(
-        model, enabled=options.packed_linears, merge_adapters=options.merge_adapters,
+        model,
+        enabled=options.packed_linears,
+        merge_adapters=options.merge_adapters,
         one_row_layout=options.one_row_layout,
     )
 

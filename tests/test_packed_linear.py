@@ -284,10 +284,10 @@ def test_a_query_decoded_alone_gets_the_rationale_of_the_packed_layout():
     """The one-row layout changes how fast batch-1 decoding reads the weights, not what it writes."""
     tokenizer, model, rows, spans = make_prompts()
     for row, span in zip(rows, spans):
-        # PyTorch's step, where the layout is used (the native one, grace_st.one_row_step, has its own)
-        laid = one_pass_rollouts(model, tokenizer, [row], [span], 8, options=DecodeOptions(one_row_kernel=False))
+        # PyTorch's step, where the layout is used (the native one, grace_st.native_step, has its own)
+        laid = one_pass_rollouts(model, tokenizer, [row], [span], 8, options=DecodeOptions(native_step=False))
         packed = one_pass_rollouts(
-            model, tokenizer, [row], [span], 8, options=DecodeOptions(one_row_layout=False, one_row_kernel=False)
+            model, tokenizer, [row], [span], 8, options=DecodeOptions(one_row_layout=False, native_step=False)
         )
         assert torch.equal(laid.rationale_ids, packed.rationale_ids)
         torch.testing.assert_close(laid.token_embeddings, packed.token_embeddings, atol=1e-5, rtol=1e-5)

@@ -1,4 +1,4 @@
-"""The single-row decoding step as one native call (grace_st.one_row_step) against PyTorch's step."""
+"""The single-row decoding step as one native call (grace_st.native_step) against PyTorch's step."""
 
 import logging
 
@@ -6,26 +6,26 @@ import pytest
 import torch
 from conftest import make_lora_model, make_model, make_prompts, make_tokenizer, one_pass_rollouts
 
-from grace_st import one_row_step
+from grace_st import native_step
 from grace_st.decoding import DecodeOptions
-from grace_st.one_row_step import OneRowStep
+from grace_st.native_step import NativeStep
 
-needs_compiler = pytest.mark.skipif(one_row_step.library() is None, reason="no C compiler to build the native step")
-PYTORCH_STEP = DecodeOptions(one_row_kernel=False)
+needs_compiler = pytest.mark.skipif(native_step.library() is None, reason="no C compiler to build the native step")
+PYTORCH_STEP = DecodeOptions(native_step=False)
 
 
 @pytest.fixture
 def native_calls(monkeypatch):
     """How many steps the native call took (the test fails if the kernel silently never ran)."""
     calls = []
-    original = OneRowStep.__call__
+    original = NativeStep.__call__
 
     def counted(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         calls.append(result is not None)
         return result
 
-    monkeypatch.setattr(OneRowStep, "__call__", counted)
+    monkeypatch.setattr(NativeStep, "__call__", counted)
     return calls
 
 
@@ -64,7 +64,7 @@ def test_the_step_s_logits_and_cache_equal_the_model_s_forward():
         expected = model(
             input_ids=torch.tensor([[7]]), past_key_values=caches[0], use_cache=True, output_hidden_states=True
         )
-        step = OneRowStep.for_model(model)
+        step = NativeStep.for_model(model)
         states, logits = step(7, caches[1], torch.ones(ids.shape[1] + 1, dtype=torch.long), ids.shape[1], 2)
     torch.testing.assert_close(logits, expected.logits[:, -1], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(states, expected.hidden_states[-1], atol=1e-5, rtol=1e-5)
@@ -136,16 +136,16 @@ def test_where_it_does_not_apply_pytorch_s_step_runs(native_calls, monkeypatch):
     one_pass_rollouts(model, tokenizer, rows[:1], spans[:1], 6, hidden_layer=1)
     assert native_calls == []
 
-    assert OneRowStep.for_model(make_model(tokenizer).to(torch.bfloat16)) is None
+    assert NativeStep.for_model(make_model(tokenizer).to(torch.bfloat16)) is None
     biased = make_model(tokenizer)
     biased.config.attention_bias = True
-    assert OneRowStep.for_model(biased) is None
+    assert NativeStep.for_model(biased) is None
     model.model.layers[0].mlp.up_proj = torch.nn.Linear(32, 64, bias=True)
-    assert OneRowStep.for_model(model) is None
+    assert NativeStep.for_model(model) is None
 
-    monkeypatch.setattr(one_row_step, "_library_state", {"function": None})
+    monkeypatch.setattr(native_step, "_library_state", {"function": None})
     tokenizer, model, rows, spans = make_prompts()
-    assert OneRowStep.for_model(model) is None
+    assert NativeStep.for_model(model) is None
     _assert_same(
         one_pass_rollouts(model, tokenizer, rows[:1], spans[:1], 6),
         one_pass_rollouts(model, tokenizer, rows[:1], spans[:1], 6, options=PYTORCH_STEP),
@@ -156,9 +156,9 @@ def test_where_it_does_not_apply_pytorch_s_step_runs(native_calls, monkeypatch):
 def test_a_compiler_that_fails_leaves_pytorch_s_step_and_says_why(monkeypatch, tmp_path, caplog):
     monkeypatch.setenv("GRACE_ST_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")
-    monkeypatch.setattr(one_row_step, "_library_state", {})
-    with caplog.at_level(logging.INFO, logger="grace_st.one_row_step"):
-        assert one_row_step.library() is None
+    monkeypatch.setattr(native_step, "_library_state", {})
+    with caplog.at_level(logging.INFO, logger="grace_st.native_step"):
+        assert native_step.library() is None
     assert "could not be built" in caplog.text
     assert not list(tmp_path.rglob("*.so"))
 
@@ -166,13 +166,13 @@ def test_a_compiler_that_fails_leaves_pytorch_s_step_and_says_why(monkeypatch, t
 @needs_compiler
 def test_the_library_is_built_once_into_the_grace_home(monkeypatch, tmp_path):
     monkeypatch.setenv("GRACE_ST_HOME", str(tmp_path))
-    monkeypatch.setattr(one_row_step, "_library_state", {})
-    assert one_row_step.library() is not None
-    built = list((tmp_path / "kernels").glob("one_row_step-*.so"))
+    monkeypatch.setattr(native_step, "_library_state", {})
+    assert native_step.library() is not None
+    built = list((tmp_path / "kernels").glob("native_step-*.so"))
     assert len(built) == 1
     stamp = built[0].stat().st_mtime_ns
-    monkeypatch.setattr(one_row_step, "_library_state", {})
-    assert one_row_step.library() is not None
+    monkeypatch.setattr(native_step, "_library_state", {})
+    assert native_step.library() is not None
     assert built[0].stat().st_mtime_ns == stamp
 
 
@@ -200,7 +200,7 @@ def test_two_threads_decoding_with_one_model_keep_to_their_own_caches():
     from grace_st.decoding import preallocated_cache
 
     _, model, rows, _ = make_prompts()
-    step = OneRowStep.for_model(model)
+    step = NativeStep.for_model(model)
     prompts = [torch.tensor([rows[0]]), torch.tensor([rows[2]])]
 
     def decode(ids, results, start=None):
@@ -240,7 +240,7 @@ def test_a_new_cache_that_shares_one_buffer_s_address_with_the_last_is_bound_ane
         first, second = (preallocated_cache(model, length + 2) for _ in range(2))
         for cache in (first, second):
             model(input_ids=ids, past_key_values=cache, use_cache=True)
-        step = OneRowStep.for_model(model)
+        step = NativeStep.for_model(model)
         expected = step(7, first, torch.ones(length + 1, dtype=torch.long), length, 1)[1]
         for old, new in zip(first.layers, second.layers):
             new._keys = old._keys  # the same keys buffer (the same token goes to the same column), new values

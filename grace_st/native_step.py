@@ -1,4 +1,4 @@
-"""One decoding step of a single row as one native call on every core (``one_row_step.c``).
+"""One decoding step of a single row as one native call on every core (``native_step.c``).
 
 A search box embeds one query at a time: with the shipped budgets, 32 decoding steps at batch 1,
 each a matrix-vector product with every weight. PyTorch runs those on one thread (MKL) or reads
@@ -15,7 +15,7 @@ It is built with the system's C compiler at first use (``-O3 -march=native``; ab
 does not apply, the step runs as before: no C compiler (logged once), a model other than a plain
 Llama-family decoder (biases, another activation, another block), weights other than float32 or
 grace_st.quantization's int8 on the CPU (bfloat16), autograd on, or pooled states other than the last layer's
-(``hidden_layer`` -1). ``DecodeOptions(one_row_kernel=False)`` turns it off.
+(``hidden_layer`` -1). ``DecodeOptions(native_step=False)`` turns it off.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .packed_linear import _active_lora, _lora_layer_class, _merged_key, _merged
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).resolve().parent / "one_row_step.c"
+SOURCE = Path(__file__).resolve().parent / "native_step.c"
 FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-pthread"]
 PRODUCTS = ("q", "k", "v", "o", "gate", "up", "down")
 
@@ -86,20 +86,21 @@ def library():
     function = None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None or platform.system() == "Windows":
-        logger.info("no C compiler found: single-row decoding runs PyTorch's own step")
+        logger.info("no C compiler found: decoding runs PyTorch's own step")
     else:
         key = hashlib.sha256(
             "\0".join([SOURCE.read_text(), compiler, *FLAGS, platform.machine(), _cpu_flags()]).encode()
         )
-        target = grace_home() / "kernels" / f"one_row_step-{key.hexdigest()[:16]}.so"
+        target = grace_home() / "kernels" / f"native_step-{key.hexdigest()[:16]}.so"
         try:
             if not target.exists():
                 _compile(compiler, target)
-            function = ctypes.CDLL(str(target)).grace_one_row_step
+            built = ctypes.CDLL(str(target))
+            function, _library_state["panel"] = built.grace_native_step, built.grace_native_step_panel()
         except (OSError, subprocess.CalledProcessError) as error:
             detail = getattr(error, "stderr", b"") or b""
             logger.info(
-                "the single-row step could not be built (%s %s): PyTorch's own step runs", error, detail.decode()[-500:]
+                "the native step could not be built (%s %s): PyTorch's own step runs", error, detail.decode()[-500:]
             )
     if function is not None:
         function.restype = ctypes.c_int
@@ -108,7 +109,7 @@ def library():
             ctypes.c_int,
             ctypes.c_void_p,
             _Matrix,
-            *[ctypes.c_int] * 6,
+            *[ctypes.c_int] * 7,
             ctypes.c_float,
             ctypes.c_float,
             ctypes.c_int,
@@ -153,8 +154,22 @@ def _product(module: nn.Module, lora_class) -> tuple[Tensor, Tensor | None] | No
     return weight.detach().contiguous(), None
 
 
-# model -> (the identity of its tensors, its bound step or None), see OneRowStep.for_model
-_steps: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, OneRowStep | None]] = weakref.WeakKeyDictionary()
+# model -> (the identity of its tensors, its bound step or None), see NativeStep.for_model
+_steps: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, NativeStep | None]] = weakref.WeakKeyDictionary()
+
+
+def _panels(weight: Tensor, width: int) -> Tensor:
+    """``weight`` (outputs x inputs) as native_step.c's panels: ``width`` outputs a panel, each laid
+    out input-major, the last one padded with zero rows."""
+    outputs, inputs = weight.shape
+    padded = torch.nn.functional.pad(weight, (0, 0, 0, -outputs % width))
+    return padded.view(-1, width, inputs).transpose(1, 2).contiguous()
+
+
+def _packed(product: tuple[Tensor, Tensor | None], width: int) -> tuple[Tensor, Tensor | None]:
+    """A float32 product's weight as panels; int8 rows stay as they are (native_step.c reads them a row at a time)."""
+    weight, scale = product
+    return (weight, scale) if scale is not None else (_panels(weight, width), None)
 
 
 def _matrix(product: tuple[Tensor, Tensor | None]) -> _Matrix:
@@ -172,23 +187,26 @@ def _supported_config(config) -> bool:
     )
 
 
-class OneRowStep:
+class NativeStep:
     """The C step bound to a model's weights: :meth:`__call__` feeds one token to a one-row
     :func:`grace_st.decoding.preallocated_cache` and returns the final normed hidden state and the
     next-token logits, as the model's forward would. Made by :meth:`for_model`."""
 
-    def __init__(self, function, decoder: nn.Module, layers: list[dict], final_norm: Tensor, lm_head: tuple):
+    def __init__(
+        self, function, decoder: nn.Module, layers: list[dict], final_norm: Tensor, lm_head: tuple, vocab: int
+    ):
         self.function, self.decoder = function, decoder
         # kept alive: the C side holds raw pointers to them
         self.tensors, self.final_norm, self.lm_head = layers, final_norm, lm_head
         self.lm_head_matrix = _matrix(lm_head)
+        self.int8 = lm_head[1] is not None
         self.table = (_Layer * len(layers))()
         for slot, layer in zip(self.table, layers):
             slot.input_norm, slot.post_norm = _pointer(layer["input_norm"]), _pointer(layer["post_norm"])
             for name in PRODUCTS:
                 setattr(slot, name, _matrix(layer[name]))
         config = decoder.config
-        self.hidden, self.vocab = config.hidden_size, lm_head[0].shape[0]
+        self.hidden, self.vocab = config.hidden_size, vocab
         attention = decoder.layers[0].self_attn
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
         self.head_dim = attention.head_dim
@@ -198,7 +216,7 @@ class OneRowStep:
         self.local = threading.local()  # _bind_cache's table, one a thread
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> OneRowStep | None:
+    def for_model(cls, model: nn.Module) -> NativeStep | None:
         """The step for ``model`` if it applies (module docstring), else None. Kept for the next call
         while the model's tensors are the same ones: the step reads them in place, so values written
         into them are seen; a LoRA layer's merged weight is a copy, so such a model is bound anew each call."""
@@ -213,7 +231,7 @@ class OneRowStep:
         return step
 
     @classmethod
-    def _bind(cls, model: nn.Module) -> OneRowStep | None:
+    def _bind(cls, model: nn.Module) -> NativeStep | None:
         decoder = model.get_decoder()
         config = getattr(decoder, "config", None)
         if config is None or not _supported_config(config) or type(decoder).__name__ != "LlamaModel":
@@ -245,28 +263,34 @@ class OneRowStep:
         # one kind of weight throughout: the C step rounds activations to bfloat16 around every int8 product
         if len({lm_head[1] is None} | {p[1] is None for layer in layers for p in (layer[n] for n in PRODUCTS)}) > 1:
             return None
-        return cls(function, decoder, layers, norm.contiguous(), lm_head)
+        width = _library_state["panel"]
+        layers = [
+            {name: _packed(value, width) if name in PRODUCTS else value for name, value in layer.items()}
+            for layer in layers
+        ]
+        return cls(function, decoder, layers, norm.contiguous(), _packed(lm_head, width), lm_head[0].shape[0])
 
     def applies(self, kv_cache, rows: int) -> bool:
-        """Whether this step can feed the next token of ``rows`` rows into ``kv_cache`` (one row,
-        every layer preallocated, contiguous and with a free column, autograd off)."""
-        if rows != 1 or torch.is_grad_enabled() or kv_cache is None:
+        """Whether this step can feed the next token of ``rows`` rows into ``kv_cache`` (every layer
+        preallocated for those rows, contiguous and with a free column, autograd off; int8 weights
+        for one row only)."""
+        if rows < 1 or (rows > 1 and self.int8) or torch.is_grad_enabled() or kv_cache is None:
             return False
         layers = getattr(kv_cache, "layers", ())
         if len(layers) != len(self.table) or not all(getattr(layer, "_keys", None) is not None for layer in layers):
             return False
-        return self._bind_cache(layers) and layers[0].length < layers[0].capacity
+        return self._bind_cache(layers, rows) and layers[0].length < layers[0].capacity
 
-    def _bind_cache(self, layers) -> bool:
+    def _bind_cache(self, layers, rows: int) -> bool:
         """This thread's table with the cache's buffers filled in, made when the buffers change (and
         checked then): two threads encoding with one model at once must not write into each other's cache.
         Both buffers of every layer name the table: a new cache can get a freed cache's keys' address and
         values elsewhere, and a table kept by the keys alone would write into the freed values."""
-        bound = tuple((layer._keys.data_ptr(), layer._values.data_ptr()) for layer in layers)
+        bound = tuple((layer._keys.data_ptr(), layer._values.data_ptr(), layer._keys.shape[0]) for layer in layers)
         if getattr(self.local, "bound", None) == bound:
-            return True
+            return bound[0][2] == rows
         if not all(
-            layer._keys.shape[0] == 1
+            layer._keys.shape[0] == rows
             and layer._keys.dtype == torch.float32
             and layer._keys.is_contiguous()
             and layer._values.is_contiguous()
@@ -280,29 +304,33 @@ class OneRowStep:
         self.local.table, self.local.bound = table, bound
         return True
 
-    def __call__(self, token: int, kv_cache, mask: Tensor, position: int, threads: int) -> tuple[Tensor, Tensor] | None:
-        """Feed ``token`` at ``position`` on ``threads`` threads into ``kv_cache``; ``mask``: the row's attention mask over the cache's columns, the
-        new one included. Returns states (1, 1, hidden) and logits (1, vocab), or None when the
-        native step could not get its memory or threads (nothing written)."""
-        layers = kv_cache.layers
-        if not self._bind_cache(layers):
-            raise ValueError("the native step takes a one-row, contiguous float32 cache (see applies)")
+    def __call__(self, tokens, kv_cache, mask: Tensor, positions, threads: int) -> tuple[Tensor, Tensor] | None:
+        """Feed ``tokens`` (one a cache row) at ``positions`` on ``threads`` threads into ``kv_cache``;
+        ``mask``: each row's attention mask over the cache's columns, the new one included. Returns
+        states (rows, 1, hidden) and logits (rows, vocab), or None when the native step could not
+        get its memory or threads (nothing written)."""
+        tokens = torch.as_tensor(tokens).reshape(-1)
+        rows, layers = len(tokens), kv_cache.layers
+        if not self._bind_cache(layers, rows):
+            raise ValueError("the native step takes a contiguous float32 cache of a row a token (see applies)")
         table = self.local.table
         length, capacity = layers[0].length, layers[0].capacity
+        mask = mask.reshape(rows, -1)
         if mask.shape[-1] != length + 1:
             raise ValueError(f"the mask covers {mask.shape[-1]} columns, the cache {length} and the new token")
-        embedding = self.decoder.embed_tokens.weight[token].contiguous()
-        positions = torch.tensor([[position]])
-        cos, sin = self.decoder.rotary_emb(embedding[None, None], positions)
-        cos, sin = cos.reshape(-1).float().contiguous(), sin.reshape(-1).float().contiguous()
-        columns = mask.reshape(-1).to(torch.uint8).contiguous()
-        states = torch.empty(1, 1, self.hidden)
-        scores = torch.empty(1, self.vocab)
+        embedding = self.decoder.embed_tokens.weight[tokens].contiguous()
+        positions = torch.as_tensor(positions).reshape(rows, 1)
+        cos, sin = self.decoder.rotary_emb(embedding[:, None], positions)
+        cos, sin = cos.reshape(rows, -1).float().contiguous(), sin.reshape(rows, -1).float().contiguous()
+        columns = mask.to(torch.uint8).contiguous()
+        states = torch.empty(rows, 1, self.hidden)
+        scores = torch.empty(rows, self.vocab)
         status = self.function(
             table,
             len(table),
             _pointer(self.final_norm),
             self.lm_head_matrix,
+            rows,
             self.vocab,
             self.hidden,
             self.intermediate,

@@ -1,0 +1,598 @@
+/* One decoding step of a Llama-family decoder for one row or many, on every core.
+ *
+ * A query decoded alone multiplies one row by every weight each step, so the step is bound by
+ * how fast the weights are read; PyTorch runs those matrix-vector products on one thread (MKL)
+ * or reads its blocked layout slowly (oneDNN), and dispatches ~400 small operations a step around
+ * them (docs/latency.md). Many rows (`encode` over many texts, 64 rows a step) make the same
+ * products matrix-matrix ones, which PyTorch runs near the matmul peak, but the ~400 operations
+ * around them, each on a 64 x 576 tensor, cost about as much again. Here the whole step (the
+ * decoder layers, the final norm and the LM head) is one call: the outputs of every product are
+ * split between the threads, the threads meet at a spinning barrier after each product whose
+ * output the next one reads, and the norms, rotary embedding, cache write and attention run in C
+ * in between.
+ *
+ * Every output of every product is one row's dot() with one weight row: LANES partial sums in
+ * order along the row, then a fixed-order reduction. One row streams each weight row once
+ * (rows_product); many rows take a block of four rows by four weight rows at a time, so each
+ * weight load serves four rows and each input load four weight rows (block_product), with the
+ * same sums in the same order. So a row's result depends neither on the thread count nor on the
+ * other rows of the step: a text gets the same rationale and embedding decoded alone or in a batch.
+ *
+ * Layout of everything passed in, float32, contiguous:
+ *   weights as nn.Linear stores them (out_features x in_features);
+ *   key and value caches as grace_st.decoding.PreallocatedLayer holds them:
+ *   rows x kv_heads x capacity x head_dim; each row's new keys and values are written at column
+ *   `length` (after rotary embedding, as transformers stores them);
+ *   embedding, cos and sin: a row each (hidden, head_dim, head_dim): the tokens' embeddings and the
+ *   rotary tables of their positions, computed by the model's own rotary module, so any rope
+ *   scaling it applies is applied here too;
+ *   mask: rows x (length + 1) bytes, 0: a column the row does not attend to.
+ * Built and loaded by grace_st/native_step.py; the formulas are transformers' LlamaDecoderLayer.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 16
+#define MAX_THREADS 64
+#define SPINS_BEFORE_YIELD 20000
+
+/* A product's weight: float32 rows (scale NULL), or int8 rows with a float32 scale a row. */
+typedef struct {
+    const void *weight;
+    const float *scale;
+} Matrix;
+
+typedef struct {
+    const float *input_norm, *post_norm;
+    Matrix q, k, v, o, gate, up, down;
+    float *key_cache, *value_cache;
+} Layer;
+
+typedef struct {
+    const Layer *layers;
+    int n_layers;
+    const float *final_norm;
+    Matrix lm_head;
+    int int8; /* every product on int8 weights (the LM head's tells): inputs and outputs rounded to bfloat16 as grace_st.quantization does; one row only */
+    int rows, vocab, hidden, intermediate, heads, kv_heads, head_dim;
+    float eps, scale;
+    int capacity, length;
+    const unsigned char *mask; /* rows x (length + 1), 0: masked column */
+    const float *embedding, *cos, *sin;
+    float *states_out, *logits_out;
+    int threads;
+    /* shared scratch, a row of each per row */
+    float *x, *q, *k, *v, *attention, *gate, *mlp;
+    /* barrier */
+    atomic_int arrived;
+    atomic_int phase;
+    atomic_int go; /* 0: wait, 1: run, -1: a thread failed to start, return */
+} Step;
+
+/* The fixed-order reduction of LANES partial sums: halves added pairwise until one is left. */
+static inline float reduce(float *acc) {
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) acc[l] += acc[l + width];
+    return acc[0];
+}
+
+/* Dot product of one weight row with x: LANES partial sums, each a chain of fused multiply-adds
+ * along the row, then reduce(). The same arithmetic for every row, whichever thread and block
+ * computes it (explicit fmaf: the sums do not depend on whether the compiler contracts). */
+static inline float dot(const float *restrict w, const float *restrict x, int n) {
+    float acc[LANES] = {0};
+    int j = 0;
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) acc[l] = fmaf(w[j + l], x[j + l], acc[l]);
+    for (int l = 0; j + l < n; l++) acc[l] = fmaf(w[j + l], x[j + l], acc[l]);
+    return reduce(acc);
+}
+
+/* One int8 weight row with x: each weight converted to float, summed in CHAINS independent sets
+ * of LANES partial sums (consecutive LANES-wide chunks go to consecutive sets), then a fixed-order
+ * reduction. One row at a time, so the matrix streams in order, and several sets, so the sums do
+ * not wait on each other's latency: the int8 product is conversion-heavy, and with four rows a
+ * block and one set a row it read a third of the bandwidth. Written with AVX-512 or AVX2
+ * intrinsics where the CPU has them (the same sums in the same order), plain C elsewhere. */
+#define CHAINS 4
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+static inline float dot_int8(const signed char *restrict w, const float *restrict x, int n) {
+    float acc[CHAINS][LANES];
+    int j = 0;
+#if defined(__AVX512F__)
+    __m512 sums[CHAINS];
+    for (int c = 0; c < CHAINS; c++) sums[c] = _mm512_setzero_ps();
+    for (; j + CHAINS * LANES <= n; j += CHAINS * LANES)
+        for (int c = 0; c < CHAINS; c++) {
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(w + j + c * LANES));
+            __m512 weights = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+            sums[c] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + j + c * LANES), sums[c]);
+        }
+    for (int c = 0; c < CHAINS; c++) _mm512_storeu_ps(acc[c], sums[c]);
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 low[CHAINS], high[CHAINS];
+    for (int c = 0; c < CHAINS; c++) low[c] = high[c] = _mm256_setzero_ps();
+    for (; j + CHAINS * LANES <= n; j += CHAINS * LANES)
+        for (int c = 0; c < CHAINS; c++) {
+            const signed char *chunk = w + j + c * LANES;
+            __m256 first = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)chunk)));
+            __m256 second = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(chunk + 8))));
+            low[c] = _mm256_fmadd_ps(first, _mm256_loadu_ps(x + j + c * LANES), low[c]);
+            high[c] = _mm256_fmadd_ps(second, _mm256_loadu_ps(x + j + c * LANES + 8), high[c]);
+        }
+    for (int c = 0; c < CHAINS; c++) {
+        _mm256_storeu_ps(acc[c], low[c]);
+        _mm256_storeu_ps(acc[c] + 8, high[c]);
+    }
+#else
+    for (int c = 0; c < CHAINS; c++)
+        for (int l = 0; l < LANES; l++) acc[c][l] = 0.0f;
+    for (; j + CHAINS * LANES <= n; j += CHAINS * LANES)
+        for (int c = 0; c < CHAINS; c++)
+            for (int l = 0; l < LANES; l++)
+                acc[c][l] = fmaf((float)w[j + c * LANES + l], x[j + c * LANES + l], acc[c][l]);
+#endif
+    /* what is left: whole chunks into the first set, then single weights */
+    for (; j + LANES <= n; j += LANES)
+        for (int l = 0; l < LANES; l++) acc[0][l] = fmaf((float)w[j + l], x[j + l], acc[0][l]);
+    for (int l = 0; j + l < n; l++) acc[0][l] = fmaf((float)w[j + l], x[j + l], acc[0][l]);
+    for (int c = 1; c < CHAINS; c++)
+        for (int l = 0; l < LANES; l++) acc[0][l] += acc[c][l];
+    for (int width = LANES / 2; width > 0; width /= 2)
+        for (int l = 0; l < width; l++) acc[0][l] += acc[0][l + width];
+    return acc[0][0];
+}
+
+/* float32 -> bfloat16 -> float32, round to nearest even (PyTorch's conversion). */
+static inline float bfloat16(float value) {
+    unsigned int bits;
+    memcpy(&bits, &value, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return value; /* NaN stays NaN */
+    bits += 0x7fffu + ((bits >> 16) & 1u);
+    bits &= 0xffff0000u;
+    memcpy(&value, &bits, sizeof bits);
+    return value;
+}
+
+static void round_bfloat16(float *values, int n) {
+    for (int i = 0; i < n; i++) values[i] = bfloat16(values[i]);
+}
+
+/* This thread's share [*begin, *end) of `count` items. */
+static inline void share(int count, int thread, int threads, int *begin, int *end) {
+    *begin = (int)((long)count * thread / threads);
+    *end = (int)((long)count * (thread + 1) / threads);
+}
+
+static inline void put(float *out, float value, int add) { *out = add ? *out + value : value; }
+
+/* out[o] (+)= W[o] . x for the int8 weight rows [begin, end) of an `n`-wide matrix, one weight row
+ * at a time, so the matrix streams in order; each row's sum is scaled and rounded to bfloat16
+ * (grace_st.quantization.Int8WeightOnlyLinear's output). */
+static void int8_product(Matrix m, const float *x, float *out, int begin, int end, int n, int add) {
+    for (int r = begin; r < end; r++)
+        put(out + r, bfloat16(dot_int8((const signed char *)m.weight + (size_t)r * n, x, n) * m.scale[r]), add);
+}
+
+/* A float32 weight (outputs x n, as nn.Linear stores it) is passed as panels of PANEL outputs,
+ * each laid out input-major (panel[k * PANEL + c] = W[p * PANEL + c][k], the last panel padded
+ * with zero rows; grace_st/native_step.py packs them): one vector load then serves PANEL / 16
+ * outputs of every row of a block. Every output is one chain of fused multiply-adds over k in
+ * order, whichever block, thread or number of rows computes it. */
+#define PANEL 48
+#define BLOCK_ROWS 8
+
+int grace_native_step_panel(void) { return PANEL; }
+
+/* out[i * ldo + c] (+)= sum_k x[i * n + k] * panel[k * PANEL + c] for i < R rows and the first
+ * `valid` outputs c of the panel. Prefetches `prefetch_lines` cache lines from `prefetch` along the
+ * way (the next panel: streamed from memory while this one is computed, it arrives in time;
+ * without it a step waited on memory a fifth of its time). */
+static inline __attribute__((always_inline)) void panel_block(const int R, const float *x, int n, const float *panel,
+                                                               float *out, int ldo, int valid, int add,
+                                                               const char *prefetch, int prefetch_lines) {
+#if defined(__AVX512F__)
+    __m512 acc[BLOCK_ROWS][3];
+    for (int i = 0; i < R; i++) acc[i][0] = acc[i][1] = acc[i][2] = _mm512_setzero_ps();
+    int every = prefetch_lines ? (n + prefetch_lines - 1) / prefetch_lines : n + 1, due = 0;
+    for (int k = 0; k < n; k++) {
+        if (prefetch && k == due && prefetch_lines > 0) {
+            _mm_prefetch(prefetch, _MM_HINT_T0);
+            prefetch += 64;
+            prefetch_lines--;
+            due += every;
+        }
+        const float *weights = panel + (size_t)k * PANEL;
+        __m512 w0 = _mm512_loadu_ps(weights), w1 = _mm512_loadu_ps(weights + 16), w2 = _mm512_loadu_ps(weights + 32);
+        for (int i = 0; i < R; i++) {
+            __m512 input = _mm512_set1_ps(x[(size_t)i * n + k]);
+            acc[i][0] = _mm512_fmadd_ps(w0, input, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(w1, input, acc[i][1]);
+            acc[i][2] = _mm512_fmadd_ps(w2, input, acc[i][2]);
+        }
+    }
+    for (int i = 0; i < R; i++) {
+        float sums[PANEL];
+        _mm512_storeu_ps(sums, acc[i][0]);
+        _mm512_storeu_ps(sums + 16, acc[i][1]);
+        _mm512_storeu_ps(sums + 32, acc[i][2]);
+        for (int c = 0; c < valid; c++) put(out + (size_t)i * ldo + c, sums[c], add);
+    }
+#else
+    (void)prefetch, (void)prefetch_lines;
+    for (int i = 0; i < R; i++) {
+        float sums[PANEL] = {0};
+        for (int k = 0; k < n; k++) {
+            float input = x[(size_t)i * n + k];
+            for (int c = 0; c < PANEL; c++) sums[c] = fmaf(panel[(size_t)k * PANEL + c], input, sums[c]);
+        }
+        for (int c = 0; c < valid; c++) put(out + (size_t)i * ldo + c, sums[c], add);
+    }
+#endif
+}
+
+/* out (rows x outputs) (+)= x (rows x n) W^T over the panels [begin, end): a panel at a time, held
+ * in cache while every block of rows passes it. */
+static void panel_product(const float *panels, const float *x, float *out, int rows, int begin, int end, int outputs,
+                          int n, int add) {
+    int blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS, lines = (int)(((size_t)n * PANEL * sizeof(float) + 63) / 64);
+    for (int p = begin; p < end; p++) {
+        const float *panel = panels + (size_t)p * n * PANEL;
+        const char *next = p + 1 < end ? (const char *)(panel + (size_t)n * PANEL) : NULL;
+        int valid = outputs - p * PANEL < PANEL ? outputs - p * PANEL : PANEL;
+        for (int b = 0; b < blocks; b++) {
+            int first = BLOCK_ROWS * b, R = rows - first < BLOCK_ROWS ? rows - first : BLOCK_ROWS;
+            int from = (int)((long)lines * b / blocks), to = (int)((long)lines * (b + 1) / blocks);
+            const char *prefetch = next ? next + (size_t)from * 64 : NULL;
+            const float *xb = x + (size_t)first * n;
+            float *target = out + (size_t)first * outputs + p * PANEL;
+            switch (R) { /* a block of each size compiled on its own, its loops unrolled */
+            case 8: panel_block(8, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
+            case 7: panel_block(7, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
+            case 6: panel_block(6, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
+            case 5: panel_block(5, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
+            case 4: panel_block(4, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
+            case 3: panel_block(3, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
+            case 2: panel_block(2, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
+            default: panel_block(1, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
+            }
+        }
+    }
+}
+
+/* out (rows x outputs) (+)= x (rows x n) W^T for this thread's share of the outputs. */
+static void product(Step *s, Matrix m, const float *x, float *out, int outputs, int n, int thread, int add) {
+    int begin, end;
+    if (m.scale) {
+        share(outputs, thread, s->threads, &begin, &end);
+        int8_product(m, x, out, begin, end, n, add);
+    } else {
+        share((outputs + PANEL - 1) / PANEL, thread, s->threads, &begin, &end);
+        panel_product(m.weight, x, out, s->rows, begin, end, outputs, n, add);
+    }
+}
+
+static void barrier(Step *s) {
+    if (s->threads == 1) return;
+    int phase = atomic_load_explicit(&s->phase, memory_order_acquire);
+    if (atomic_fetch_add_explicit(&s->arrived, 1, memory_order_acq_rel) == s->threads - 1) {
+        atomic_store_explicit(&s->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&s->phase, phase + 1, memory_order_release);
+    } else {
+        /* spin while the others are a few microseconds away; yield the core past that, so an
+         * oversubscribed machine (more threads than free cores) is slowed, not stalled */
+        for (long spins = 0; atomic_load_explicit(&s->phase, memory_order_acquire) == phase; spins++) {
+            if (spins < SPINS_BEFORE_YIELD) {
+#if defined(__x86_64__) || defined(__i386__)
+                __builtin_ia32_pause();
+#endif
+            } else {
+                sched_yield();
+            }
+        }
+    }
+}
+
+/* transformers' LlamaRMSNorm of every row: x * rsqrt(mean(x^2) + eps) * weight, the mean summed in
+ * the order of dot(). Each thread norms every row into its own copy: cheaper than a barrier. */
+static void rms_norm(const Step *s, const float *x, const float *weight, float *out) {
+    int n = s->hidden;
+    for (int i = 0; i < s->rows; i++, x += n, out += n) {
+        float mean = dot(x, x, n) / (float)n;
+        float inverse = 1.0f / sqrtf(mean + s->eps);
+        for (int d = 0; d < n; d++) out[d] = weight[d] * (x[d] * inverse);
+    }
+}
+
+/* q * cos + rotate_half(q) * sin, rotate_half(q) = (-q[half:], q[:half]). */
+static void rotary(float *vector, const float *cos, const float *sin, int head_dim) {
+    int half = head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        float first = vector[i], second = vector[i + half];
+        vector[i] = first * cos[i] - second * sin[i];
+        vector[i + half] = second * cos[i + half] + first * sin[i + half];
+    }
+}
+
+/* e^x for the softmax and silu, 16 lanes at a time where AVX-512 is: x = n ln 2 + r, |r| <= ln 2 / 2,
+ * e^r by Cephes' degree-6 polynomial (within 2 ulp of expf), times 2^n by vscalefps, which also
+ * gives 0 and inf past float's range. NaN stays NaN. Elsewhere expf(). */
+#if defined(__AVX512F__)
+static inline __m512 exp_vector(__m512 x) {
+    x = _mm512_max_ps(_mm512_set1_ps(-104.0f), _mm512_min_ps(_mm512_set1_ps(89.0f), x)); /* NaN passes through */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(y, n);
+}
+#endif
+
+/* out[i] *= silu(gate[i]) = gate[i] / (1 + e^-gate[i]). */
+static void silu_times(const float *gate, float *out, int n) {
+    int i = 0;
+#if defined(__AVX512F__)
+    for (; i + 16 <= n; i += 16) {
+        __m512 g = _mm512_loadu_ps(gate + i);
+        __m512 e = exp_vector(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(_mm512_loadu_ps(out + i), silu));
+    }
+#endif
+    for (; i < n; i++) out[i] *= gate[i] / (1.0f + expf(-gate[i]));
+}
+
+/* scores[j] = e^(scores[j] - top) where mask[j], else 0; returns their sum. */
+static float exp_shifted(float *scores, const unsigned char *mask, int columns, float top) {
+    int j = 0;
+    float total = 0.0f;
+#if defined(__AVX512F__)
+    __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
+    for (; j + 16 <= columns; j += 16) {
+        __mmask16 kept = _mm512_cmpneq_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mask + j))),
+                                                  _mm512_setzero_si512());
+        __m512 e = _mm512_maskz_mov_ps(kept, exp_vector(_mm512_sub_ps(_mm512_loadu_ps(scores + j), shift)));
+        _mm512_storeu_ps(scores + j, e);
+        sum = _mm512_add_ps(sum, e);
+    }
+    total = _mm512_reduce_add_ps(sum);
+#endif
+    for (; j < columns; j++) {
+        scores[j] = mask[j] ? expf(scores[j] - top) : 0.0f;
+        total += scores[j];
+    }
+    return total;
+}
+
+/* One query head's scores against every column of its keys (scaled; -inf where masked) and its
+ * output, the columns' values weighted by their probabilities. A head's vector is held in
+ * registers while the columns pass (head_dim up to 128 in AVX-512 registers; elsewhere plain C). */
+#define MAX_HEAD_VECTORS 8
+static void head_scores(const float *query, const float *keys, const unsigned char *mask, int columns, int hd,
+                        float scale, float *scores) {
+#if defined(__AVX512F__)
+    if (hd % 16 == 0 && hd / 16 <= MAX_HEAD_VECTORS) {
+        __m512 q[MAX_HEAD_VECTORS];
+        int chunks = hd / 16;
+        for (int c = 0; c < chunks; c++) q[c] = _mm512_loadu_ps(query + 16 * c);
+        for (int j = 0; j < columns; j++) {
+            const float *key = keys + (size_t)j * hd;
+            __m512 sum = _mm512_mul_ps(q[0], _mm512_loadu_ps(key));
+            for (int c = 1; c < chunks; c++) sum = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(key + 16 * c), sum);
+            scores[j] = mask[j] ? _mm512_reduce_add_ps(sum) * scale : -INFINITY;
+        }
+        return;
+    }
+#endif
+    for (int j = 0; j < columns; j++) scores[j] = mask[j] ? dot(query, keys + (size_t)j * hd, hd) * scale : -INFINITY;
+}
+
+static void head_values(const float *probabilities, const float *values, const unsigned char *mask, int columns,
+                        int hd, float *out) {
+#if defined(__AVX512F__)
+    if (hd % 16 == 0 && hd / 16 <= MAX_HEAD_VECTORS) {
+        __m512 sum[MAX_HEAD_VECTORS];
+        int chunks = hd / 16;
+        for (int c = 0; c < chunks; c++) sum[c] = _mm512_setzero_ps();
+        for (int j = 0; j < columns; j++) {
+            if (!mask[j]) continue;
+            __m512 p = _mm512_set1_ps(probabilities[j]);
+            for (int c = 0; c < chunks; c++) sum[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(values + (size_t)j * hd + 16 * c), sum[c]);
+        }
+        for (int c = 0; c < chunks; c++) _mm512_storeu_ps(out + 16 * c, sum[c]);
+        return;
+    }
+#endif
+    for (int d = 0; d < hd; d++) out[d] = 0.0f;
+    for (int j = 0; j < columns; j++) {
+        if (!mask[j]) continue;
+        for (int d = 0; d < hd; d++) out[d] = fmaf(probabilities[j], values[(size_t)j * hd + d], out[d]);
+    }
+}
+
+/* Rotary embedding, the cache write and attention for every head of row `row`: small next to the
+ * products, so the rows are shared between the threads. */
+static void attend(Step *s, const Layer *layer, int row, float *scores) {
+    int hd = s->head_dim, columns = s->length + 1, group = s->heads / s->kv_heads;
+    int width = s->heads * hd, kv_width = s->kv_heads * hd;
+    float *q = s->q + (size_t)row * width, *k = s->k + (size_t)row * kv_width, *v = s->v + (size_t)row * kv_width;
+    const float *cos = s->cos + (size_t)row * hd, *sin = s->sin + (size_t)row * hd;
+    const unsigned char *mask = s->mask + (size_t)row * columns;
+    size_t row_cache = (size_t)s->kv_heads * s->capacity * hd;
+    float *key_cache = layer->key_cache + row * row_cache, *value_cache = layer->value_cache + row * row_cache;
+    for (int h = 0; h < s->heads; h++) rotary(q + h * hd, cos, sin, hd);
+    for (int h = 0; h < s->kv_heads; h++) {
+        rotary(k + h * hd, cos, sin, hd);
+        memcpy(key_cache + ((size_t)h * s->capacity + s->length) * hd, k + h * hd, hd * sizeof(float));
+        memcpy(value_cache + ((size_t)h * s->capacity + s->length) * hd, v + h * hd, hd * sizeof(float));
+    }
+    for (int h = 0; h < s->heads; h++) {
+        const float *keys = key_cache + (size_t)(h / group) * s->capacity * hd;
+        const float *values = value_cache + (size_t)(h / group) * s->capacity * hd;
+        head_scores(q + h * hd, keys, mask, columns, hd, s->scale, scores);
+        float top = -INFINITY;
+        for (int j = 0; j < columns; j++)
+            if (scores[j] > top) top = scores[j];
+        float total = exp_shifted(scores, mask, columns, top);
+        for (int j = 0; j < columns; j++) scores[j] = total > 0.0f ? scores[j] / total : 0.0f; /* no column: zeros, not NaN */
+        head_values(scores, values, mask, columns, hd, s->attention + (size_t)row * width + h * hd);
+    }
+    if (s->int8) round_bfloat16(s->attention + (size_t)row * width, width);
+}
+
+typedef struct {
+    Step *step;
+    int thread;
+    float *normed; /* this thread's copy of every row's normed hidden state */
+    float *scores; /* this thread's attention scores, a column each */
+} Worker;
+
+/* Denormal inputs and results cost a microcode assist each on x86, hundreds of cycles: silu of a
+ * very negative gate and far-off attention weights make them, and a step ran 1.4x slower with
+ * them. Both threads' steps run with them flushed to zero (a difference below 1e-38 a term), the
+ * caller's setting restored after. */
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#define FLUSH_DENORMALS 0x8040u /* MXCSR's flush-to-zero and denormals-are-zero */
+static inline unsigned int flush_denormals(void) {
+    unsigned int saved = _mm_getcsr();
+    _mm_setcsr(saved | FLUSH_DENORMALS);
+    return saved;
+}
+static inline void restore_denormals(unsigned int saved) { _mm_setcsr(saved); }
+#else
+static inline unsigned int flush_denormals(void) { return 0; }
+static inline void restore_denormals(unsigned int saved) { (void)saved; }
+#endif
+
+static void *run(void *argument) {
+    unsigned int saved = flush_denormals();
+    Worker *worker = argument;
+    Step *s = worker->step;
+    int t = worker->thread, T = s->threads, H = s->hidden, I = s->intermediate, hd = s->head_dim, R = s->rows;
+    int width = s->heads * hd, kv_width = s->kv_heads * hd;
+    float *normed = worker->normed;
+    int first_row = R * t / T, last_row = R * (t + 1) / T; /* this thread's rows for attention */
+    for (int index = 0; index < s->n_layers; index++) {
+        const Layer *layer = &s->layers[index];
+        rms_norm(s, s->x, layer->input_norm, normed);
+        if (s->int8) round_bfloat16(normed, H);
+        product(s, layer->q, normed, s->q, width, H, t, 0);
+        product(s, layer->k, normed, s->k, kv_width, H, t, 0);
+        product(s, layer->v, normed, s->v, kv_width, H, t, 0);
+        barrier(s);
+        for (int row = first_row; row < last_row; row++)
+            attend(s, layer, row, worker->scores);
+        barrier(s);
+        product(s, layer->o, s->attention, s->x, H, width, t, 1);
+        barrier(s);
+        rms_norm(s, s->x, layer->post_norm, normed);
+        if (s->int8) round_bfloat16(normed, H);
+        /* gate and up over the same outputs: silu(gate) * up needs no barrier between them */
+        int begin, end; /* the outputs product() gives this thread */
+        if (s->int8) {
+            share(I, t, T, &begin, &end);
+        } else {
+            share((I + PANEL - 1) / PANEL, t, T, &begin, &end);
+            begin *= PANEL;
+            end = end * PANEL < I ? end * PANEL : I;
+        }
+        product(s, layer->gate, normed, s->gate, I, H, t, 0);
+        product(s, layer->up, normed, s->mlp, I, H, t, 0);
+        for (int row = 0; row < R; row++) {
+            size_t at = (size_t)row * I + begin;
+            silu_times(s->gate + at, s->mlp + at, end - begin);
+            if (s->int8) round_bfloat16(s->mlp + at, end - begin);
+        }
+        barrier(s);
+        product(s, layer->down, s->mlp, s->x, H, I, t, 1);
+        barrier(s);
+    }
+    rms_norm(s, s->x, s->final_norm, normed);
+    if (t == 0) memcpy(s->states_out, normed, (size_t)R * H * sizeof(float));
+    if (s->int8) round_bfloat16(normed, H);
+    if (s->logits_out) product(s, s->lm_head, normed, s->logits_out, s->vocab, H, t, 0);
+    restore_denormals(saved);
+    return NULL;
+}
+
+static void *start(void *argument) {
+    Step *s = ((Worker *)argument)->step;
+    int go;
+    while ((go = atomic_load_explicit(&s->go, memory_order_acquire)) == 0) sched_yield();
+    return go > 0 ? run(argument) : NULL;
+}
+
+/* Returns 0, or -1 when memory or a thread could not be had, or int8 weights meet more than one
+ * row (the caller falls back). */
+int grace_native_step(
+    const Layer *layers, int n_layers, const float *final_norm, Matrix lm_head, int rows, int vocab, int hidden,
+    int intermediate, int heads, int kv_heads, int head_dim, float eps, float scale, int capacity, int length,
+    const unsigned char *mask, const float *embedding, const float *cos, const float *sin, float *states_out,
+    float *logits_out, int threads) {
+    if (rows < 1 || (rows > 1 && lm_head.scale != NULL)) return -1;
+    if (threads < 1) threads = 1;
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    int width = heads * head_dim, kv_width = kv_heads * head_dim;
+    size_t shared = (size_t)rows * (hidden + 2 * width + 2 * kv_width + 2 * intermediate);
+    size_t private = (size_t)rows * hidden + length + 1; /* normed rows, a score a column */
+    float *memory = malloc((shared + threads * private) * sizeof(float));
+    if (!memory) return -1;
+    Step s = {
+        .layers = layers, .n_layers = n_layers, .final_norm = final_norm, .lm_head = lm_head, .int8 = lm_head.scale != NULL,
+        .rows = rows, .vocab = vocab, .hidden = hidden, .intermediate = intermediate, .heads = heads,
+        .kv_heads = kv_heads, .head_dim = head_dim, .eps = eps, .scale = scale, .capacity = capacity,
+        .length = length, .mask = mask, .embedding = embedding, .cos = cos, .sin = sin, .states_out = states_out,
+        .logits_out = logits_out, .threads = threads,
+    };
+    s.x = memory;
+    s.q = s.x + (size_t)rows * hidden;
+    s.attention = s.q + (size_t)rows * width;
+    s.k = s.attention + (size_t)rows * width;
+    s.v = s.k + (size_t)rows * kv_width;
+    s.gate = s.v + (size_t)rows * kv_width;
+    s.mlp = s.gate + (size_t)rows * intermediate;
+    atomic_init(&s.arrived, 0);
+    atomic_init(&s.phase, 0);
+    memcpy(s.x, embedding, (size_t)rows * hidden * sizeof(float));
+    Worker workers[MAX_THREADS];
+    pthread_t handles[MAX_THREADS];
+    for (int t = 0; t < threads; t++) {
+        workers[t].step = &s;
+        workers[t].thread = t;
+        workers[t].normed = memory + shared + t * private;
+        workers[t].scores = workers[t].normed + (size_t)rows * hidden;
+    }
+    atomic_init(&s.go, 0);
+    int started = 1;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&handles[t], NULL, start, &workers[t]) != 0) break;
+        started++;
+    }
+    /* a thread that did not start would leave the others waiting at the first barrier: those
+     * that did start return before touching anything, and the caller falls back */
+    atomic_store_explicit(&s.go, started == threads ? 1 : -1, memory_order_release);
+    if (started < threads) {
+        for (int t = 1; t < started; t++) pthread_join(handles[t], NULL);
+        free(memory);
+        return -1;
+    }
+    run(&workers[0]);
+    for (int t = 1; t < threads; t++) pthread_join(handles[t], NULL);
+    free(memory);
+    return 0;
+}
