@@ -1,17 +1,19 @@
-"""Continuous batching against batch-at-a-time decoding, side by side in one run ([latency] item 4).
+"""Continuous batching against batch-at-a-time decoding, and the native step against PyTorch's, side
+by side in one run ([latency] item 4).
 
-The same texts, the same model, its own budget, encoded two ways, interleaved ``--repeats`` times:
+The same texts, the same model, its own budget, encoded up to three ways, interleaved ``--repeats`` times:
 
-- ``batches``: today's way, ``encode(texts, batch_size=B)`` with every row of a batch decoding at once
-  (``DecodeOptions(decode_rows=None)``): a batch decodes on with fewer and fewer live rows as
-  rationales end;
+- ``pytorch-batches``: ``encode(texts, batch_size=B)`` with every row of a batch decoding at once
+  (``DecodeOptions(decode_rows=None)``), PyTorch running the prompt pass and every step
+  (``native_step=False``): the code before session 27;
+- ``batches``: the same with the prompt pass and the steps as native calls (:mod:`grace_st.native_step`);
 - ``stream``: ``encode(texts, batch_size=len(texts))`` with ``decode_rows=B``: B rows decode at once
   and a row whose rationale ended hands its slot to the next text.
 
 ``work%`` is as in ``encode_throughput.py``: 2 · parameters · tokens computed (prompts with their
 shared instruction prefix counted once a prefill, plus rationale tokens) / time / the machine's
 matmul peak, measured before each arm. ``live rows`` is the mean number of rows a decoding step fed.
-Also checks the two ways give the same rationales and embeddings. Prints a table, writes JSON.
+Also compares every arm's rationales and embeddings with the first arm's. Prints a table, writes JSON.
 
     python benchmarks/continuous_batching.py                          # 1,000 STS-B dev sentences, the default
     python benchmarks/continuous_batching.py --texts 200 --repeats 1  # quicker
@@ -71,9 +73,16 @@ def keep_freed_memory() -> None:
         raise SystemExit("--keep-freed-memory: mallopt refused (not glibc?)")
 
 
-def run_arm(model, texts: list[str], rows: int, stream: bool) -> dict:
+# arm -> (stream the texts through the rows, decoding steps and prompt passes as native calls)
+ARMS = {"pytorch-batches": (False, False), "batches": (False, True), "stream": (True, True)}
+
+
+def run_arm(model, texts: list[str], rows: int, arm: str) -> dict:
     encoder = model[0]
-    encoder.decode_options = dataclasses.replace(encoder.decode_options, decode_rows=rows if stream else None)
+    stream, native = ARMS[arm]
+    encoder.decode_options = dataclasses.replace(
+        encoder.decode_options, decode_rows=rows if stream else None, native_step=native
+    )
     with StepCounter() as counter:
         start = time.perf_counter()
         out = model.encode(
@@ -93,6 +102,11 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=64, help="rows decoded at once, both ways")
     parser.add_argument("--repeats", type=int, default=2, help="each arm this many times, interleaved; best kept")
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
+        help="pytorch-batches: batches with PyTorch's own steps and prompt pass (grace_st.native_step off), as "
+             "before session 27",
+    )
     parser.add_argument(
         "--keep-freed-memory", action="store_true",
         help="glibc only: large blocks from the heap and never handed back (mallopt), to measure what the page "
@@ -114,11 +128,11 @@ def main() -> None:
     print(f"model {path}: {params / 1e6:.1f}M params, {len(texts)} texts ({source}), G = {budget}, "
           f"{args.rows} rows at once, {torch.get_num_threads()} threads")
 
-    arms: dict[str, list[dict]] = {"batches": [], "stream": []}
+    arms: dict[str, list[dict]] = {name: [] for name in args.arms}
     for _ in range(args.repeats):
         for name, results in arms.items():
             peak, _kernel = matmul_peak_flops(torch.float32)
-            results.append({**run_arm(model, texts, args.rows, name == "stream"), "peak": peak})
+            results.append({**run_arm(model, texts, args.rows, name), "peak": peak})
 
     rows = []
     for name, results in arms.items():
@@ -138,24 +152,33 @@ def main() -> None:
             "matmul_peak_gflops": best["peak"] / 1e9,
             "work_fraction": 2 * params * computed / best["seconds"] / best["peak"],
         })
-    first, second = arms["batches"][0], arms["stream"][0]
-    same = sum(a == b for a, b in zip(first["rationales"], second["rationales"])) / len(texts)
-    cosine = torch.nn.functional.cosine_similarity(first["embeddings"], second["embeddings"]).min().item()
-    speedup = rows[0]["seconds"] / rows[1]["seconds"]
-
-    print(f"{'arm':>8} {'s':>8} {'texts/s':>8} {'steps':>6} {'live rows':>9} {'prefills':>8} {'peak GF':>7} {'work%':>6}")
+    # every arm against the first: the same rationales and embeddings, and its speed
+    reference_name = args.arms[0]
+    reference = arms[reference_name][0]
     for row in rows:
-        print(f"{row['arm']:>8} {row['seconds']:>8.1f} {row['texts_per_s']:>8.2f} {row['decode_steps']:>6} "
+        result = arms[row["arm"]][0]
+        row["same_rationale_fraction"] = sum(
+            a == b for a, b in zip(reference["rationales"], result["rationales"])
+        ) / len(texts)
+        row["min_embedding_cosine"] = torch.nn.functional.cosine_similarity(
+            reference["embeddings"], result["embeddings"]
+        ).min().item()
+        row["speedup"] = rows[0]["seconds"] / row["seconds"]
+
+    print(f"{'arm':>15} {'s':>8} {'texts/s':>8} {'steps':>6} {'live rows':>9} {'prefills':>8} {'peak GF':>7} "
+          f"{'work%':>6} {'speed':>6} {'same rationale':>14} {'min cosine':>10}")
+    for row in rows:
+        print(f"{row['arm']:>15} {row['seconds']:>8.1f} {row['texts_per_s']:>8.2f} {row['decode_steps']:>6} "
               f"{row['mean_live_rows']:>9.1f} {row['prefills']:>8} {row['matmul_peak_gflops']:>7.0f} "
-              f"{100 * row['work_fraction']:>5.1f}%")
-    print(f"stream / batches speed: {speedup:.2f}x; same rationale {100 * same:.1f}% of texts; "
-          f"lowest embedding cosine {cosine:.6f}")
+              f"{100 * row['work_fraction']:>5.1f}% {row['speedup']:>5.2f}x {100 * row['same_rationale_fraction']:>13.1f}% "
+              f"{row['min_embedding_cosine']:>10.6f}")
+    print(f"speed, rationales and embeddings against {reference_name}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({
         "model": str(path), "texts": len(texts), "texts_source": source, "rationale_budget": budget,
         "rows_at_once": args.rows, "threads": torch.get_num_threads(), "repeats": args.repeats,
-        "machine": platform.processor() or platform.machine(), "arms": rows, "stream_speedup": speedup,
-        "same_rationale_fraction": same, "min_embedding_cosine": cosine, "keep_freed_memory": args.keep_freed_memory,
+        "machine": platform.processor() or platform.machine(), "reference_arm": reference_name, "arms": rows,
+        "keep_freed_memory": args.keep_freed_memory,
     }, indent=2) + "\n")
     print(f"wrote {args.out}")
 

@@ -16,8 +16,8 @@ and none changing what is computed, only how fast (results differ by float32 rou
   ``one_row_layout`` a single row's product on the weight laid out as MKL streams it fastest;
 - ``dedupe_prompts``: identical prompts in a batch (the K rollouts of one positive in training)
   are prefilled once and their keys and values copied to every row that shares them;
-- ``native_step``: a decoding step (of a query encoded alone, or of many rows) as one native call
-  on every core (:mod:`grace_st.native_step`), where the model and weights allow it;
+- ``native_step``: a decoding step (of a query encoded alone, or of many rows) and the prompt pass
+  as one native call on every core (:mod:`grace_st.native_step`), where the model and weights allow it;
 - ``decode_rows``: continuous batching. A call with more rows than this decodes that many at
   once, and a row whose rationale has ended hands its cache slot to the next prompt
   (:meth:`IncrementalDecoder.admit`), so a batch does not decode on with fewer and fewer live rows
@@ -56,8 +56,9 @@ class DecodeOptions:
     # takes effect with packed_linears: a float32 call of one row (batch-1 decoding) runs on the
     # weight laid out as a matrix-vector product reads it fastest (grace_st.packed_linear)
     one_row_layout: bool = True
-    # A decoding step, of one row or many, as one native call on every core (grace_st.native_step),
-    # where the model, weights and pooled layer allow it; elsewhere the step runs as without it.
+    # Decoding steps, of one row or many, and the prompt pass as one native call each on every core
+    # (grace_st.native_step), where the model, weights and pooled layer allow it; elsewhere they run
+    # as without it.
     native_step: bool = True
     # Sampling by one uniform a row a token (grace_st.generation.inverse_cdf_draw) rather than
     # torch.multinomial: the same distribution, other draws for a given seed. Not an optimisation
@@ -74,15 +75,8 @@ class DecodeOptions:
     @classmethod
     def plain(cls) -> DecodeOptions:
         return cls(
-            preallocated_cache=False,
-            share_prefix=False,
-            drop_finished=False,
-            packed_linears=False,
-            dedupe_prompts=False,
-            merge_adapters=False,
-            one_row_layout=False,
-            native_step=False,
-            decode_rows=None,
+            preallocated_cache=False, share_prefix=False, drop_finished=False, packed_linears=False,
+            dedupe_prompts=False, merge_adapters=False, one_row_layout=False, native_step=False, decode_rows=None,
         )
 
 
@@ -199,8 +193,7 @@ def continuous_batching(model, options: DecodeOptions) -> bool:
     """Whether :meth:`IncrementalDecoder.admit` can run on this model: every layer of its cache
     preallocated (full attention), and ``options`` asking for it."""
     return (
-        options.decode_rows is not None
-        and options.preallocated_cache
+        options.decode_rows is not None and options.preallocated_cache
         and _every_layer_preallocated(preallocated_cache(model, 1))
     )
 
@@ -311,11 +304,8 @@ class IncrementalDecoder:
         else:
             self.mask = attention_mask
             states, last_logits = self._forward(
-                logits,
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask),
-                past_key_values=self.kv_cache,
+                logits, input_ids=input_ids, attention_mask=attention_mask,
+                position_ids=position_ids_from_mask(attention_mask), past_key_values=self.kv_cache,
             )
         return states.masked_fill(attention_mask[..., None] == 0, 0.0), last_logits
 
@@ -343,13 +333,12 @@ class IncrementalDecoder:
         # Column j of the rest is prompt column j + shared; it holds a real token from the row's start on.
         rest_mask = (torch.arange(width - shared, device=input_ids.device)[None, :] >= starts[:, None]).long()
         cache_mask = torch.cat([rest_mask.new_ones((batch, shared)), rest_mask], 1)
-        rest_states, last_logits = self._forward(
-            logits,
-            input_ids=input_ids[:, shared:],
-            attention_mask=cache_mask,
-            position_ids=(cache_mask.cumsum(-1)[:, shared:] - 1).clamp(min=0),
-            past_key_values=self.kv_cache,
-        )
+        rest = {
+            "input_ids": input_ids[:, shared:], "attention_mask": cache_mask,
+            "position_ids": (cache_mask.cumsum(-1)[:, shared:] - 1).clamp(min=0),
+        }
+        fed = self._native_prefill(logits, **rest)
+        rest_states, last_logits = fed or self._forward(logits, **rest, past_key_values=self.kv_cache)
         states = rest_states.new_zeros((batch, width, rest_states.shape[-1]))
         states[:, shared:] = rest_states
         prefix_columns = starts[:, None] + torch.arange(shared, device=input_ids.device)[None, :]
@@ -358,12 +347,7 @@ class IncrementalDecoder:
         return states, last_logits, cache_mask
 
     def admit(
-        self,
-        slots: Tensor,
-        input_ids: Tensor,
-        attention_mask: Tensor,
-        instruction_lengths: Tensor,
-        slot_count: int,
+        self, slots: Tensor, input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, slot_count: int,
         max_new_tokens: int,
     ) -> tuple[Tensor, Tensor]:
         """Continuous batching: prefill left-padded prompts into the cache rows ``slots`` (of
@@ -442,21 +426,35 @@ class IncrementalDecoder:
             states, logits = fast
         else:
             states, logits = self._forward(
-                input_ids=tokens[:, None],
-                attention_mask=self.mask,
-                position_ids=positions,
-                past_key_values=self.kv_cache,
+                input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions, past_key_values=self.kv_cache
             )
         batch_states = states.new_zeros((self.batch, 1, states.shape[-1]))
         batch_states[self.rows] = states
         return batch_states, logits
 
+    def _native(self, rows: int, columns: int) -> NativeStep | None:
+        """The native step, if it can feed ``columns`` more columns of ``rows`` rows into the cache."""
+        if self.native is True:
+            self.native = NativeStep.for_model(self.model) or False
+        if self.native is False or not self.native.applies(self.kv_cache, rows, columns):
+            return None
+        return self.native
+
+    def _native_prefill(
+        self, logits: bool, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
+    ) -> tuple[Tensor, Tensor | None] | None:
+        """The prompts after the shared prefix as one native call over their real tokens, padding
+        skipped (:meth:`grace_st.native_step.NativeStep.prefill`); None where it does not apply."""
+        native = self._native(*input_ids.shape)
+        if native is None:
+            return None
+        return native.prefill(input_ids, self.kv_cache, attention_mask, position_ids, logits, torch.get_num_threads())
+
     def _native_step(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor] | None:
         """The step as one native call (:mod:`grace_st.native_step`); None where it does not apply
         (the caller runs the model's forward)."""
-        if self.native is True:
-            self.native = NativeStep.for_model(self.model) or False
-        if self.native is False or not self.native.applies(self.kv_cache, len(tokens)):
+        native = self._native(len(tokens), 1)
+        if native is None:
             return None
         threads = self.native_threads or torch.get_num_threads()
         if len(tokens) == 1 and not self.native_threads:
@@ -466,7 +464,7 @@ class IncrementalDecoder:
             # of a step, measured).
             self.native_threads = threads
             torch.set_num_threads(1)
-        return self.native(tokens, self.kv_cache, self.mask, positions, threads)
+        return native(tokens, self.kv_cache, self.mask, positions, threads)
 
     def close(self) -> None:
         """Give PyTorch back the threads :meth:`_native_step` took."""
@@ -478,9 +476,7 @@ class IncrementalDecoder:
 def packed_linears_for(model, options: DecodeOptions):
     """The :func:`grace_st.packed_linear.packed_linears` block ``options`` ask for."""
     return packed_linears(
-        model,
-        enabled=options.packed_linears,
-        merge_adapters=options.merge_adapters,
+        model, enabled=options.packed_linears, merge_adapters=options.merge_adapters,
         one_row_layout=options.one_row_layout,
     )
 

@@ -58,15 +58,20 @@ typedef struct {
     const float *final_norm;
     Matrix lm_head;
     int int8; /* every product on int8 weights (the LM head's tells): inputs and outputs rounded to bfloat16 as grace_st.quantization does; one row only */
-    int rows, vocab, hidden, intermediate, heads, kv_heads, head_dim;
+    int tokens, vocab, hidden, intermediate, heads, kv_heads, head_dim;
     float eps, scale;
-    int capacity, length;
-    const unsigned char *mask; /* rows x (length + 1), 0: masked column */
-    const float *embedding, *cos, *sin;
+    int capacity;
+    const int *cache_rows, *columns; /* each token's cache row and the column its keys and values go to */
+    const unsigned char *mask;       /* a row of mask_width bytes a cache row, 0: a column not attended to */
+    int mask_width;
+    const float *embedding, *cos, *sin; /* a row each a token */
+    int logit_tokens;                   /* how many tokens get logits: those in `logit_index`, or all if NULL */
+    const int *logit_index;
     float *states_out, *logits_out;
     int threads;
-    /* shared scratch, a row of each per row */
+    /* shared scratch, a row of each a token */
     float *x, *q, *k, *v, *attention, *gate, *mlp;
+    atomic_int *counters; /* the units claimed so far, a counter a product (see product) */
     /* barrier */
     atomic_int arrived;
     atomic_int phase;
@@ -165,12 +170,6 @@ static void round_bfloat16(float *values, int n) {
     for (int i = 0; i < n; i++) values[i] = bfloat16(values[i]);
 }
 
-/* This thread's share [*begin, *end) of `count` items. */
-static inline void share(int count, int thread, int threads, int *begin, int *end) {
-    *begin = (int)((long)count * thread / threads);
-    *end = (int)((long)count * (thread + 1) / threads);
-}
-
 static inline void put(float *out, float value, int add) { *out = add ? *out + value : value; }
 
 /* out[o] (+)= W[o] . x for the int8 weight rows [begin, end) of an `n`-wide matrix, one weight row
@@ -238,44 +237,75 @@ static inline __attribute__((always_inline)) void panel_block(const int R, const
 #endif
 }
 
-/* out (rows x outputs) (+)= x (rows x n) W^T over the panels [begin, end): a panel at a time, held
- * in cache while every block of rows passes it. */
-static void panel_product(const float *panels, const float *x, float *out, int rows, int begin, int end, int outputs,
-                          int n, int add) {
-    int blocks = (rows + BLOCK_ROWS - 1) / BLOCK_ROWS, lines = (int)(((size_t)n * PANEL * sizeof(float) + 63) / 64);
-    for (int p = begin; p < end; p++) {
-        const float *panel = panels + (size_t)p * n * PANEL;
-        const char *next = p + 1 < end ? (const char *)(panel + (size_t)n * PANEL) : NULL;
-        int valid = outputs - p * PANEL < PANEL ? outputs - p * PANEL : PANEL;
-        for (int b = 0; b < blocks; b++) {
-            int first = BLOCK_ROWS * b, R = rows - first < BLOCK_ROWS ? rows - first : BLOCK_ROWS;
-            int from = (int)((long)lines * b / blocks), to = (int)((long)lines * (b + 1) / blocks);
-            const char *prefetch = next ? next + (size_t)from * 64 : NULL;
-            const float *xb = x + (size_t)first * n;
-            float *target = out + (size_t)first * outputs + p * PANEL;
-            switch (R) { /* a block of each size compiled on its own, its loops unrolled */
-            case 8: panel_block(8, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
-            case 7: panel_block(7, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
-            case 6: panel_block(6, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
-            case 5: panel_block(5, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
-            case 4: panel_block(4, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
-            case 3: panel_block(3, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
-            case 2: panel_block(2, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
-            default: panel_block(1, xb, n, panel, target, outputs, valid, add, prefetch, to - from); break;
-            }
+/* The work of a product is handed out in units: PANEL outputs for a tile of rows (tiles whose
+ * inputs fit half of a 2 MB L2 cache: a prompt pass feeds a thousand rows, whose inputs would
+ * otherwise come from memory again for every panel). A thread takes the next unit when it is done
+ * with one (an atomic counter a product), so a core the machine slows down (another tenant on the
+ * host) does less of the work instead of holding the other at the next barrier. Which thread
+ * computes an output does not change its value. */
+#define TILE_BYTES (1 << 20)
+
+typedef struct {
+    int panels, tile, units;
+} Units;
+
+static inline Units units_of(int rows, int outputs, int n) {
+    Units u;
+    u.panels = (outputs + PANEL - 1) / PANEL;
+    u.tile = (int)(TILE_BYTES / ((size_t)n * sizeof(float))) / BLOCK_ROWS * BLOCK_ROWS;
+    if (u.tile < BLOCK_ROWS) u.tile = BLOCK_ROWS;
+    u.units = u.panels * ((rows + u.tile - 1) / u.tile);
+    return u;
+}
+
+static inline int claim(atomic_int *counter) { return atomic_fetch_add_explicit(counter, 1, memory_order_relaxed); }
+
+/* The panel a unit multiplies by (float32), as a prefetch address; NULL past the last unit. */
+static inline const char *unit_panel(Matrix m, Units u, int unit, int n) {
+    if (unit >= u.units || m.scale) return NULL;
+    return (const char *)((const float *)m.weight + (size_t)(unit % u.panels) * n * PANEL);
+}
+
+/* One unit of out (rows x outputs) (+)= x (rows x n) W^T, its panel held in cache while every block
+ * of the tile's rows passes it; `prefetch`: the panel this thread computes next. int8 weights: one
+ * row, the unit's weight rows one at a time (int8_product). */
+static void unit_product(Matrix m, Units u, int unit, const float *x, float *out, int rows, int outputs, int n, int add,
+                         const char *prefetch) {
+    int p = unit % u.panels, tile_start = unit / u.panels * u.tile;
+    int valid = outputs - p * PANEL < PANEL ? outputs - p * PANEL : PANEL;
+    if (m.scale) {
+        int8_product(m, x, out, p * PANEL, p * PANEL + valid, n, add);
+        return;
+    }
+    const float *panel = (const float *)m.weight + (size_t)p * n * PANEL;
+    int tile_rows = rows - tile_start < u.tile ? rows - tile_start : u.tile;
+    int blocks = (tile_rows + BLOCK_ROWS - 1) / BLOCK_ROWS, lines = (int)(((size_t)n * PANEL * sizeof(float) + 63) / 64);
+    for (int b = 0; b < blocks; b++) {
+        int first = tile_start + BLOCK_ROWS * b, R = rows - first < BLOCK_ROWS ? rows - first : BLOCK_ROWS;
+        int from = (int)((long)lines * b / blocks), to = (int)((long)lines * (b + 1) / blocks);
+        const char *ahead = prefetch ? prefetch + (size_t)from * 64 : NULL;
+        const float *xb = x + (size_t)first * n;
+        float *target = out + (size_t)first * outputs + p * PANEL;
+        switch (R) { /* a block of each size compiled on its own, its loops unrolled */
+        case 8: panel_block(8, xb, n, panel, target, outputs, valid, add, ahead, to - from); break;
+        case 7: panel_block(7, xb, n, panel, target, outputs, valid, add, ahead, to - from); break;
+        case 6: panel_block(6, xb, n, panel, target, outputs, valid, add, ahead, to - from); break;
+        case 5: panel_block(5, xb, n, panel, target, outputs, valid, add, ahead, to - from); break;
+        case 4: panel_block(4, xb, n, panel, target, outputs, valid, add, ahead, to - from); break;
+        case 3: panel_block(3, xb, n, panel, target, outputs, valid, add, ahead, to - from); break;
+        case 2: panel_block(2, xb, n, panel, target, outputs, valid, add, ahead, to - from); break;
+        default: panel_block(1, xb, n, panel, target, outputs, valid, add, ahead, to - from); break;
         }
     }
 }
 
-/* out (rows x outputs) (+)= x (rows x n) W^T for this thread's share of the outputs. */
-static void product(Step *s, Matrix m, const float *x, float *out, int outputs, int n, int thread, int add) {
-    int begin, end;
-    if (m.scale) {
-        share(outputs, thread, s->threads, &begin, &end);
-        int8_product(m, x, out, begin, end, n, add);
-    } else {
-        share((outputs + PANEL - 1) / PANEL, thread, s->threads, &begin, &end);
-        panel_product(m.weight, x, out, s->rows, begin, end, outputs, n, add);
+/* out (rows x outputs) (+)= x (rows x n) W^T, unit by unit as they are claimed from `counter`; each
+ * thread claims its next unit before computing the one it holds, so its panel can be prefetched. */
+static void product(Matrix m, const float *x, float *out, int rows, int outputs, int n, int add, atomic_int *counter) {
+    Units u = units_of(rows, outputs, n);
+    for (int unit = claim(counter), next; unit < u.units; unit = next) {
+        next = claim(counter);
+        unit_product(m, u, unit, x, out, rows, outputs, n, add, unit_panel(m, u, next, n));
     }
 }
 
@@ -304,7 +334,7 @@ static void barrier(Step *s) {
  * the order of dot(). Each thread norms every row into its own copy: cheaper than a barrier. */
 static void rms_norm(const Step *s, const float *x, const float *weight, float *out) {
     int n = s->hidden;
-    for (int i = 0; i < s->rows; i++, x += n, out += n) {
+    for (int i = 0; i < s->tokens; i++, x += n, out += n) {
         float mean = dot(x, x, n) / (float)n;
         float inverse = 1.0f / sqrtf(mean + s->eps);
         for (int d = 0; d < n; d++) out[d] = weight[d] * (x[d] * inverse);
@@ -424,40 +454,49 @@ static void head_values(const float *probabilities, const float *values, const u
     }
 }
 
-/* Rotary embedding, the cache write and attention for every head of row `row`: small next to the
- * products, so the rows are shared between the threads. */
-static void attend(Step *s, const Layer *layer, int row, float *scores) {
-    int hd = s->head_dim, columns = s->length + 1, group = s->heads / s->kv_heads;
-    int width = s->heads * hd, kv_width = s->kv_heads * hd;
-    float *q = s->q + (size_t)row * width, *k = s->k + (size_t)row * kv_width, *v = s->v + (size_t)row * kv_width;
-    const float *cos = s->cos + (size_t)row * hd, *sin = s->sin + (size_t)row * hd;
-    const unsigned char *mask = s->mask + (size_t)row * columns;
-    size_t row_cache = (size_t)s->kv_heads * s->capacity * hd;
-    float *key_cache = layer->key_cache + row * row_cache, *value_cache = layer->value_cache + row * row_cache;
+/* Token i's keys and values, after rotary embedding of them and of its queries, into its cache row
+ * at its column. Every token's are written before any token attends: a prompt's tokens attend to
+ * each other's. */
+static inline float *cache_at(const Step *s, float *cache, int i, int head) {
+    return cache + (((size_t)s->cache_rows[i] * s->kv_heads + head) * s->capacity + s->columns[i]) * s->head_dim;
+}
+
+static void write_keys(Step *s, const Layer *layer, int i) {
+    int hd = s->head_dim;
+    float *q = s->q + (size_t)i * s->heads * hd, *k = s->k + (size_t)i * s->kv_heads * hd;
+    const float *v = s->v + (size_t)i * s->kv_heads * hd, *cos = s->cos + (size_t)i * hd, *sin = s->sin + (size_t)i * hd;
     for (int h = 0; h < s->heads; h++) rotary(q + h * hd, cos, sin, hd);
     for (int h = 0; h < s->kv_heads; h++) {
         rotary(k + h * hd, cos, sin, hd);
-        memcpy(key_cache + ((size_t)h * s->capacity + s->length) * hd, k + h * hd, hd * sizeof(float));
-        memcpy(value_cache + ((size_t)h * s->capacity + s->length) * hd, v + h * hd, hd * sizeof(float));
+        memcpy(cache_at(s, layer->key_cache, i, h), k + h * hd, hd * sizeof(float));
+        memcpy(cache_at(s, layer->value_cache, i, h), v + h * hd, hd * sizeof(float));
     }
+}
+
+/* Token i's attention, every head: over its cache row's columns up to its own, where the row's
+ * mask lets it. Small next to the products, so the tokens are shared between the threads. */
+static void attend(Step *s, const Layer *layer, int i, float *scores) {
+    int hd = s->head_dim, columns = s->columns[i] + 1, group = s->heads / s->kv_heads, width = s->heads * hd;
+    const unsigned char *mask = s->mask + (size_t)s->cache_rows[i] * s->mask_width;
     for (int h = 0; h < s->heads; h++) {
-        const float *keys = key_cache + (size_t)(h / group) * s->capacity * hd;
-        const float *values = value_cache + (size_t)(h / group) * s->capacity * hd;
-        head_scores(q + h * hd, keys, mask, columns, hd, s->scale, scores);
+        const float *keys = cache_at(s, layer->key_cache, i, h / group) - (size_t)s->columns[i] * hd;
+        const float *values = cache_at(s, layer->value_cache, i, h / group) - (size_t)s->columns[i] * hd;
+        head_scores(s->q + (size_t)i * width + h * hd, keys, mask, columns, hd, s->scale, scores);
         float top = -INFINITY;
         for (int j = 0; j < columns; j++)
             if (scores[j] > top) top = scores[j];
         float total = exp_shifted(scores, mask, columns, top);
         for (int j = 0; j < columns; j++) scores[j] = total > 0.0f ? scores[j] / total : 0.0f; /* no column: zeros, not NaN */
-        head_values(scores, values, mask, columns, hd, s->attention + (size_t)row * width + h * hd);
+        head_values(scores, values, mask, columns, hd, s->attention + (size_t)i * width + h * hd);
     }
-    if (s->int8) round_bfloat16(s->attention + (size_t)row * width, width);
+    if (s->int8) round_bfloat16(s->attention + (size_t)i * width, width);
 }
 
 typedef struct {
     Step *step;
     int thread;
-    float *normed; /* this thread's copy of every row's normed hidden state */
+    float *normed; /* this thread's copy of every token's normed hidden state */
+    float *picked; /* the normed states of the tokens that get logits, when not all do */
     float *scores; /* this thread's attention scores, a column each */
 } Worker;
 
@@ -479,53 +518,72 @@ static inline unsigned int flush_denormals(void) { return 0; }
 static inline void restore_denormals(unsigned int saved) { (void)saved; }
 #endif
 
+/* The MLP's gate and up products and silu(gate) * up, unit by unit: a thread computes both products
+ * of a unit and its silu while those outputs are in its cache. */
+static void gated_product(Step *s, const Layer *layer, const float *x, atomic_int *counter) {
+    int N = s->tokens, I = s->intermediate, H = s->hidden;
+    Units u = units_of(N, I, H);
+    for (int unit = claim(counter), next; unit < u.units; unit = next) {
+        next = claim(counter);
+        unit_product(layer->gate, u, unit, x, s->gate, N, I, H, 0, unit_panel(layer->up, u, unit, H));
+        unit_product(layer->up, u, unit, x, s->mlp, N, I, H, 0, unit_panel(layer->gate, u, next, H));
+        int p = unit % u.panels, first = unit / u.panels * u.tile, columns = I - p * PANEL < PANEL ? I - p * PANEL : PANEL;
+        int last = N - first < u.tile ? N : first + u.tile;
+        for (int i = first; i < last; i++) {
+            size_t at = (size_t)i * I + p * PANEL;
+            silu_times(s->gate + at, s->mlp + at, columns);
+            if (s->int8) round_bfloat16(s->mlp + at, columns);
+        }
+    }
+}
+
+/* Tokens are claimed for attention a few at a time, as units are for products. */
+#define ATTENTION_TOKENS 4
+#define COUNTERS_A_LAYER 7 /* q, k, v, attention, o, gate and up, down */
+
 static void *run(void *argument) {
     unsigned int saved = flush_denormals();
     Worker *worker = argument;
     Step *s = worker->step;
-    int t = worker->thread, T = s->threads, H = s->hidden, I = s->intermediate, hd = s->head_dim, R = s->rows;
+    int t = worker->thread, T = s->threads, H = s->hidden, I = s->intermediate, hd = s->head_dim, N = s->tokens;
     int width = s->heads * hd, kv_width = s->kv_heads * hd;
     float *normed = worker->normed;
-    int first_row = R * t / T, last_row = R * (t + 1) / T; /* this thread's rows for attention */
+    atomic_int *counter = s->counters;
     for (int index = 0; index < s->n_layers; index++) {
         const Layer *layer = &s->layers[index];
         rms_norm(s, s->x, layer->input_norm, normed);
         if (s->int8) round_bfloat16(normed, H);
-        product(s, layer->q, normed, s->q, width, H, t, 0);
-        product(s, layer->k, normed, s->k, kv_width, H, t, 0);
-        product(s, layer->v, normed, s->v, kv_width, H, t, 0);
+        product(layer->q, normed, s->q, N, width, H, 0, counter++);
+        product(layer->k, normed, s->k, N, kv_width, H, 0, counter++);
+        product(layer->v, normed, s->v, N, kv_width, H, 0, counter++);
         barrier(s);
-        for (int row = first_row; row < last_row; row++)
-            attend(s, layer, row, worker->scores);
+        for (int i = N * t / T; i < N * (t + 1) / T; i++) write_keys(s, layer, i);
         barrier(s);
-        product(s, layer->o, s->attention, s->x, H, width, t, 1);
+        for (int first = claim(counter) * ATTENTION_TOKENS; first < N; first = claim(counter) * ATTENTION_TOKENS)
+            for (int i = first; i < first + ATTENTION_TOKENS && i < N; i++) attend(s, layer, i, worker->scores);
+        counter++;
+        barrier(s);
+        product(layer->o, s->attention, s->x, N, H, width, 1, counter++);
         barrier(s);
         rms_norm(s, s->x, layer->post_norm, normed);
         if (s->int8) round_bfloat16(normed, H);
-        /* gate and up over the same outputs: silu(gate) * up needs no barrier between them */
-        int begin, end; /* the outputs product() gives this thread */
-        if (s->int8) {
-            share(I, t, T, &begin, &end);
-        } else {
-            share((I + PANEL - 1) / PANEL, t, T, &begin, &end);
-            begin *= PANEL;
-            end = end * PANEL < I ? end * PANEL : I;
-        }
-        product(s, layer->gate, normed, s->gate, I, H, t, 0);
-        product(s, layer->up, normed, s->mlp, I, H, t, 0);
-        for (int row = 0; row < R; row++) {
-            size_t at = (size_t)row * I + begin;
-            silu_times(s->gate + at, s->mlp + at, end - begin);
-            if (s->int8) round_bfloat16(s->mlp + at, end - begin);
-        }
+        gated_product(s, layer, normed, counter++);
         barrier(s);
-        product(s, layer->down, s->mlp, s->x, H, I, t, 1);
+        product(layer->down, s->mlp, s->x, N, H, I, 1, counter++);
         barrier(s);
     }
     rms_norm(s, s->x, s->final_norm, normed);
-    if (t == 0) memcpy(s->states_out, normed, (size_t)R * H * sizeof(float));
-    if (s->int8) round_bfloat16(normed, H);
-    if (s->logits_out) product(s, s->lm_head, normed, s->logits_out, s->vocab, H, t, 0);
+    if (t == 0) memcpy(s->states_out, normed, (size_t)N * H * sizeof(float));
+    if (s->logits_out) {
+        const float *heads = normed;
+        if (s->logit_index) {
+            for (int i = 0; i < s->logit_tokens; i++)
+                memcpy(worker->picked + (size_t)i * H, normed + (size_t)s->logit_index[i] * H, H * sizeof(float));
+            heads = worker->picked;
+        }
+        if (s->int8) round_bfloat16((float *)heads, s->logit_tokens * H);
+        product(s->lm_head, heads, s->logits_out, s->logit_tokens, s->vocab, H, 0, counter);
+    }
     restore_denormals(saved);
     return NULL;
 }
@@ -537,45 +595,63 @@ static void *start(void *argument) {
     return go > 0 ? run(argument) : NULL;
 }
 
-/* Returns 0, or -1 when memory or a thread could not be had, or int8 weights meet more than one
- * row (the caller falls back). */
+/* Feeds `tokens` tokens: token i at cache row cache_rows[i], column columns[i] (a decoding step: a
+ * token a row, every one at the cache's next column; a prompt: its tokens at consecutive columns),
+ * attending to its row's columns up to its own where `mask` (a row of mask_width bytes a cache
+ * row) lets it. Writes every token's final normed state, and the logits of the tokens in
+ * logit_index (all tokens if NULL; none if logits_out is NULL). Returns 0, or -1 when memory or a
+ * thread could not be had, or int8 weights meet more than one token (the caller falls back). */
 int grace_native_step(
-    const Layer *layers, int n_layers, const float *final_norm, Matrix lm_head, int rows, int vocab, int hidden,
-    int intermediate, int heads, int kv_heads, int head_dim, float eps, float scale, int capacity, int length,
-    const unsigned char *mask, const float *embedding, const float *cos, const float *sin, float *states_out,
+    const Layer *layers, int n_layers, const float *final_norm, Matrix lm_head, int tokens, int vocab, int hidden,
+    int intermediate, int heads, int kv_heads, int head_dim, float eps, float scale, int capacity,
+    const int *cache_rows, const int *columns, const unsigned char *mask, int mask_width, const float *embedding,
+    const float *cos, const float *sin, int logit_tokens, const int *logit_index, float *states_out,
     float *logits_out, int threads) {
-    if (rows < 1 || (rows > 1 && lm_head.scale != NULL)) return -1;
+    if (tokens < 1 || (tokens > 1 && lm_head.scale != NULL)) return -1;
+    if (!logit_index) logit_tokens = tokens;
     if (threads < 1) threads = 1;
     if (threads > MAX_THREADS) threads = MAX_THREADS;
-    int width = heads * head_dim, kv_width = kv_heads * head_dim;
-    size_t shared = (size_t)rows * (hidden + 2 * width + 2 * kv_width + 2 * intermediate);
-    size_t private = (size_t)rows * hidden + length + 1; /* normed rows, a score a column */
+    int width = heads * head_dim, kv_width = kv_heads * head_dim, longest = 0;
+    for (int i = 0; i < tokens; i++)
+        if (columns[i] + 1 > longest) longest = columns[i] + 1;
+    size_t shared = (size_t)tokens * (hidden + 2 * width + 2 * kv_width + 2 * intermediate);
+    /* normed states, those picked for logits, a score a column */
+    size_t private = (size_t)tokens * hidden + (logit_index ? (size_t)logit_tokens * hidden : 0) + longest;
     float *memory = malloc((shared + threads * private) * sizeof(float));
-    if (!memory) return -1;
+    int n_counters = COUNTERS_A_LAYER * n_layers + 1;
+    atomic_int *counters = malloc(n_counters * sizeof(atomic_int));
+    if (!memory || !counters) {
+        free(memory);
+        free(counters);
+        return -1;
+    }
+    for (int c = 0; c < n_counters; c++) atomic_init(&counters[c], 0);
     Step s = {
         .layers = layers, .n_layers = n_layers, .final_norm = final_norm, .lm_head = lm_head, .int8 = lm_head.scale != NULL,
-        .rows = rows, .vocab = vocab, .hidden = hidden, .intermediate = intermediate, .heads = heads,
+        .tokens = tokens, .vocab = vocab, .hidden = hidden, .intermediate = intermediate, .heads = heads,
         .kv_heads = kv_heads, .head_dim = head_dim, .eps = eps, .scale = scale, .capacity = capacity,
-        .length = length, .mask = mask, .embedding = embedding, .cos = cos, .sin = sin, .states_out = states_out,
-        .logits_out = logits_out, .threads = threads,
+        .cache_rows = cache_rows, .columns = columns, .mask = mask, .mask_width = mask_width,
+        .embedding = embedding, .cos = cos, .sin = sin, .logit_tokens = logit_tokens, .logit_index = logit_index,
+        .states_out = states_out, .logits_out = logits_out, .threads = threads, .counters = counters,
     };
     s.x = memory;
-    s.q = s.x + (size_t)rows * hidden;
-    s.attention = s.q + (size_t)rows * width;
-    s.k = s.attention + (size_t)rows * width;
-    s.v = s.k + (size_t)rows * kv_width;
-    s.gate = s.v + (size_t)rows * kv_width;
-    s.mlp = s.gate + (size_t)rows * intermediate;
+    s.q = s.x + (size_t)tokens * hidden;
+    s.attention = s.q + (size_t)tokens * width;
+    s.k = s.attention + (size_t)tokens * width;
+    s.v = s.k + (size_t)tokens * kv_width;
+    s.gate = s.v + (size_t)tokens * kv_width;
+    s.mlp = s.gate + (size_t)tokens * intermediate;
     atomic_init(&s.arrived, 0);
     atomic_init(&s.phase, 0);
-    memcpy(s.x, embedding, (size_t)rows * hidden * sizeof(float));
+    memcpy(s.x, embedding, (size_t)tokens * hidden * sizeof(float));
     Worker workers[MAX_THREADS];
     pthread_t handles[MAX_THREADS];
     for (int t = 0; t < threads; t++) {
         workers[t].step = &s;
         workers[t].thread = t;
         workers[t].normed = memory + shared + t * private;
-        workers[t].scores = workers[t].normed + (size_t)rows * hidden;
+        workers[t].picked = workers[t].normed + (size_t)tokens * hidden;
+        workers[t].scores = workers[t].picked + (logit_index ? (size_t)logit_tokens * hidden : 0);
     }
     atomic_init(&s.go, 0);
     int started = 1;
@@ -589,10 +665,12 @@ int grace_native_step(
     if (started < threads) {
         for (int t = 1; t < started; t++) pthread_join(handles[t], NULL);
         free(memory);
+        free(counters);
         return -1;
     }
     run(&workers[0]);
     for (int t = 1; t < threads; t++) pthread_join(handles[t], NULL);
     free(memory);
+    free(counters);
     return 0;
 }

@@ -109,12 +109,15 @@ def library():
             ctypes.c_int,
             ctypes.c_void_p,
             _Matrix,
-            *[ctypes.c_int] * 7,
+            *[ctypes.c_int] * 7,  # tokens, vocab, hidden, intermediate, heads, kv_heads, head_dim
             ctypes.c_float,
             ctypes.c_float,
-            ctypes.c_int,
-            ctypes.c_int,
-            *[ctypes.c_void_p] * 6,
+            ctypes.c_int,  # capacity
+            *[ctypes.c_void_p] * 3,  # cache_rows, columns, mask
+            ctypes.c_int,  # mask_width
+            *[ctypes.c_void_p] * 3,  # embedding, cos, sin
+            ctypes.c_int,  # logit_tokens
+            *[ctypes.c_void_p] * 3,  # logit_index, states_out, logits_out
             ctypes.c_int,
         ]
     _library_state["function"] = function
@@ -270,16 +273,16 @@ class NativeStep:
         ]
         return cls(function, decoder, layers, norm.contiguous(), _packed(lm_head, width), lm_head[0].shape[0])
 
-    def applies(self, kv_cache, rows: int) -> bool:
-        """Whether this step can feed the next token of ``rows`` rows into ``kv_cache`` (every layer
-        preallocated for those rows, contiguous and with a free column, autograd off; int8 weights
-        for one row only)."""
-        if rows < 1 or (rows > 1 and self.int8) or torch.is_grad_enabled() or kv_cache is None:
+    def applies(self, kv_cache, rows: int, columns: int = 1) -> bool:
+        """Whether this step can feed ``columns`` more columns of ``rows`` rows into ``kv_cache`` (every
+        layer preallocated for those rows, contiguous and with room, autograd off; int8 weights for one
+        token only: a single row's decoding step)."""
+        if rows < 1 or (self.int8 and rows * columns > 1) or torch.is_grad_enabled() or kv_cache is None:
             return False
         layers = getattr(kv_cache, "layers", ())
         if len(layers) != len(self.table) or not all(getattr(layer, "_keys", None) is not None for layer in layers):
             return False
-        return self._bind_cache(layers, rows) and layers[0].length < layers[0].capacity
+        return self._bind_cache(layers, rows) and layers[0].length + columns <= layers[0].capacity
 
     def _bind_cache(self, layers, rows: int) -> bool:
         """This thread's table with the cache's buffers filled in, made when the buffers change (and
@@ -305,32 +308,76 @@ class NativeStep:
         return True
 
     def __call__(self, tokens, kv_cache, mask: Tensor, positions, threads: int) -> tuple[Tensor, Tensor] | None:
-        """Feed ``tokens`` (one a cache row) at ``positions`` on ``threads`` threads into ``kv_cache``;
-        ``mask``: each row's attention mask over the cache's columns, the new one included. Returns
-        states (rows, 1, hidden) and logits (rows, vocab), or None when the native step could not
-        get its memory or threads (nothing written)."""
+        """A decoding step: feed ``tokens`` (one a cache row) at ``positions`` on ``threads`` threads into
+        ``kv_cache``'s next column; ``mask``: each row's attention mask over the cache's columns, the
+        new one included. Returns states (rows, 1, hidden) and logits (rows, vocab), or None when the
+        native step could not get its memory or threads (nothing written)."""
         tokens = torch.as_tensor(tokens).reshape(-1)
-        rows, layers = len(tokens), kv_cache.layers
-        if not self._bind_cache(layers, rows):
-            raise ValueError("the native step takes a contiguous float32 cache of a row a token (see applies)")
-        table = self.local.table
-        length, capacity = layers[0].length, layers[0].capacity
+        rows, length = len(tokens), kv_cache.layers[0].length
         mask = mask.reshape(rows, -1)
         if mask.shape[-1] != length + 1:
             raise ValueError(f"the mask covers {mask.shape[-1]} columns, the cache {length} and the new token")
+        cache_rows = torch.arange(rows, dtype=torch.int32)
+        columns = torch.full((rows,), length, dtype=torch.int32)
+        ran = self._run(kv_cache, tokens, cache_rows, columns, mask, torch.as_tensor(positions).reshape(-1), None, threads)
+        if ran is None:
+            return None
+        states, logits = ran
+        return states[:, None], logits
+
+    def prefill(self, input_ids: Tensor, kv_cache, mask: Tensor, positions: Tensor, logits: bool, threads: int):
+        """The prompt pass: feed left-padded ``input_ids`` (rows x width) at ``positions`` into the
+        next ``width`` columns of ``kv_cache``, where ``mask`` (rows x (cache length + width)) has
+        the row's own tokens; padding is not computed (its columns are zeroed, and masked). Returns
+        the final normed states (rows, width, hidden; zeros on padding) and the last column's
+        logits (None unless ``logits``), or None when the native step could not get its memory or
+        threads (nothing written)."""
+        rows, width = input_ids.shape
+        length = kv_cache.layers[0].length
+        if mask.shape != (rows, length + width):
+            raise ValueError(f"the mask is {tuple(mask.shape)}, the cache has {length} columns and {width} come")
+        cache_rows, offsets = mask[:, length:].nonzero(as_tuple=True)
+        # the last column: every row's last prompt token (left padding), and the one that gets logits
+        last = (offsets == width - 1).nonzero().reshape(-1).to(torch.int32) if logits else None
+        if logits and len(last) != rows:
+            raise ValueError("every row's prompt must end at the last column (left padding)")
+        for layer in kv_cache.layers:  # padding is never written: zeros, not whatever the buffer held
+            layer._keys[:, :, length : length + width] = 0
+            layer._values[:, :, length : length + width] = 0
+        ran = self._run(
+            kv_cache, input_ids[cache_rows, offsets], cache_rows.to(torch.int32), (offsets + length).to(torch.int32),
+            mask, positions[cache_rows, offsets], last, threads, advance=width,
+        )
+        if ran is None:
+            return None
+        states, last_logits = ran
+        padded = states.new_zeros((rows, width, self.hidden))
+        padded[cache_rows, offsets] = states
+        return padded, last_logits
+
+    def _run(self, kv_cache, tokens, cache_rows, columns, mask, positions, logit_index, threads, advance: int = 1):
+        """grace_native_step over ``tokens`` (see native_step.c); moves the cache ``advance`` columns on."""
+        layers = kv_cache.layers
+        if not self._bind_cache(layers, int(mask.shape[0])):
+            raise ValueError("the native step takes a contiguous float32 cache of a row a mask row (see applies)")
+        table = self.local.table
+        if layers[0].length + advance > layers[0].capacity:
+            raise RuntimeError(f"KV cache of {layers[0].capacity} positions cannot hold {layers[0].length + advance}")
+        count = len(tokens)
         embedding = self.decoder.embed_tokens.weight[tokens].contiguous()
-        positions = torch.as_tensor(positions).reshape(rows, 1)
-        cos, sin = self.decoder.rotary_emb(embedding[:, None], positions)
-        cos, sin = cos.reshape(rows, -1).float().contiguous(), sin.reshape(rows, -1).float().contiguous()
-        columns = mask.to(torch.uint8).contiguous()
-        states = torch.empty(rows, 1, self.hidden)
-        scores = torch.empty(rows, self.vocab)
+        cos, sin = self.decoder.rotary_emb(embedding[:, None], positions.reshape(count, 1))
+        cos, sin = cos.reshape(count, -1).float().contiguous(), sin.reshape(count, -1).float().contiguous()
+        mask_bytes = mask.to(torch.uint8).contiguous()
+        cache_rows, columns = cache_rows.contiguous(), columns.contiguous()
+        picked = count if logit_index is None else len(logit_index)
+        states = torch.empty(count, self.hidden)
+        scores = torch.empty(picked, self.vocab) if picked else None
         status = self.function(
             table,
             len(table),
             _pointer(self.final_norm),
             self.lm_head_matrix,
-            rows,
+            count,
             self.vocab,
             self.hidden,
             self.intermediate,
@@ -339,18 +386,22 @@ class NativeStep:
             self.head_dim,
             self.eps,
             self.scale,
-            capacity,
-            length,
+            layers[0].capacity,
+            _pointer(cache_rows),
             _pointer(columns),
+            _pointer(mask_bytes),
+            mask_bytes.shape[1],
             _pointer(embedding),
             _pointer(cos),
             _pointer(sin),
+            picked,
+            None if logit_index is None else _pointer(logit_index.contiguous()),
             _pointer(states),
-            _pointer(scores),
+            None if scores is None else _pointer(scores),
             threads,
         )
         if status != 0:  # no memory or no thread: nothing was written, the caller runs PyTorch's step
             return None
         for layer in layers:
-            layer.advance(1)
+            layer.advance(advance)
         return states, scores

@@ -90,13 +90,13 @@ def make_tokenizer(template: str = "chatml"):
     return tokenizer
 
 
-def make_model(tokenizer, seed: int = 0, layers: int = 2, tied: bool = False):
+def make_model(tokenizer, seed: int = 0, layers: int = 2, tied: bool = False, hidden_size: int = 32):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
         num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,

@@ -250,3 +250,131 @@ def test_a_new_cache_that_shares_one_buffer_s_address_with_the_last_is_bound_ane
         assert new.length == length + 1
         assert torch.equal(new._values[:, :, length], old._values[:, :, length])
         assert new._values[:, :, length].abs().sum() > 0
+
+
+# -- many rows: decoding steps and the prompt pass (session 27) ----------------------------------------
+
+
+@pytest.fixture
+def native_prefills(monkeypatch):
+    """How many prompt passes ran natively."""
+    calls = []
+    original = NativeStep.prefill
+
+    def counted(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(NativeStep, "prefill", counted)
+    return calls
+
+
+@needs_compiler
+@pytest.mark.parametrize("hidden_size", [32, 64])  # head_dim 8 (plain C attention) and 16 (vector attention)
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_a_batch_decodes_natively_and_gets_pytorch_s_rationales_and_states(
+    hidden_size, do_sample, native_calls, native_prefills
+):
+    """Four left-padded prompts sharing the instruction prefix: the rest of the prompts and every step
+    run natively, and give what PyTorch's prompt pass and steps give."""
+    tokenizer, _, rows, spans = make_prompts()
+    model = make_model(tokenizer, hidden_size=hidden_size)
+    decoding = {"do_sample": do_sample, "seeds": [3, 4, 5, 6] if do_sample else None}
+    native = one_pass_rollouts(model, tokenizer, rows, spans, 12, **decoding)
+    pytorch = one_pass_rollouts(model, tokenizer, rows, spans, 12, options=PYTORCH_STEP, **decoding)
+    _assert_same(native, pytorch)
+    assert native_prefills == [True] and len(native_calls) >= 11 and all(native_calls)
+
+
+def _prompt_cache(model, rows):
+    """A preallocated cache holding left-padded ``rows`` (PyTorch's pass), its mask, and its room."""
+    from grace_st.decoding import preallocated_cache
+    from grace_st.generation import left_pad
+
+    ids, mask = left_pad(rows, 0)
+    cache = preallocated_cache(model, ids.shape[1] + 4)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+              past_key_values=cache, use_cache=True)
+    return cache, mask
+
+
+@needs_compiler
+def test_a_row_s_step_does_not_depend_on_the_other_rows_or_the_threads():
+    """Every output is one chain of fused multiply-adds, whichever block, thread or batch computes it:
+    a row's logits and state are the same bits in a batch of three, alone, and on 1-3 threads."""
+    import copy
+
+    tokenizer, _, rows, _ = make_prompts()
+    model = make_model(tokenizer, hidden_size=64)
+    step = NativeStep.for_model(model)
+    cache, mask = _prompt_cache(model, rows[:3])
+    tokens = torch.tensor([5, 9, 13])
+    step_mask = torch.cat([mask, torch.ones(3, 1, dtype=torch.long)], 1)
+    positions = step_mask.sum(1) - 1
+    with torch.no_grad():
+        together = [step(tokens, copy.deepcopy(cache), step_mask, positions, threads) for threads in (1, 2, 3)]
+        for row in range(3):
+            alone = copy.deepcopy(cache)
+            alone.batch_select_indices(torch.tensor([row]))
+            states, logits = step(tokens[row : row + 1], alone, step_mask[row : row + 1], positions[row : row + 1], 2)
+            for batch_states, batch_logits in together:
+                assert torch.equal(batch_logits[row], logits[0])
+                assert torch.equal(batch_states[row], states[0])
+
+
+@needs_compiler
+def test_the_prompt_pass_skips_padding_and_gives_the_model_s_states_logits_and_cache(native_prefills):
+    from grace_st.decoding import DecodeOptions, incremental_decoder
+    from grace_st.generation import left_pad
+
+    tokenizer, _, rows, spans = make_prompts()
+    model = make_model(tokenizer, hidden_size=64)
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    results = []
+    for options in (DecodeOptions(), PYTORCH_STEP):
+        with torch.no_grad(), incremental_decoder(model, options=options) as decoder:
+            states, logits = decoder.prefill(ids, mask, torch.tensor(spans), 4)
+            results.append((states, logits, decoder.kv_cache, decoder.mask))
+    assert native_prefills == [True]
+    (states, logits, cache, cache_mask), (expected_states, expected_logits, expected_cache, _) = results
+    torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
+    assert torch.equal(states[mask == 0], torch.zeros_like(states[mask == 0]))
+    for ours, theirs in zip(cache.layers, expected_cache.layers):
+        assert ours.length == theirs.length
+        real = cache_mask.bool()[:, None, :, None].expand_as(ours.keys)
+        torch.testing.assert_close(ours.keys[real], theirs.keys[real], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values[real], theirs.values[real], atol=1e-5, rtol=1e-5)
+        assert not ours.keys[~real].any() and not ours.values[~real].any()  # padding: zeros, never computed
+
+
+@needs_compiler
+def test_int8_weights_leave_many_rows_to_pytorch(native_calls, native_prefills):
+    from grace_st.quantization import quantize_weights
+
+    tokenizer, model, rows, spans = make_prompts()
+    quantize_weights(model, "int8")
+    cache, _ = _prompt_cache(model, rows[:2])
+    assert not NativeStep.for_model(model).applies(cache, 2)
+    native = one_pass_rollouts(model, tokenizer, rows, spans, 6)
+    pytorch = one_pass_rollouts(model, tokenizer, rows, spans, 6, options=PYTORCH_STEP)
+    assert torch.equal(native.rationale_ids, pytorch.rationale_ids)
+    assert native_prefills == [] and not any(native_calls[:5])
+
+
+@needs_compiler
+@pytest.mark.skipif("avx512f" not in native_step._cpu_flags(), reason="compares the AVX-512 build with the portable one")
+def test_the_portable_build_gives_what_the_avx512_build_gives(monkeypatch, tmp_path, native_calls):
+    """Built without AVX-512 (as on an AVX2 laptop): the plain-C products, softmax, silu and attention."""
+    tokenizer, _, rows, spans = make_prompts()
+    model = make_model(tokenizer, hidden_size=64)
+    vector = one_pass_rollouts(model, tokenizer, rows, spans, 10)
+    monkeypatch.setenv("GRACE_ST_HOME", str(tmp_path))
+    monkeypatch.setattr(native_step, "FLAGS", [*native_step.FLAGS, "-mno-avx512f"])
+    monkeypatch.setattr(native_step, "_library_state", {})
+    portable = one_pass_rollouts(make_model(tokenizer, hidden_size=64), tokenizer, rows, spans, 10)
+    assert len(list(tmp_path.rglob("native_step-*.so"))) == 1
+    _assert_same(portable, vector)
+    assert all(native_calls)
