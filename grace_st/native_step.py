@@ -319,7 +319,9 @@ class NativeStep:
             raise ValueError(f"the mask covers {mask.shape[-1]} columns, the cache {length} and the new token")
         cache_rows = torch.arange(rows, dtype=torch.int32)
         columns = torch.full((rows,), length, dtype=torch.int32)
-        ran = self._run(kv_cache, tokens, cache_rows, columns, mask, torch.as_tensor(positions).reshape(-1), None, threads)
+        ran = self._run(
+            kv_cache, tokens, cache_rows, columns, mask, torch.as_tensor(positions).reshape(-1), None, threads
+        )
         if ran is None:
             return None
         states, logits = ran
@@ -345,8 +347,15 @@ class NativeStep:
             layer._keys[:, :, length : length + width] = 0
             layer._values[:, :, length : length + width] = 0
         ran = self._run(
-            kv_cache, input_ids[cache_rows, offsets], cache_rows.to(torch.int32), (offsets + length).to(torch.int32),
-            mask, positions[cache_rows, offsets], last, threads, advance=width,
+            kv_cache,
+            input_ids[cache_rows, offsets],
+            cache_rows.to(torch.int32),
+            (offsets + length).to(torch.int32),
+            mask,
+            positions[cache_rows, offsets],
+            last,
+            threads,
+            advance=width,
         )
         if ran is None:
             return None

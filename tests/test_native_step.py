@@ -295,8 +295,13 @@ def _prompt_cache(model, rows):
     ids, mask = left_pad(rows, 0)
     cache = preallocated_cache(model, ids.shape[1] + 4)
     with torch.no_grad():
-        model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-              past_key_values=cache, use_cache=True)
+        model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+            past_key_values=cache,
+            use_cache=True,
+        )
     return cache, mask
 
 
@@ -365,7 +370,9 @@ def test_int8_weights_leave_many_rows_to_pytorch(native_calls, native_prefills):
 
 
 @needs_compiler
-@pytest.mark.skipif("avx512f" not in native_step._cpu_flags(), reason="compares the AVX-512 build with the portable one")
+@pytest.mark.skipif(
+    "avx512f" not in native_step._cpu_flags(), reason="compares the AVX-512 build with the portable one"
+)
 def test_the_portable_build_gives_what_the_avx512_build_gives(monkeypatch, tmp_path, native_calls):
     """Built without AVX-512 (as on an AVX2 laptop): the plain-C products, softmax, silu and attention."""
     tokenizer, _, rows, spans = make_prompts()
