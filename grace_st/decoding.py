@@ -303,10 +303,12 @@ class IncrementalDecoder:
             states, last_logits, self.mask = self._prefill_shared(input_ids, attention_mask, shared, logits)
         else:
             self.mask = attention_mask
-            states, last_logits = self._forward(
-                logits, input_ids=input_ids, attention_mask=attention_mask,
-                position_ids=position_ids_from_mask(attention_mask), past_key_values=self.kv_cache,
-            )
+            prompts = {
+                "input_ids": input_ids, "attention_mask": attention_mask,
+                "position_ids": position_ids_from_mask(attention_mask),
+            }
+            fed = self._native_prefill(logits, **prompts)
+            states, last_logits = fed or self._forward(logits, **prompts, past_key_values=self.kv_cache)
         return states.masked_fill(attention_mask[..., None] == 0, 0.0), last_logits
 
     def _prefill_shared(
@@ -443,8 +445,17 @@ class IncrementalDecoder:
     def _native_prefill(
         self, logits: bool, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
     ) -> tuple[Tensor, Tensor | None] | None:
-        """The prompts after the shared prefix as one native call over their real tokens, padding
-        skipped (:meth:`grace_st.native_step.NativeStep.prefill`); None where it does not apply."""
+        """The prompts (after the shared prefix, if any) as one native call over their real tokens,
+        padding skipped (:meth:`grace_st.native_step.NativeStep.prefill`); None where it does not apply.
+        A preallocated cache nothing was written to yet gets its buffers here."""
+        if self.native is True:
+            self.native = NativeStep.for_model(self.model) or False
+        cache = self.kv_cache
+        if (
+            self.native and self.native.takes(*input_ids.shape) and cache is not None
+            and _every_layer_preallocated(cache) and not cache.layers[0].is_initialized
+        ):
+            self.native.allocate(cache, input_ids.shape[0])
         native = self._native(*input_ids.shape)
         if native is None:
             return None

@@ -420,10 +420,14 @@ static void head_scores(const float *query, const float *keys, const unsigned ch
         int chunks = hd / 16;
         for (int c = 0; c < chunks; c++) q[c] = _mm512_loadu_ps(query + 16 * c);
         for (int j = 0; j < columns; j++) {
+            if (!mask[j]) { /* not read at all: a slot's stale columns, in continuous batching, are many */
+                scores[j] = -INFINITY;
+                continue;
+            }
             const float *key = keys + (size_t)j * hd;
             __m512 sum = _mm512_mul_ps(q[0], _mm512_loadu_ps(key));
             for (int c = 1; c < chunks; c++) sum = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(key + 16 * c), sum);
-            scores[j] = mask[j] ? _mm512_reduce_add_ps(sum) * scale : -INFINITY;
+            scores[j] = _mm512_reduce_add_ps(sum) * scale;
         }
         return;
     }

@@ -1,21 +1,36 @@
-"""One decoding step of a single row as one native call on every core (``native_step.c``).
+"""Decoding steps and the prompt pass of a Llama-family decoder as one native call each, on every
+core (``native_step.c``).
 
 A search box embeds one query at a time: with the shipped budgets, 32 decoding steps at batch 1,
 each a matrix-vector product with every weight. PyTorch runs those on one thread (MKL) or reads
 its blocked layout slowly (oneDNN), and a step dispatches ~400 small operations around them, so
-the loop reached 37-42 % of the bandwidth floor (docs/latency.md). The C step splits the rows of
-every product between threads and does the norms, rotary embedding, cache write and attention in
-between without leaving C. It runs transformers' LlamaDecoderLayer formulas on the same weights
-(a LoRA layer on its merged weight, as :mod:`grace_st.packed_linear` merges it), so its hidden
-states and logits equal the PyTorch loop's to float32 rounding; each row's dot product is summed
-in one fixed order, so an embedding does not depend on the thread count.
+the loop reached 37-42 % of the bandwidth floor (docs/latency.md). ``encode`` over many texts
+decodes 64 rows a step: there the products run near the matmul peak in PyTorch too, but the same
+~400 operations on 64-row tensors, and the prompt pass's padding, left work% near 40 %.
+
+The C step does a whole step (every layer, the final norm, the LM head) or the prompts' pass in
+one call: the products on weights repacked into panels of 48 outputs (an AVX-512 kernel of 8 rows
+by 48 outputs; one row streams the same panels), the norms, rotary embedding, cache writes,
+attention and SiLU in between without leaving C, and the work handed out to the threads unit by
+unit. A prompt pass feeds only the prompts' real tokens (left padding is skipped, its cache columns
+zeroed). It runs transformers' LlamaDecoderLayer formulas on the same weights (a LoRA layer on its
+merged weight, as :mod:`grace_st.packed_linear` merges it), so its hidden states and logits equal
+PyTorch's to float32 rounding. Every output of a float32 product is one chain of fused
+multiply-adds in a fixed order, so a row's result depends neither on the thread count nor on the
+other rows of the batch: a text gets the same bits decoded alone or among 63 others, given the
+same cache. Denormals are flushed to zero inside the call (a term below 1e-38).
+
+Costs: the panels are a copy of the float32 weights (SmolLM2-135M: 540 MB), kept while the model
+is; int8 weights (grace_st.quantization) are read as stored, for a single row's step only.
 
 It is built with the system's C compiler at first use (``-O3 -march=native``; about a second) into
-``$GRACE_ST_HOME/kernels``, keyed by the source, the flags and this CPU's feature flags. Where it
-does not apply, the step runs as before: no C compiler (logged once), a model other than a plain
-Llama-family decoder (biases, another activation, another block), weights other than float32 or
-grace_st.quantization's int8 on the CPU (bfloat16), autograd on, or pooled states other than the last layer's
-(``hidden_layer`` -1). ``DecodeOptions(native_step=False)`` turns it off.
+``$GRACE_ST_HOME/kernels``, keyed by the source, the flags and this CPU's feature flags; without
+AVX-512 the same arithmetic is compiled from plain C. Where it does not apply, PyTorch runs the
+step or pass as before: no C compiler (logged once), a model other than a plain Llama-family
+decoder (biases, another activation, another block), weights other than float32 or
+grace_st.quantization's int8 on the CPU (bfloat16), int8 weights and more than one token, autograd
+on, or pooled states other than the last layer's (``hidden_layer`` -1).
+``DecodeOptions(native_step=False)`` turns it off.
 """
 
 from __future__ import annotations
@@ -191,9 +206,10 @@ def _supported_config(config) -> bool:
 
 
 class NativeStep:
-    """The C step bound to a model's weights: :meth:`__call__` feeds one token to a one-row
-    :func:`grace_st.decoding.preallocated_cache` and returns the final normed hidden state and the
-    next-token logits, as the model's forward would. Made by :meth:`for_model`."""
+    """The C step bound to a model's weights: :meth:`__call__` feeds a token a row to a
+    :func:`grace_st.decoding.preallocated_cache`, :meth:`prefill` the prompts' tokens; both return
+    the final normed hidden states and the next-token logits, as the model's forward would. Made by
+    :meth:`for_model`."""
 
     def __init__(
         self, function, decoder: nn.Module, layers: list[dict], final_norm: Tensor, lm_head: tuple, vocab: int
@@ -273,11 +289,22 @@ class NativeStep:
         ]
         return cls(function, decoder, layers, norm.contiguous(), _packed(lm_head, width), lm_head[0].shape[0])
 
+    def allocate(self, kv_cache, rows: int) -> None:
+        """Give a :func:`grace_st.decoding.preallocated_cache` nothing was written to its buffers for
+        ``rows`` rows (what its first write would have done)."""
+        empty = torch.empty(rows, self.kv_heads, 0, self.head_dim)
+        for layer in kv_cache.layers:
+            layer.lazy_initialization(empty, empty)
+
+    def takes(self, rows: int, columns: int = 1) -> bool:
+        """Whether this step computes ``columns`` tokens of ``rows`` rows at all: autograd off, and int8
+        weights for one token only (a single row's decoding step)."""
+        return rows >= 1 and not (self.int8 and rows * columns > 1) and not torch.is_grad_enabled()
+
     def applies(self, kv_cache, rows: int, columns: int = 1) -> bool:
-        """Whether this step can feed ``columns`` more columns of ``rows`` rows into ``kv_cache`` (every
-        layer preallocated for those rows, contiguous and with room, autograd off; int8 weights for one
-        token only: a single row's decoding step)."""
-        if rows < 1 or (self.int8 and rows * columns > 1) or torch.is_grad_enabled() or kv_cache is None:
+        """Whether this step can feed ``columns`` more columns of ``rows`` rows into ``kv_cache``
+        (:meth:`takes`, and every layer preallocated for those rows, contiguous and with room)."""
+        if not self.takes(rows, columns) or kv_cache is None:
             return False
         layers = getattr(kv_cache, "layers", ())
         if len(layers) != len(self.table) or not all(getattr(layer, "_keys", None) is not None for layer in layers):

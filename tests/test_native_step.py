@@ -29,6 +29,21 @@ def native_calls(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def native_prefills(monkeypatch):
+    """How many prompt passes ran natively."""
+    calls = []
+    original = NativeStep.prefill
+
+    def counted(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        calls.append(result is not None)
+        return result
+
+    monkeypatch.setattr(NativeStep, "prefill", counted)
+    return calls
+
+
 def _assert_same(native, pytorch):
     assert torch.equal(native.rationale_ids, pytorch.rationale_ids)
     assert torch.equal(native.pooling_mask, pytorch.pooling_mask)
@@ -38,7 +53,8 @@ def _assert_same(native, pytorch):
 @needs_compiler
 @pytest.mark.parametrize("tied", [False, True])
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_a_row_decoded_alone_gets_pytorch_s_rationale_and_states(tied, do_sample, native_calls):
+def test_a_row_decoded_alone_gets_pytorch_s_rationale_and_states(tied, do_sample, native_calls, native_prefills):
+    """Its prompt pass (into a cache nothing was written to yet) and every step run natively."""
     tokenizer, _, rows, spans = make_prompts()
     model = make_model(tokenizer, tied=tied)
     for row, span in zip(rows, spans):
@@ -47,6 +63,7 @@ def test_a_row_decoded_alone_gets_pytorch_s_rationale_and_states(tied, do_sample
         pytorch = one_pass_rollouts(model, tokenizer, [row], [span], 12, options=PYTORCH_STEP, **decoding)
         _assert_same(native, pytorch)
     assert len(native_calls) >= 11 * len(rows) and all(native_calls)
+    assert native_prefills == [True] * len(rows)
 
 
 @needs_compiler
@@ -253,21 +270,6 @@ def test_a_new_cache_that_shares_one_buffer_s_address_with_the_last_is_bound_ane
 
 
 # -- many rows: decoding steps and the prompt pass (session 27) ----------------------------------------
-
-
-@pytest.fixture
-def native_prefills(monkeypatch):
-    """How many prompt passes ran natively."""
-    calls = []
-    original = NativeStep.prefill
-
-    def counted(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(NativeStep, "prefill", counted)
-    return calls
 
 
 @needs_compiler
