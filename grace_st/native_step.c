@@ -1,32 +1,32 @@
-/* One decoding step of a Llama-family decoder for one row or many, on every core.
+/* Decoding steps and prompt passes of a Llama-family decoder, one native call each, on every core.
  *
  * A query decoded alone multiplies one row by every weight each step, so the step is bound by
  * how fast the weights are read; PyTorch runs those matrix-vector products on one thread (MKL)
  * or reads its blocked layout slowly (oneDNN), and dispatches ~400 small operations a step around
  * them (docs/latency.md). Many rows (`encode` over many texts, 64 rows a step) make the same
  * products matrix-matrix ones, which PyTorch runs near the matmul peak, but the ~400 operations
- * around them, each on a 64 x 576 tensor, cost about as much again. Here the whole step (the
- * decoder layers, the final norm and the LM head) is one call: the outputs of every product are
- * split between the threads, the threads meet at a spinning barrier after each product whose
- * output the next one reads, and the norms, rotary embedding, cache write and attention run in C
- * in between.
+ * around them, each on a 64 x 576 tensor, cost about as much again. Here a whole step (the decoder
+ * layers, the final norm and the LM head), or the pass over a batch of prompts' tokens, is one
+ * call: the products' work is handed out to the threads unit by unit, the threads meet at a
+ * spinning barrier after each product whose output the next one reads, and the norms, rotary
+ * embedding, cache writes, attention and SiLU run in C in between.
  *
- * Every output of every product is one row's dot() with one weight row: LANES partial sums in
- * order along the row, then a fixed-order reduction. One row streams each weight row once
- * (rows_product); many rows take a block of four rows by four weight rows at a time, so each
- * weight load serves four rows and each input load four weight rows (block_product), with the
- * same sums in the same order. So a row's result depends neither on the thread count nor on the
- * other rows of the step: a text gets the same rationale and embedding decoded alone or in a batch.
+ * A call feeds `tokens` tokens, each to a cache row at a column (grace_native_step): a decoding
+ * step feeds one a row at the cache's next column, a prompt pass a row's prompt tokens at
+ * consecutive columns (they attend to each other's, causally). Every output of a float32 product
+ * is one chain of fused multiply-adds over the inputs in order (panel_block), so a token's result
+ * depends neither on the thread count nor on the other tokens of the call.
  *
- * Layout of everything passed in, float32, contiguous:
- *   weights as nn.Linear stores them (out_features x in_features);
+ * Layout of everything passed in, float32 unless said, contiguous:
+ *   float32 weights as panels (see PANEL), int8 weights as nn.Linear stores them (out_features x
+ *   in_features) with a float32 scale a row;
  *   key and value caches as grace_st.decoding.PreallocatedLayer holds them:
- *   rows x kv_heads x capacity x head_dim; each row's new keys and values are written at column
- *   `length` (after rotary embedding, as transformers stores them);
- *   embedding, cos and sin: a row each (hidden, head_dim, head_dim): the tokens' embeddings and the
- *   rotary tables of their positions, computed by the model's own rotary module, so any rope
- *   scaling it applies is applied here too;
- *   mask: rows x (length + 1) bytes, 0: a column the row does not attend to.
+ *   rows x kv_heads x capacity x head_dim, after rotary embedding, as transformers stores them;
+ *   embedding, cos and sin: a row each a token (hidden, head_dim, head_dim): the tokens'
+ *   embeddings and the rotary tables of their positions, computed by the model's own rotary
+ *   module, so any rope scaling it applies is applied here too;
+ *   cache_rows, columns: int32, a token's cache row and column; mask: rows x mask_width bytes,
+ *   0: a column the row does not attend to.
  * Built and loaded by grace_st/native_step.py; the formulas are transformers' LlamaDecoderLayer.
  */
 #include <math.h>
@@ -85,9 +85,9 @@ static inline float reduce(float *acc) {
     return acc[0];
 }
 
-/* Dot product of one weight row with x: LANES partial sums, each a chain of fused multiply-adds
- * along the row, then reduce(). The same arithmetic for every row, whichever thread and block
- * computes it (explicit fmaf: the sums do not depend on whether the compiler contracts). */
+/* Dot product (the norms' sums of squares; attention without AVX-512): LANES partial sums, each a
+ * chain of fused multiply-adds along the vectors, then reduce(). Explicit fmaf: the sums do not
+ * depend on whether the compiler contracts. */
 static inline float dot(const float *restrict w, const float *restrict x, int n) {
     float acc[LANES] = {0};
     int j = 0;
@@ -150,9 +150,7 @@ static inline float dot_int8(const signed char *restrict w, const float *restric
     for (int l = 0; j + l < n; l++) acc[0][l] = fmaf((float)w[j + l], x[j + l], acc[0][l]);
     for (int c = 1; c < CHAINS; c++)
         for (int l = 0; l < LANES; l++) acc[0][l] += acc[c][l];
-    for (int width = LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; l++) acc[0][l] += acc[0][l + width];
-    return acc[0][0];
+    return reduce(acc[0]);
 }
 
 /* float32 -> bfloat16 -> float32, round to nearest even (PyTorch's conversion). */

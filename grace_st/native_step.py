@@ -366,8 +366,8 @@ class NativeStep:
         if mask.shape != (rows, length + width):
             raise ValueError(f"the mask is {tuple(mask.shape)}, the cache has {length} columns and {width} come")
         cache_rows, offsets = mask[:, length:].nonzero(as_tuple=True)
-        # the last column: every row's last prompt token (left padding), and the one that gets logits
-        last = (offsets == width - 1).nonzero().reshape(-1).to(torch.int32) if logits else None
+        # the last column: every row's last prompt token (left padding), the one that gets logits; none without
+        last = (offsets == width - 1).nonzero().reshape(-1) if logits else offsets.new_empty(0)
         if logits and len(last) != rows:
             raise ValueError("every row's prompt must end at the last column (left padding)")
         for layer in kv_cache.layers:  # padding is never written: zeros, not whatever the buffer held
@@ -380,7 +380,7 @@ class NativeStep:
             (offsets + length).to(torch.int32),
             mask,
             positions[cache_rows, offsets],
-            last,
+            last.to(torch.int32),
             threads,
             advance=width,
         )
@@ -392,7 +392,8 @@ class NativeStep:
         return padded, last_logits
 
     def _run(self, kv_cache, tokens, cache_rows, columns, mask, positions, logit_index, threads, advance: int = 1):
-        """grace_native_step over ``tokens`` (see native_step.c); moves the cache ``advance`` columns on."""
+        """grace_native_step over ``tokens`` (see native_step.c), logits for the tokens in ``logit_index`` (every
+        token if None; none if empty); moves the cache ``advance`` columns on."""
         layers = kv_cache.layers
         if not self._bind_cache(layers, int(mask.shape[0])):
             raise ValueError("the native step takes a contiguous float32 cache of a row a mask row (see applies)")

@@ -14,34 +14,30 @@ needs_compiler = pytest.mark.skipif(native_step.library() is None, reason="no C 
 PYTORCH_STEP = DecodeOptions(native_step=False)
 
 
-@pytest.fixture
-def native_calls(monkeypatch):
-    """How many steps the native call took (the test fails if the kernel silently never ran)."""
+def _count_calls(monkeypatch, method: str) -> list[bool]:
+    """Whether each call of NativeStep.<method> ran natively (the test fails if the kernel silently never ran)."""
     calls = []
-    original = NativeStep.__call__
+    original = getattr(NativeStep, method)
 
     def counted(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         calls.append(result is not None)
         return result
 
-    monkeypatch.setattr(NativeStep, "__call__", counted)
+    monkeypatch.setattr(NativeStep, method, counted)
     return calls
+
+
+@pytest.fixture
+def native_calls(monkeypatch):
+    """The decoding steps."""
+    return _count_calls(monkeypatch, "__call__")
 
 
 @pytest.fixture
 def native_prefills(monkeypatch):
-    """How many prompt passes ran natively."""
-    calls = []
-    original = NativeStep.prefill
-
-    def counted(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
-        calls.append(result is not None)
-        return result
-
-    monkeypatch.setattr(NativeStep, "prefill", counted)
-    return calls
+    """The prompt passes."""
+    return _count_calls(monkeypatch, "prefill")
 
 
 def _assert_same(native, pytorch):
@@ -332,7 +328,8 @@ def test_a_row_s_step_does_not_depend_on_the_other_rows_or_the_threads():
 
 
 @needs_compiler
-def test_the_prompt_pass_skips_padding_and_gives_the_model_s_states_logits_and_cache(native_prefills):
+@pytest.mark.parametrize("budget", [4, 0])  # 0: no logits at all (only the shared prefix needs a cache)
+def test_the_prompt_pass_skips_padding_and_gives_the_model_s_states_logits_and_cache(budget, native_prefills):
     from grace_st.decoding import DecodeOptions, incremental_decoder
     from grace_st.generation import left_pad
 
@@ -342,12 +339,15 @@ def test_the_prompt_pass_skips_padding_and_gives_the_model_s_states_logits_and_c
     results = []
     for options in (DecodeOptions(), PYTORCH_STEP):
         with torch.no_grad(), incremental_decoder(model, options=options) as decoder:
-            states, logits = decoder.prefill(ids, mask, torch.tensor(spans), 4)
+            states, logits = decoder.prefill(ids, mask, torch.tensor(spans), budget)
             results.append((states, logits, decoder.kv_cache, decoder.mask))
     assert native_prefills == [True]
     (states, logits, cache, cache_mask), (expected_states, expected_logits, expected_cache, _) = results
     torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
+    if budget:
+        torch.testing.assert_close(logits, expected_logits, atol=1e-5, rtol=1e-5)
+    else:
+        assert logits is None and expected_logits is None
     assert torch.equal(states[mask == 0], torch.zeros_like(states[mask == 0]))
     for ours, theirs in zip(cache.layers, expected_cache.layers):
         assert ours.length == theirs.length
