@@ -434,29 +434,27 @@ class IncrementalDecoder:
         batch_states[self.rows] = states
         return batch_states, logits
 
-    def _native(self, rows: int, columns: int) -> NativeStep | None:
-        """The native step, if it can feed ``columns`` more columns of ``rows`` rows into the cache."""
+    def _native(self, rows: int, columns: int, allocate: bool = False) -> NativeStep | None:
+        """The native step, if it can feed ``columns`` more columns of ``rows`` rows into the cache. With
+        ``allocate``, a preallocated cache nothing was written to yet gets its buffers first (a prompt pass)."""
         if self.native is True:
             self.native = NativeStep.for_model(self.model) or False
-        if self.native is False or not self.native.applies(self.kv_cache, rows, columns):
+        if self.native is False:
             return None
-        return self.native
+        cache = self.kv_cache
+        if (
+            allocate and self.native.takes(rows, columns) and cache is not None
+            and _every_layer_preallocated(cache) and not cache.layers[0].is_initialized
+        ):
+            self.native.allocate(cache, rows)
+        return self.native if self.native.applies(cache, rows, columns) else None
 
     def _native_prefill(
         self, logits: bool, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
     ) -> tuple[Tensor, Tensor | None] | None:
         """The prompts (after the shared prefix, if any) as one native call over their real tokens,
-        padding skipped (:meth:`grace_st.native_step.NativeStep.prefill`); None where it does not apply.
-        A preallocated cache nothing was written to yet gets its buffers here."""
-        if self.native is True:
-            self.native = NativeStep.for_model(self.model) or False
-        cache = self.kv_cache
-        if (
-            self.native and self.native.takes(*input_ids.shape) and cache is not None
-            and _every_layer_preallocated(cache) and not cache.layers[0].is_initialized
-        ):
-            self.native.allocate(cache, input_ids.shape[0])
-        native = self._native(*input_ids.shape)
+        padding skipped (:meth:`grace_st.native_step.NativeStep.prefill`); None where it does not apply."""
+        native = self._native(*input_ids.shape, allocate=True)
         if native is None:
             return None
         return native.prefill(input_ids, self.kv_cache, attention_mask, position_ids, logits, torch.get_num_threads())
