@@ -115,17 +115,23 @@ def pooled_embeddings(
     return torch.stack(pooled)
 
 
-def _pool_rows(model, rows: list[list[int]], spans: list[int], pad_token_id: int, hidden_layer: int) -> Tensor:
+def right_padded_states(model, rows: Sequence[Sequence[int]], pad_token_id: int, hidden_layer: int) -> Tensor:
+    """Layer ``hidden_layer``'s hidden states of token rows of different lengths in one right-padded pass,
+    (rows, longest, hidden). Right padding: causal attention means a real token never sees the padding after it,
+    and positions start at 0 as in an unpadded pass, so a row's states are those of its own pass."""
     device = model.device
     width = max(len(row) for row in rows)
-    # Right padding: causal attention means a real token never sees the padding after it, and
-    # positions start at 0 as in an unpadded pass.
     ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)
     mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-    pooled = torch.zeros((len(rows), width), dtype=torch.bool, device=device)
-    for i, (row, span) in enumerate(zip(rows, spans)):
-        ids[i, : len(row)] = torch.tensor(row, dtype=torch.long, device=device)
+    for i, row in enumerate(rows):
+        ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long, device=device)
         mask[i, : len(row)] = 1
+    return decoder_states(model.get_decoder(), hidden_layer, input_ids=ids, attention_mask=mask)
+
+
+def _pool_rows(model, rows: list[list[int]], spans: list[int], pad_token_id: int, hidden_layer: int) -> Tensor:
+    states = right_padded_states(model, rows, pad_token_id, hidden_layer)
+    pooled = torch.zeros(states.shape[:2], dtype=torch.bool, device=states.device)
+    for i, (row, span) in enumerate(zip(rows, spans)):
         pooled[i, span : len(row)] = True
-    states = decoder_states(model.get_decoder(), hidden_layer, input_ids=ids, attention_mask=mask)
     return masked_mean(states, pooled)

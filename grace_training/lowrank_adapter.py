@@ -169,14 +169,9 @@ def calibration_grams(model, names: list[str], config: Path, count: int, seed: i
 def _pooled_states(lm, hidden_layer: int, sequences: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
     """The hidden states ``encode`` pools (Eq. 3: layer ``hidden_layer``, positions after L_sys) of each sequence, run
     as one right-padded batch."""
-    from grace_st.decoding import decoder_states
+    from grace_st.second_pass import right_padded_states
 
-    width = max(len(ids) for ids, _ in sequences)
-    input_ids = torch.zeros((len(sequences), width), dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, (ids, _) in enumerate(sequences):
-        input_ids[row, : len(ids)], attention_mask[row, : len(ids)] = ids, 1
-    states = decoder_states(lm.get_decoder(), hidden_layer, input_ids=input_ids, attention_mask=attention_mask)
+    states = right_padded_states(lm, [ids for ids, _ in sequences], 0, hidden_layer)
     return [states[row, span : len(ids)] for row, (ids, span) in enumerate(sequences)]
 
 
