@@ -1,46 +1,42 @@
-"""Test-time scaling: what a token of rationale buys, measured on the development data.
+"""The price of thinking: dev-scoreboard quality, texts/s and one-query latency of a GRACE model by rationale
+budget, per prompt type.
 
-Quality against cost for one GRACE model on ../shared/data (dev/train splits, the fixed samples
-of benchmarks/scoreboard.py): STS-B dev and SICK-R trial (Spearman), SciFact (nDCG@10 of the 72
-held-back claims against >= 1,000 documents). Points:
+A GRACE model's budget is set per prompt type, ``max_rationale_tokens = {"default": G, "query": Q, "document": D}``,
+and each type embeds its own texts on the scoreboard (grace_st.scoreboard, the same fixed samples and sizes as
+benchmarks/dev_eval.py):
 
-  symmetric     every text at rationale budget G, for G in --budgets; greedy, and with seeded
-                sampling (temperature --temperature) averaging --samples rationales per text
-  asymmetric    SciFact only: queries at budget q (--query-budgets) and documents at budget d
-                (--document-budgets), through the model's per-prompt-type budget mapping,
-                i.e. exactly what a user sets: {"query": q, "document": d, "default": q}
+  default    ``encode``: STS-B dev and SICK-R trial (Spearman), Banking77 (kNN accuracy), MRPC val (AP)
+  query      ``encode_query``: the 72 held-back SciFact claims
+  document   ``encode_document``: SciFact's corpus of 1,000 abstracts
 
-Each point encodes its texts afresh and records seconds and texts/s in the same run (so the
-asymmetric rows' per-document cost can be set beside the prompt-only G = 0 row's).
+A text's embedding depends only on its own budget, so each side is encoded once per budget (--budgets for
+default texts and queries, --document-budgets for documents) and every (query, document) pair of budgets is
+scored from those embeddings. Texts/s are measured per side in the same run; the one-query latency column
+is ``encode_query`` of one claim at a time (--latency-queries of them, after a warm-up call), p50 and p95.
 
-  --scifact-grid  SciFact only, every side encoded once: the corpus once per document setting,
-                the claims once per query setting, and every (query, document) pair scored from
-                those. The symmetric points are the grid's diagonal, the asymmetric grid the rest
-                (query budgets x document budgets, greedy; and sampled claims against greedy
-                documents). A document's embedding depends only on its own budget, so this is the
-                same numbers as encoding each pair afresh, at a sixth of the cost on 1,000 documents.
+Noise: each score's standard error by bootstrap over its items (pairs, test texts, claims; --resamples,
+fixed seed). The comparison between two budgets is paired: the same resampled items score both, and
+``Δ`` is the difference of the resampled scores (its 95 % interval is ±1.96 standard errors).
 
-Output: a JSON
-file (rewritten after every point: a killed run keeps what it finished), a markdown table and a
-PNG (quality vs texts/s, one line per task and decoding mode).
+The choice rule, per prompt type: the cheapest budget whose score is within noise of the best budget's,
+i.e. best − candidate ≤ 1.96 × the paired standard error of their difference. The default type is scored
+by the mean of its four tasks; documents by SciFact with queries at each document budget's best query
+budget; queries by SciFact with documents at the chosen document budget.
 
-    python benchmarks/budget_curve.py                                  # the trained default
-    python benchmarks/budget_curve.py --sts 100 --scifact-corpus 1000 --budgets 0 16 32 --samples 1
-    python benchmarks/budget_curve.py --model runs/x/checkpoint-00000100 --out benchmarks/results/curve_x.json
-    python benchmarks/budget_curve.py --scifact-grid --samples 1 3 --out benchmarks/results/budget_curve_scifact.json
+    python benchmarks/budget_curve.py                                   # the shipped default
+    python benchmarks/budget_curve.py --budgets 0 32 --document-budgets 0 --latency-queries 0
+    python benchmarks/budget_curve.py --model runs/x/checkpoint-00000100 --out benchmarks/results/budget_curve_x.json
 
-GIRCSE (gircse.md): --method gircse reads each budget as K soft tokens (greedy only: nothing is sampled),
-the test-time-scaling curve of a soft-token model beside GRACE's:
-
-    python benchmarks/budget_curve.py --model runs/gircse/checkpoint-00000200 --method gircse \
-        --budgets 1 3 5 10 20 40 --samples --out benchmarks/results/gircse_curve.json
+Output: the JSON (--out, rewritten after every side encoded, so a killed run keeps what it finished) and the
+tables, printed and written beside it as markdown.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -48,353 +44,248 @@ import numpy as np
 from grace_st import scoreboard
 
 RESULTS = Path(__file__).resolve().parent / "results"
-TASKS = ("STS-B dev", "SICK-R trial", "SciFact")
+DEFAULT_TASKS = ("STS-B dev", "SICK-R trial", "Banking77", "MRPC val")
 
 
-def load_tasks(sts: int, queries: int, corpus: int) -> dict:
-    data = scoreboard.data_dir()
-    if not data.is_dir():
-        sys.exit(f"budget_curve: {data} is missing (set GRACE_ST_DATA)")
-    return {
-        "STS-B dev": scoreboard.sts_pairs(data / "stsb" / "dev.tsv", sts),
-        "SICK-R trial": scoreboard.sts_pairs(data / "sickr" / "trial.tsv", sts),
-        "SciFact": scoreboard.scifact(data / "scifact", queries, corpus),
+def default_texts(tasks: dict) -> tuple[list[str], dict[str, slice]]:
+    """Every text the default prompt type embeds on the scoreboard, and each task's part of them."""
+    parts = {
+        "STS-B dev": tasks["STS-B dev"][0] + tasks["STS-B dev"][1],
+        "SICK-R trial": tasks["SICK-R trial"][0] + tasks["SICK-R trial"][1],
+        "Banking77": tasks["Banking77"][0] + tasks["Banking77"][2],
+        "MRPC val": tasks["MRPC val"][0] + tasks["MRPC val"][1],
     }
+    texts, where = [], {}
+    for name, part in parts.items():
+        where[name] = slice(len(texts), len(texts) + len(part))
+        texts += part
+    return texts, where
 
 
-def score(model, tasks: dict, names: tuple[str, ...], batch_size: int) -> tuple[dict, dict]:
-    encode = scoreboard.Encoder(model, batch_size)
-    scores = {
-        name: scoreboard.scifact_score(encode, tasks[name])
-        if name == "SciFact"
-        else scoreboard.sts_score(encode, tasks[name])
-        for name in names
-    }
-    per_kind = {kind: encode.seconds_by_kind[kind] / encode.texts_by_kind[kind] for kind in encode.texts_by_kind}
-    cost = {"seconds": encode.seconds, "texts": encode.texts, "texts_per_s": encode.texts / encode.seconds}
-    return scores, {**cost, "seconds_per_text": per_kind}
+class Scorer:
+    """Each task's score from embeddings, and its bootstrap resamples over the task's items (the same
+    resampled items for every budget, so two budgets' resamples pair up)."""
+
+    def __init__(self, tasks: dict, resamples: int, seed: int = 0):
+        self.tasks = tasks
+        rng = np.random.default_rng(seed)
+        sizes = {
+            "STS-B dev": len(tasks["STS-B dev"][2]),
+            "SICK-R trial": len(tasks["SICK-R trial"][2]),
+            "Banking77": len(tasks["Banking77"][3]),
+            "MRPC val": len(tasks["MRPC val"][2]),
+            "SciFact": len(tasks["SciFact"][0]),
+        }
+        self.indices = {name: rng.integers(0, n, size=(resamples, n)) for name, n in sizes.items()}
+
+    def default_side(self, embeddings: np.ndarray, where: dict[str, slice]) -> dict[str, tuple[float, np.ndarray]]:
+        """(score, resampled scores) of each default-type task from that side's embeddings."""
+        out = {}
+        for name in ("STS-B dev", "SICK-R trial", "MRPC val"):
+            part = embeddings[where[name]]
+            half = len(part) // 2
+            cosine = np.sum(part[:half] * part[half:], axis=1)
+            gold = self.tasks[name][2]
+            metric = scoreboard.average_precision if name == "MRPC val" else scoreboard.spearman
+            out[name] = (metric(cosine, gold), np.array([metric(cosine[i], gold[i]) for i in self.indices[name]]))
+        train_texts, train_labels, _, test_labels = self.tasks["Banking77"]
+        part = embeddings[where["Banking77"]]
+        hits = scoreboard.knn_hits(part[: len(train_texts)], train_labels, part[len(train_texts) :], test_labels)
+        out["Banking77"] = (float(hits.mean()), hits[self.indices["Banking77"]].mean(axis=1))
+        return out
+
+    def scifact(self, queries: np.ndarray, documents: np.ndarray) -> tuple[float, np.ndarray]:
+        claims, corpus, qrels = self.tasks["SciFact"]
+        per_query = scoreboard.ndcg_per_query(queries @ documents.T, list(corpus), [qrels[q] for q in claims])
+        return float(per_query.mean()), per_query[self.indices["SciFact"]].mean(axis=1)
 
 
-def points(args) -> list[dict]:
-    """The grid, cheapest first (a killed run keeps the cheap end of every curve)."""
-    grid = []
-    for budget in sorted(args.budgets):
-        # SciFact's 1,000 documents dominate the cost: --scifact-budgets can keep it to a few budgets
-        tasks = TASKS if args.scifact_budgets is None or budget in args.scifact_budgets else TASKS[:2]
-        grid.append({"mode": "greedy", "budget": budget, "samples": 1, "tasks": tasks})
-        if budget > 0:
-            for samples in args.samples:
-                grid.append({"mode": f"sampled x{samples}", "budget": budget, "samples": samples, "tasks": tasks})
-    for document in sorted(args.document_budgets):
-        for query in sorted(args.query_budgets):
-            if query != document:
-                grid.append(
-                    {
-                        "mode": "asymmetric",
-                        "budget": {"query": query, "document": document, "default": query},
-                        "samples": 1,
-                        "tasks": ("SciFact",),
-                    }
-                )
-    return grid
+def encode_side(model, kind: str, texts: list[str], budget: int, batch_size: int) -> tuple[np.ndarray, float]:
+    """Embeddings of ``texts`` as prompt type ``kind`` at ``budget`` rationale tokens, and seconds spent."""
+    model[0].max_rationale_tokens = budget
+    encode = {"query": model.encode_query, "document": model.encode_document}.get(kind, model.encode)
+    start = time.perf_counter()
+    embeddings = encode(texts, batch_size=batch_size, normalize_embeddings=True, show_progress_bar=True)
+    return embeddings, time.perf_counter() - start
 
 
-def apply(encoder, point: dict, temperature: float, seed: int) -> None:
-    sampled = point["mode"].startswith("sampled")
-    encoder.do_sample, encoder.temperature, encoder.seed = sampled, temperature, seed
-    encoder.num_rationales = point["samples"]
-    encoder.max_rationale_tokens = point["budget"]
-    encoder.check_settings()
-
-
-def label(point: dict, method: str = "grace") -> str:
-    budget = point["budget"]
-    if isinstance(budget, dict):
-        return f"queries {budget['query']}, documents {budget['document']}"
-    return f"{'K' if method == 'gircse' else 'G'}={budget}, {point['mode']}"
-
-
-def task_rate(report: dict, row: dict, task: str) -> float | None:
-    """Texts/s of one task's texts at this point: STS sentences, or SciFact's claims + documents."""
-    per = row["cost"]["seconds_per_text"]
-    if task != "SciFact":
-        return 1.0 / per["default"] if "default" in per else None
-    if "query" not in per or "document" not in per:
+def one_query_latency(model, claims: list[str], budget: int) -> dict | None:
+    """p50/p95 seconds of ``encode_query`` on one claim at a time (after one warm-up call)."""
+    if not claims:
         return None
-    queries, documents = report["sizes"]["scifact_queries"], report["sizes"]["scifact_corpus"]
-    return (queries + documents) / (queries * per["query"] + documents * per["document"])
+    model[0].max_rationale_tokens = budget
+    model.encode_query(claims[:1])
+    seconds = []
+    for claim in claims:
+        start = time.perf_counter()
+        model.encode_query([claim])
+        seconds.append(time.perf_counter() - start)
+    return {"p50_s": statistics.median(seconds), "p95_s": float(np.percentile(seconds, 95)), "queries": len(seconds)}
 
 
-def table(report: dict) -> str:
+def within_noise(candidate: np.ndarray, best: np.ndarray, candidate_score: float, best_score: float) -> dict:
+    """The paired comparison of a budget with the best one: Δ, its standard error, and the verdict."""
+    error = float(np.std(best - candidate, ddof=1))
+    delta = candidate_score - best_score
+    return {"delta": delta, "delta_se": error, "within_noise": -delta <= 1.96 * error}
+
+
+def cheapest_within_noise(points: dict[int, tuple[float, np.ndarray]]) -> tuple[int, dict[int, dict]]:
+    """The chosen budget (the cheapest within noise of the best) and every budget's comparison with the best."""
+    best = max(points, key=lambda budget: points[budget][0])
+    compared = {b: within_noise(points[b][1], points[best][1], points[b][0], points[best][0]) for b in points}
+    chosen = min(b for b in points if compared[b]["within_noise"])
+    return chosen, {b: {**compared[b], "best": b == best} for b in compared}
+
+
+def mean_of(scores: dict[str, tuple[float, np.ndarray]], names=DEFAULT_TASKS) -> tuple[float, np.ndarray]:
+    return float(np.mean([scores[n][0] for n in names])), np.mean([scores[n][1] for n in names], axis=0)
+
+
+def choose(report: dict, default: dict, scifact: dict) -> dict:
+    """Apply the rule to each prompt type (see the module docstring); ``scifact`` by (query, document) budget."""
+    texts, texts_compared = cheapest_within_noise({g: mean_of(default[g]) for g in default})
+    document_budgets = sorted({d for _, d in scifact})
+    query_budgets = sorted({q for q, _ in scifact})
+    best_by_document = {d: max((scifact[q, d] for q in query_budgets), key=lambda point: point[0]) for d in document_budgets}
+    documents, documents_compared = cheapest_within_noise(best_by_document)
+    queries, queries_compared = cheapest_within_noise({q: scifact[q, documents] for q in query_budgets})
+    return {
+        "rule": "the cheapest budget whose score is within noise of the best (best − it ≤ 1.96 paired bootstrap SE)",
+        "default": {"budget": texts, "scored_by": "mean of " + ", ".join(DEFAULT_TASKS), "compared": texts_compared},
+        "document": {
+            "budget": documents,
+            "scored_by": "SciFact nDCG@10, queries at the best query budget for each document budget",
+            "compared": documents_compared,
+        },
+        "query": {
+            "budget": queries,
+            "scored_by": f"SciFact nDCG@10, documents at {documents}",
+            "compared": queries_compared,
+        },
+    }
+
+
+def tables(report: dict) -> str:
+    rows = report["default"]
     lines = [
-        "| point | STS-B dev | SICK-R trial | SciFact nDCG@10 | STS texts/s | SciFact texts/s | s per query | s per document |",
-        "|---|---|---|---|---|---|---|---|",
+        "Default prompt type (`encode`): each task's score ± its bootstrap standard error; Δ is the paired difference "
+        "of the four tasks' mean with the best budget's (± its standard error)",
+        "",
+        "| G | " + " | ".join(DEFAULT_TASKS) + " | mean | Δ mean vs best | texts/s | one query p50 / p95 s |",
+        "|---|" + "---|" * (len(DEFAULT_TASKS) + 4),
     ]
-    for row in report["points"]:
-        cells = [f"{row['scores'][t]:.4f}" if t in row["scores"] else "" for t in TASKS]
-        rates = [task_rate(report, row, task) for task in ("STS-B dev", "SciFact")]
-        cells += [f"{rate:.2f}" if rate else "" for rate in rates]
-        per = row["cost"]["seconds_per_text"]
-        cells += [f"{per[kind]:.3f}" if kind in per else "" for kind in ("query", "document")]
-        lines.append(f"| {row['label']} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-def plot(report: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    figure, axis = plt.subplots(figsize=(8, 5))
-    for task, marker in zip(TASKS, "osD"):
-        for mode in dict.fromkeys(row["mode"] for row in report["points"]):
-            rows = [r for r in report["points"] if r["mode"] == mode and task in r["scores"]]
-            if mode == "asymmetric" or not rows:
-                continue
-            x = [task_rate(report, r, task) for r in rows]
-            y = [r["scores"][task] for r in rows]
-            axis.plot(x, y, marker=marker, label=f"{task}, {mode}")
-            for r, xi, yi in zip(rows, x, y):
-                axis.annotate(f"{'K' if report.get('method') == 'gircse' else 'G'}{r['budget']}", (xi, yi), fontsize=7, textcoords="offset points", xytext=(3, 3))
-        # the asymmetric points with documents embedded prompt-only (the grid's other cells are in its table)
-        asymmetric = [
-            r
-            for r in report["points"]
-            if r["mode"] == "asymmetric" and task in r["scores"] and r["budget"]["document"] == 0
+    choice = report.get("choice", {})
+    for g, row in rows.items():
+        cells = [f"{row['scores'][n]:.4f} ± {row['se'][n]:.3f}" for n in DEFAULT_TASKS]
+        compared = choice.get("default", {}).get("compared", {}).get(int(g))
+        delta = f"{compared['delta']:+.4f} ± {compared['delta_se']:.4f}" if compared else ""
+        latency = report["latency"].get(str(g))
+        lat = f"{latency['p50_s']:.3f} / {latency['p95_s']:.3f}" if latency else ""
+        lines.append(
+            f"| {g} | " + " | ".join(cells) + f" | {row['mean']:.4f} | {delta} | {row['texts_per_s']:.1f} | {lat} |"
+        )
+    lines += [
+        "",
+        "SciFact nDCG@10 (± bootstrap SE over the 72 claims) by query budget (rows) and document budget (columns); "
+        "texts/s of each side",
+        "",
+        "| queries \\ documents | " + " | ".join(f"D = {d}" for d in report["documents"]) + " | query texts/s |",
+        "|---|" + "---|" * (len(report["documents"]) + 1),
+    ]
+    for q, query in report["queries"].items():
+        cells = [
+            f"{report['scifact'][f'{q},{d}']['score']:.4f} ± {report['scifact'][f'{q},{d}']['se']:.3f}"
+            if f"{q},{d}" in report["scifact"]
+            else ""
+            for d in report["documents"]
         ]
-        if asymmetric:
-            x = [task_rate(report, r, task) for r in asymmetric]
-            y = [r["scores"][task] for r in asymmetric]
-            # documents dominate the cost, so these sit at one x: which query budget is which is in the table
-            axis.scatter(x, y, marker="*", s=80, label=f"{task}, queries at any budget / documents 0")
-    axis.set_xscale("log")
-    axis.set_xlabel("texts per second of that task's texts (log; this machine, same run)")
-    axis.set_ylabel("score (Spearman / nDCG@10)")
-    axis.set_title(report["model_label"])
-    axis.grid(alpha=0.3)
-    axis.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
+        lines.append(f"| Q = {q} | " + " | ".join(cells) + f" | {query['texts_per_s']:.1f} |")
+    lines.append(
+        "| document texts/s | " + " | ".join(f"{d['texts_per_s']:.1f}" for d in report["documents"].values()) + " | |"
+    )
+    if choice:
+        lines += ["", f"Chosen ({choice['rule']}):"]
+        for kind in ("default", "query", "document"):
+            lines.append(f"- {kind}: {choice[kind]['budget']} ({choice[kind]['scored_by']})")
+    return "\n".join(lines)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="GRACE model directory (default: the trained embedded default; base: the untrained base)")
-    parser.add_argument("--method", choices=("grace", "gircse"), help="how the model thinks (default: its saved method)")
-    parser.add_argument("--budgets", nargs="+", type=int, default=[0, 16, 32, 64, 128, 256])
-    parser.add_argument("--samples", nargs="*", type=int, default=[1, 3], help="sampled rationales averaged per text")
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--scifact-budgets",
-        nargs="*",
-        type=int,
-        default=None,
-        help="symmetric budgets SciFact is scored at (default: all)",
-    )
-    parser.add_argument("--query-budgets", nargs="*", type=int, default=[16, 32, 64, 128])
-    parser.add_argument("--document-budgets", nargs="*", type=int, default=[0])
-    parser.add_argument("--sts", type=int, default=300, help="pairs of STS-B dev and of SICK-R trial")
-    parser.add_argument("--scifact-queries", type=int, default=1000, help="held-back claims (there are 72)")
-    parser.add_argument("--scifact-corpus", type=int, default=1000)
+    parser.add_argument("--model", help="a GRACE model directory (default: the shipped default; base: the untrained base)")
+    parser.add_argument("--budgets", nargs="+", type=int, default=[0, 8, 16, 32, 64], help="default texts and queries")
+    parser.add_argument("--document-budgets", nargs="+", type=int, default=[0, 32])
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--out", default=str(RESULTS / "budget_curve.json"))
-    parser.add_argument("--scifact-grid", action="store_true", help="SciFact only, each side encoded once a setting")
-    parser.add_argument("--sampled-budgets", nargs="*", type=int, default=[32], help="--scifact-grid's sampled budgets")
-    parser.add_argument(
-        "--combine", nargs="+", metavar="JSON", help="only write --out (JSON, table, PNG) from these reports' points"
-    )
-    parser.add_argument("--replot", action="store_true", help="only rewrite the table and PNG from --out")
+    parser.add_argument("--latency-queries", type=int, default=20, help="claims timed one at a time per budget (0: skip)")
+    parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples for the standard errors")
+    parser.add_argument("--out", default=str(RESULTS / "budget_curve_default.json"))
     args = parser.parse_args()
-    out = Path(args.out)
-    if args.combine:
-        report = combine([json.loads(Path(f).read_text(encoding="utf-8")) for f in args.combine])
-        scoreboard.write_json(report, str(out))
-        write_outputs(report, out)
-        return
-    if args.replot:
-        write_outputs(json.loads(out.read_text(encoding="utf-8")), out)
-        return
-    if args.scifact_corpus < 1000:
-        sys.exit("budget_curve: SciFact needs >= 1000 documents (--scifact-corpus)")
-
 
     import grace_st
 
-    path = grace_st.default_model_path(trained=False) if args.model == "base" else args.model or grace_st.default_model_path()
-    model = grace_st.load(str(path), device=args.device)
-    encoder = model[0]
-    if args.method:
-        encoder.method = args.method
-    tasks = load_tasks(args.sts, args.scifact_queries, args.scifact_corpus)
+    data = scoreboard.data_dir()
+    if not data.is_dir():
+        sys.exit(f"budget_curve: {data} is missing (set GRACE_ST_DATA)")
+    tasks = scoreboard.load_tasks(scoreboard.SIZES)
+    path = args.model or grace_st.default_model_path()
+    if path == "base":
+        path = grace_st.default_model_path(trained=False)
+    model = grace_st.load(path)
+    if getattr(model[0], "method", None) != "grace":
+        sys.exit("budget_curve: the model must be a GRACE model (method: grace)")
+    saved_budgets = model[0].max_rationale_tokens
+    texts, where = default_texts(tasks)
+    claims, corpus, _ = tasks["SciFact"]
+    scorer = Scorer(tasks, args.resamples)
     report = {
         "model": str(path),
-        "model_label": (args.model or "trained default (embedded)") + (f" ({args.method})" if args.method else ""),
-        "method": encoder.method,
-        "device": str(model.device),
-        "sizes": {
-            "sts_pairs": args.sts,
-            "scifact_queries": len(tasks["SciFact"][0]),
-            "scifact_corpus": args.scifact_corpus,
-        },
+        "saved_budgets": saved_budgets,
+        "sizes": scoreboard.SIZES,
+        "seed": scoreboard.SEED,
+        "texts": {"default": len(texts), "query": len(claims), "document": len(corpus)},
+        "resamples": args.resamples,
         "batch_size": args.batch_size,
-        "temperature": args.temperature,
-        "seed": args.seed,
-        "command": " ".join(sys.argv),
-        "points": [],
+        "threads": __import__("torch").get_num_threads(),
+        "default": {},
+        "queries": {},
+        "documents": {},
+        "scifact": {},
+        "latency": {},
     }
-    if args.scifact_grid:
-        report["documents"] = {}
-        scifact_grid(model, tasks["SciFact"], args, report, out)
-        write_outputs(report, out)
-        return
-    for point in points(args):
-        apply(encoder, point, args.temperature, args.seed)
-        scores, cost = score(model, tasks, point["tasks"], args.batch_size)
-        row = {
-            "label": label(point, encoder.method),
-            "mode": point["mode"],
-            "budget": point["budget"],
-            "samples": point["samples"],
-            "scores": scores,
-            "cost": cost,
+    out = Path(args.out)
+    default_scores, query_embeddings, document_embeddings = {}, {}, {}
+    for g in sorted(args.budgets):
+        embeddings, seconds = encode_side(model, "default", texts, g, args.batch_size)
+        default_scores[g] = scorer.default_side(embeddings, where)
+        mean, _ = mean_of(default_scores[g])
+        report["default"][str(g)] = {
+            "scores": {n: s for n, (s, _) in default_scores[g].items()},
+            "se": {n: float(np.std(r, ddof=1)) for n, (_, r) in default_scores[g].items()},
+            "mean": mean,
+            "seconds": seconds,
+            "texts_per_s": len(texts) / seconds,
         }
-        report["points"].append(row)
-        print(
-            f"{row['label']}: "
-            + ", ".join(f"{k} {v:.4f}" for k, v in scores.items())
-            + f"; {cost['texts_per_s']:.2f} texts/s",
-            flush=True,
-        )
+        query_embeddings[g], seconds = encode_side(model, "query", list(claims.values()), g, args.batch_size)
+        report["queries"][str(g)] = {"seconds": seconds, "texts_per_s": len(claims) / seconds}
         scoreboard.write_json(report, str(out))
-    write_outputs(report, out)
-
-
-def sides(args) -> list[dict]:
-    """The settings one side of SciFact (claims or documents) is encoded at: greedy at every budget,
-    cheapest first, then seeded sampling at --sampled-budgets."""
-    greedy = [{"mode": "greedy", "budget": b, "samples": 1} for b in sorted(args.budgets)]
-    sampled = [
-        {"mode": f"sampled x{n}", "budget": b, "samples": n}
-        for b in sorted(args.sampled_budgets)
-        if b > 0
-        for n in args.samples
-    ]
-    return greedy + sampled
-
-
-def side_label(side: dict) -> str:
-    return f"{side['budget']}" + ("" if side["mode"] == "greedy" else f" {side['mode']}")
-
-
-def encode_side(model, side: dict, texts: list[str], kind: str, args) -> tuple[np.ndarray, float]:
-    """One side of SciFact at one setting: the embeddings and the seconds per text, this run."""
-    apply(model[0], side, args.temperature, args.seed)
-    encode = scoreboard.Encoder(model, args.batch_size)
-    embeddings = encode(texts, kind)
-    return embeddings, encode.seconds / len(texts)
-
-
-def grid_row(query: dict, document: dict, score: float, per: dict, report: dict) -> dict:
-    """One (query setting, document setting) pair in the report's point shape."""
-    symmetric = query == document
-    sizes = report["sizes"]
-    seconds = sizes["scifact_queries"] * per["query"] + sizes["scifact_corpus"] * per["document"]
-    texts = sizes["scifact_queries"] + sizes["scifact_corpus"]
-    return {
-        "label": label(query) if symmetric else f"queries {side_label(query)}, documents {side_label(document)}",
-        "mode": query["mode"] if symmetric else "asymmetric",
-        "budget": query["budget"]
-        if symmetric
-        else {"query": query["budget"], "document": document["budget"], "default": query["budget"]},
-        "query": query,
-        "document": document,
-        "samples": query["samples"],
-        "scores": {"SciFact": score},
-        "cost": {"seconds": seconds, "texts": texts, "texts_per_s": texts / seconds, "seconds_per_text": per},
-    }
-
-
-def scifact_grid(model, task, args, report: dict, out: Path) -> None:
-    """SciFact over (query setting) x (document setting), each side encoded once (see --scifact-grid).
-
-    Claims first (72 texts a setting, cheap), then the corpus one setting at a time; after each
-    corpus pass every pair it completes is scored and the JSON rewritten, so a killed run keeps
-    every finished document budget. Pairs scored: the diagonal (the symmetric points), every
-    greedy query budget against every greedy document budget, and each sampled query setting
-    against greedy documents.
-    """
-    queries, corpus, qrels = task
-    query_ids, doc_ids = list(queries), list(corpus)
-    relevant = [qrels[q] for q in query_ids]
-    claim_texts, documents = [queries[q] for q in query_ids], [corpus[d] for d in doc_ids]
-    settings = sides(args)
-    # the first encode of a process pays one-off costs (kernels, allocator); keep them out of the timings
-    encode_side(model, settings[0], documents[: args.batch_size], "document", args)
-    claims = {}
-    for side in settings:
-        claims[side_label(side)] = encode_side(model, side, claim_texts, "query", args)
-        print(f"claims at {side_label(side)}: {claims[side_label(side)][1]:.3f} s each", flush=True)
-    for document in settings:
-        doc_embeddings, per_document = encode_side(model, document, documents, "document", args)
-        report["documents"][side_label(document)] = per_document
-        pairs = [q for q in settings if q == document or document["mode"] == "greedy"]
-        for query in pairs:
-            query_embeddings, per_query = claims[side_label(query)]
-            similarity = query_embeddings @ doc_embeddings.T
-            # each claim's own nDCG@10 too: two cells' difference can then be tested claim by claim (paired)
-            by_claim = [
-                scoreboard.ndcg_at_10(similarity[i : i + 1], doc_ids, relevant[i : i + 1]) for i in range(len(relevant))
-            ]
-            per = {"query": per_query, "document": per_document}
-            row = grid_row(query, document, float(np.mean(by_claim)), per, report)
-            report["points"].append({**row, "per_claim": by_claim})
-        print(f"documents at {side_label(document)}: {per_document:.3f} s each", flush=True)
+        print(f"G = {g}: mean of the default type {mean:.4f}", flush=True)
+    for d in sorted(args.document_budgets):
+        document_embeddings[d], seconds = encode_side(model, "document", list(corpus.values()), d, args.batch_size)
+        report["documents"][str(d)] = {"seconds": seconds, "texts_per_s": len(corpus) / seconds}
         scoreboard.write_json(report, str(out))
-
-
-def grid_table(report: dict) -> str:
-    """nDCG@10 with claims at each query setting (rows) against documents at each greedy budget."""
-    rows = {}
-    for point in report["points"]:
-        query, document = point.get("query"), point.get("document")
-        if query is None or document["mode"] != "greedy":
-            continue
-        rows.setdefault(side_label(query), {})[document["budget"]] = point["scores"]["SciFact"]
-    documents = sorted({b for cells in rows.values() for b in cells})
-    lines = [
-        "| claims at \\ documents at | " + " | ".join(f"G={b}" for b in documents) + " |",
-        "|---|" + "---|" * len(documents),
-        "| s per document | " + " | ".join(f"{report['documents'][str(b)]:.3f}" for b in documents) + " |",
-    ]
-    for query, cells in rows.items():
-        lines.append(f"| {query} | " + " | ".join(f"{cells[b]:.4f}" if b in cells else "" for b in documents) + " |")
-    return "\n".join(lines)
-
-
-def combine(reports: list[dict]) -> dict:
-    """One report of several runs' points, in order (say, the STS curve of one run and the SciFact grid
-    of another). Each point keeps the cost measured in its own run, so read speeds as ratios within
-    one line of the plot, not across lines."""
-    sizes = {}
-    for report in reports:
-        sizes.update(report["sizes"])
-    combined = {**reports[0], "sizes": sizes, "points": [p for r in reports for p in r["points"]]}
-    combined["combined_from"] = [r.get("command", "") for r in reports]
-    documents = {k: v for r in reports for k, v in r.get("documents", {}).items()}
-    if documents:
-        combined["documents"] = documents
-    return combined
-
-
-def write_outputs(report: dict, out: Path) -> None:
-    text = table(report) + ("\n\n" + grid_table(report) if "documents" in report else "")
-    print(text)
-    out.with_suffix(".md").write_text(text + "\n", encoding="utf-8")
-    plot(report, out.with_suffix(".png"))
-    print(f"wrote {out}, {out.with_suffix('.md')}, {out.with_suffix('.png')}")
+    scifact = {(q, d): scorer.scifact(query_embeddings[q], document_embeddings[d]) for q in query_embeddings for d in document_embeddings}
+    for (q, d), (score, resampled) in scifact.items():
+        report["scifact"][f"{q},{d}"] = {"score": score, "se": float(np.std(resampled, ddof=1))}
+    for g in sorted(args.budgets):
+        latency = one_query_latency(model, list(claims.values())[: args.latency_queries], g)
+        if latency:
+            report["latency"][str(g)] = latency
+    report["choice"] = choose(report, default_scores, scifact)
+    scoreboard.write_json(report, str(out))
+    text = tables(report)
+    out.with_suffix(".md").write_text(text + "\n")
+    print("\n" + text + f"\n\nwrote {out} and {out.with_suffix('.md')}")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """Continuous batching against batch-at-a-time decoding, and the native step against PyTorch's, side
-by side in one run ([latency] item 4).
+by side in one run.
 
 The same texts, the same model, its own budget, encoded up to three ways, interleaved ``--repeats`` times:
 
 - ``pytorch-batches``: ``encode(texts, batch_size=B)`` with every row of a batch decoding at once
   (``DecodeOptions(decode_rows=None)``), PyTorch running the prompt pass and every step
-  (``native_step=False``): the code before session 27;
+  (``native_step=False``): the code before the native step;
 - ``batches``: the same with the prompt pass and the steps as native calls (:mod:`grace_st.native_step`);
 - ``stream``: ``encode(texts, batch_size=len(texts))`` with ``decode_rows=B``: B rows decode at once
   and a row whose rationale ended hands its slot to the next text.
@@ -105,7 +105,7 @@ def main() -> None:
     parser.add_argument(
         "--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
         help="pytorch-batches: batches with PyTorch's own steps and prompt pass (grace_st.native_step off), as "
-             "before session 27",
+             "before the native step",
     )
     parser.add_argument(
         "--keep-freed-memory", action="store_true",

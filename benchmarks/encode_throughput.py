@@ -3,7 +3,7 @@
 The floor: a text costs about 2·P·(N + G) FLOPs (P parameters, N prompt tokens, G rationale
 tokens). A batch computes its texts' common instruction prefix once (grace_st.generation's
 shared prefix), so it does less work than that: ``floor%`` divides the floor's FLOPs by time and
-peak, as the issue defines it; ``work%`` divides the FLOPs the batch actually computed (the prefix
+peak, the project's floor; ``work%`` divides the FLOPs the batch actually computed (the prefix
 counted once a batch), the machine's utilisation. The machine's peak is measured just before each cell with a large matrix multiply in the
 model's dtype, on the best kernel the encoder may use. Every cell encodes the same texts; one-pass (``model.encode``) and the two-pass
 reference (``generate``, then a second forward pass, then pooling) run back to back, so compare

@@ -51,7 +51,7 @@ WEIGHTS = {
     "float32-pytorch-step": {},
     "int8-pytorch-step": {"weight_quantization": "int8"},
     # float32 as encode ran it before the one-row layout (grace_st.packed_linear): PyTorch's step, every
-    # product on the packed weight (session 17's "before").
+    # product on the packed weight (the "before" of the one-row layout).
     "float32-packed-only": {},
 }
 BEFORE = "float32-pytorch-step"

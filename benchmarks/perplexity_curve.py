@@ -1,11 +1,11 @@
 """The LM perplexity of each checkpoint of training runs: how far training has moved the model's own
-language model, against the step ([scale]: a trained default must still generate, within +5 % of its base).
+language model, against the step (a trained default must still generate: within +5 % of its base's perplexity).
 
 The same measure and texts as the dev scoreboard's perplexity column (``grace_st.scoreboard.perplexity``
 on its held-back SICK-R trial sentences), so a point here is the scoreboard's number for that checkpoint.
 Prints a table and writes JSON.
 
-    python benchmarks/perplexity_curve.py runs/scale_kl runs/scale_kl0 --out benchmarks/results/scale_curves/perplexity.json
+    python benchmarks/perplexity_curve.py runs/scale_kl runs/scale_kl0      # JSON: benchmarks/results/perplexity_curve.json
 """
 
 from __future__ import annotations

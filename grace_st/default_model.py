@@ -102,7 +102,7 @@ def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> 
 
     from .adapter import check_adapter_fits, read_adapter_weights
     from .loading import load
-    from .model_cards import write_model_card
+    from .model_cards import results_table, write_model_card
 
     model = load(base, device="cpu")
     encoder = model[0]
@@ -123,6 +123,7 @@ def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> 
         training_config=shipped.get("training"),
         scores=shipped.get("scores"),
         budget_choice=shipped.get("budget_choice"),
+        results=results_table(),
     )
 
 

@@ -31,6 +31,17 @@ from grace_st.data import (
 )
 
 SEED = SCOREBOARD_SEED
+# The scoreboard's sample sizes: pairs of STS-B dev, SICK-R trial and MRPC val; SciFact's held-back claims (0: all
+# 72) and its corpus; Banking77's kNN train and test texts; held-back sentences for the perplexity column.
+SIZES = {
+    "sts": 300,
+    "scifact_queries": 0,
+    "scifact_corpus": 1000,
+    "banking_train": 500,
+    "banking_test": 300,
+    "mrpc": 300,
+    "perplexity": 200,
+}
 HELD_BACK = 0.9  # training's SciFact source keeps query_fraction [0.0, 0.9]; the scoreboard the rest
 
 
@@ -118,29 +129,41 @@ def spearman(x: np.ndarray, y: np.ndarray) -> float:
     return float(spearmanr(x, y).statistic)
 
 
-def ndcg_at_10(scores: np.ndarray, doc_ids: list[str], relevant: list[set[str]]) -> float:
-    total = 0.0
+def ndcg_per_query(scores: np.ndarray, doc_ids: list[str], relevant: list[set[str]]) -> np.ndarray:
+    """nDCG@10 of each query (a row of ``scores``) against its relevant documents."""
+    values = []
     for row, rel in zip(scores, relevant):
         top = np.argsort(-row, kind="stable")[:10]
         dcg = sum(1.0 / math.log2(rank + 2) for rank, i in enumerate(top) if doc_ids[i] in rel)
         ideal = sum(1.0 / math.log2(rank + 2) for rank in range(min(10, len(rel))))
-        total += dcg / ideal
-    return total / len(relevant)
+        values.append(dcg / ideal)
+    return np.array(values)
 
 
-def knn_accuracy(
+def ndcg_at_10(scores: np.ndarray, doc_ids: list[str], relevant: list[set[str]]) -> float:
+    return float(np.sum(ndcg_per_query(scores, doc_ids, relevant)) / len(relevant))
+
+
+def knn_hits(
     train: np.ndarray, train_labels: list[str], test: np.ndarray, test_labels: list[str], k: int = 5
-) -> float:
+) -> np.ndarray:
+    """Whether each test text's kNN vote (k nearest train texts by cosine) gives its gold label."""
     similarity = test @ train.T
-    correct = 0
+    hits = []
     for row, gold in zip(similarity, test_labels):
         top = np.argsort(-row, kind="stable")[:k]
         votes = Counter(train_labels[i] for i in top)
         best = max(votes.values())
         # ties go to the label of the nearest neighbour among the tied labels
         prediction = next(train_labels[i] for i in top if votes[train_labels[i]] == best)
-        correct += prediction == gold
-    return correct / len(test_labels)
+        hits.append(prediction == gold)
+    return np.array(hits, dtype=bool)
+
+
+def knn_accuracy(
+    train: np.ndarray, train_labels: list[str], test: np.ndarray, test_labels: list[str], k: int = 5
+) -> float:
+    return int(knn_hits(train, train_labels, test, test_labels, k).sum()) / len(test_labels)
 
 
 def perplexity(model, texts: list[str], batch_size: int) -> float | None:

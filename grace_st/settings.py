@@ -78,10 +78,10 @@ class Setting:
     """One saved setting of the GenerativeEncoder: its default, what it means, what it must be, and
     where else it counts. :data:`SETTINGS` is the one source of the settings: the constructor's
     defaults and its docstring, ``config_keys`` (what is saved), the rationale cache key, the
-    ``grace-st`` options and the README's table (:func:`settings_table`) are read from it."""
+    ``grace-st`` options and docs/usage.md's table (:func:`settings_table`) are read from it."""
 
     default: Any
-    help: str  # what it does: the constructor's docstring, the CLI's help, the README's table
+    help: str  # what it does: the constructor's docstring, the CLI's help, docs/usage.md's table
     requirement: str  # what it must be, as an error says it
     valid: Callable[[Any], bool]
     decides_rationale: bool  # keys the rationale cache (instructions enter through the prompt's token ids)
@@ -233,7 +233,7 @@ def cli_flag(name: str) -> str:
 
 
 def settings_table() -> str:
-    """The README's table of settings (a test holds the README to it)."""
+    """docs/usage.md's table of settings (a test holds docs/usage.md to it)."""
     lines = ["| setting | default | `grace-st` option | meaning |", "|---|---|---|---|"]
     for name, setting in SETTINGS.items():
         option = f"`{cli_flag(name)}`" if setting.cli_option else ""
@@ -335,5 +335,5 @@ def read_settings_file(path: str | os.PathLike) -> dict[str, Any]:
     return values
 
 
-if __name__ == "__main__":  # python -m grace_st.settings: the README's table, to paste between its markers
+if __name__ == "__main__":  # python -m grace_st.settings: docs/usage.md's table, to paste between its markers
     print(settings_table(), end="")

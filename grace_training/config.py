@@ -155,7 +155,7 @@ class GRPOConfig:
     rollout_batch_size: int = key(64, "rows the HF backend generates at once (memory)", AT_LEAST_ONE, resume=FREE)
     rollout_bucket_ratio: float | None = key(
         None, "HF rollouts in length buckets: a chunk also closes where prompts grow past this ratio of its "
-        "shortest; measured slower at the shipped settings (docs/scale.md)", at_least(1), resume=FREE,
+        "shortest; measured slower at the shipped settings (lab/training_recipe.md)", at_least(1), resume=FREE,
     )
     vllm_gpu_memory_utilization: float = key(
         0.5, "the vLLM engine's share of the GPU (paper: 50 %)", between(0, 1, low_open=True), resume=FREE
@@ -273,7 +273,7 @@ class GRPOConfig:
     text_kl_coef: float = key(
         0.0, "> 0: KL(initial model ‖ policy) of the next-token distribution at every position of the text being "
         "embedded (full vocabulary): holds the LM's perplexity on human text, which kl_coef does not "
-        "(docs/scale.md §10); keeps a frozen copy under full fine-tuning", NON_NEGATIVE, resume=APPLIED,
+        "(lab/training_recipe.md §10); keeps a frozen copy under full fine-tuning", NON_NEGATIVE, resume=APPLIED,
     )
     gradient_accumulation_steps: int = key(
         1, "the step's positive rollouts in this many chunks, one optimiser step", AT_LEAST_ONE,

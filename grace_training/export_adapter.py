@@ -2,7 +2,7 @@
 a GIRCSE checkpoint's into ``grace_st/gircse_adapter``).
 
     python -m grace_training.export_adapter runs/scale_textkl1/checkpoint-00000400 \
-        --scores benchmarks/results/scale_scoreboard_textkl400.json --scores-label "scale + text_kl 1, step 400"
+        --scores lab/results/scale_scoreboard_textkl400.json --scores-label "scale + text_kl 1, step 400"
 
 Writes PEFT's two files (``adapter_config.json``, ``adapter_model.safetensors``) and
 ``grace_settings.json``: the encoder settings it was trained with (applied when
@@ -36,7 +36,7 @@ def export(
     """``bfloat16``: store the LoRA matrices rounded to bfloat16 (half the bytes: an r 32 adapter of SmolLM2 fits the
     package's 20 MiB); they are read back into the float32 model, so score the exported adapter, not the checkpoint.
     ``repetition_penalty``: the decoding setting the default encodes with (training rolls out without one; the
-    shipped value was chosen on dev data after training, docs/scale.md §21); None leaves the encoder's default."""
+    shipped value was chosen on dev data after training, lab/training_recipe.md §21); None leaves the encoder's default."""
     adapter = checkpoint / "adapter_model.safetensors"
     if not adapter.is_file():
         raise SystemExit(f"{checkpoint}: no adapter_model.safetensors (train with finetune: lora)")

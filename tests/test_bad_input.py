@@ -474,7 +474,7 @@ def test_fuzz_eval_files_are_refused_naming_the_file(saved_model, tmp_path, caps
     assert code == 1 and str(path) in err and "Traceback" not in out + err
 
 
-# -- the [trust] issue's items 6, 7 and 10 (item 8, the rationale cache, is in test_cache.py) ---------
+# -- untrusted input: data files, configs and saved models (the rationale cache is in test_cache.py) ---------
 
 
 def eval_argv(saved_model, tmp_path, *options):

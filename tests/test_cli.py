@@ -76,9 +76,9 @@ def test_the_settings_table_feeds_config_keys_the_cache_key_and_the_cli():
         assert all(helps[n].startswith(s.help) for n, s in SETTINGS.items() if s.cli_option), command
 
 
-def test_each_setting_has_its_default_once_and_the_readme_table_is_the_code():
+def test_each_setting_has_its_default_once_and_the_usage_table_is_the_code():
     """A setting's default lives in SETTINGS alone: the constructor's signature reads it, a saved config holds
-    it, and the README's table is generated from the table (python -m grace_st.settings)."""
+    it, and docs/usage.md's table is generated from the table (python -m grace_st.settings)."""
     import inspect
     from pathlib import Path
 
@@ -90,7 +90,7 @@ def test_each_setting_has_its_default_once_and_the_readme_table_is_the_code():
         expected = None if name == "instructions" else setting.default  # None: a fresh copy of the default
         assert signature[name].default == expected, name
         assert f"{name}: {setting.help}" in " ".join(GenerativeEncoder.__doc__.split()), name
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    start = readme.index("\n", readme.index("<!-- settings table")) + 1
-    end = readme.index("<!-- end of settings table -->")
-    assert readme[start:end] == settings_table(), "README's settings table is stale: python -m grace_st.settings"
+    usage = (Path(__file__).parents[1] / "docs" / "usage.md").read_text(encoding="utf-8")
+    start = usage.index("\n", usage.index("<!-- settings table")) + 1
+    end = usage.index("<!-- end of settings table -->")
+    assert usage[start:end] == settings_table(), "docs/usage.md's settings table is stale: python -m grace_st.settings"

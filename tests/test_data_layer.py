@@ -103,7 +103,7 @@ def test_triplets_and_texts(tmp_path):
         read_texts(table, column="sentence")
 
 
-# -- every reader streams under the data files' limits (the [trust] issue's item 6) --------------
+# -- every reader streams under the data files' limits ---------------------------------
 
 READERS = {
     "table": read_scored_pairs,

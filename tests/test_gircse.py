@@ -1,4 +1,4 @@
-"""[gircse]: soft tokens (gircse.md, Algorithm 1, Eqs. 2–6) as an encoder mode, and their training
+"""GIRCSE: soft tokens (gircse.md, Algorithm 1, Eqs. 2–6) as an encoder mode, and their training
 by Iterative Contrastive Refinement (Eqs. 7–8)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """grace_st.load and GenerativeEncoder.load: no code from the model runs unless asked, and weights
-that do not belong to their config are refused (issue [trust], items 2 and 5)."""
+that do not belong to their config are refused."""
 
 import json
 import shutil

@@ -265,7 +265,7 @@ def test_a_new_cache_that_shares_one_buffer_s_address_with_the_last_is_bound_ane
         assert new._values[:, :, length].abs().sum() > 0
 
 
-# -- many rows: decoding steps and the prompt pass (session 27) ----------------------------------------
+# -- many rows: decoding steps and the prompt pass ----------------------------------------------------
 
 
 @needs_compiler

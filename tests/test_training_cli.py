@@ -113,7 +113,7 @@ def test_infonce_baseline_stops_and_saves_after_max_minutes(tmp_path):
 
 
 def test_infonce_baseline_stops_at_a_step_and_a_second_call_trains_nothing(tmp_path):
-    """--stop-at-step for the yardstick: docs/scale.md §23's warm start is step 455 of a 1000-step run."""
+    """--stop-at-step for the yardstick: lab/training_recipe.md §23's warm start is step 455 of a 1000-step run."""
     pytest.importorskip("datasets")
     from grace_training.contrastive import last_trainer_checkpoint, train_infonce
 
@@ -165,7 +165,7 @@ def test_infonce_baseline_resumes_where_max_minutes_stopped_it(tmp_path):
 
 
 def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, monkeypatch):
-    """The yardstick on the [scale] data: a batch a source by weight, symmetric sources under "default"."""
+    """The yardstick on the scale recipe's data: a batch a source by weight, symmetric sources under "default"."""
     pytest.importorskip("datasets")
     from grace_training.contrastive import infonce_datasets, train_infonce
 
@@ -197,7 +197,7 @@ def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, 
 
 
 def test_the_baseline_trains_a_graded_source_with_cosent_on_its_scores(tmp_path, monkeypatch):
-    """[scale]: scored pairs (an sts source) are a dataset of their own, (anchor, positive, score), trained with
+    """Scored pairs (an sts source) are a dataset of their own, (anchor, positive, score), trained with
     sentence-transformers' CoSENTLoss, as GRPO trains them with its graded term; refused outside by_source."""
     pytest.importorskip("datasets")
     from grace_training.contrastive import infonce_datasets, train_infonce

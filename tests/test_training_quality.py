@@ -1,4 +1,4 @@
-"""[quality]: reward scale options, the hybrid objective (β · InfoNCE on pooled states), LoRA training."""
+"""Reward scale options, the hybrid objective (β · InfoNCE on pooled states), LoRA training."""
 
 from __future__ import annotations
 
@@ -221,8 +221,8 @@ def test_lora_run_checkpoints_an_adapter_that_loads_and_resumes(tmp_path):
 
 
 def test_a_run_starts_from_another_runs_adapter_and_refuses_one_that_does_not_fit(tmp_path):
-    """``init_adapter``: a second run's adapter starts at the first run's checkpoint (the [scale] run
-    goes on from the shipped adapter when a session lost its checkpoints); the KL reference stays
+    """``init_adapter``: a second run's adapter starts at the first run's checkpoint (the scale-recipe run
+    goes on from the shipped adapter when a machine lost its checkpoints); the KL reference stays
     the base (the adapter disabled)."""
     first = config(tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=1, save_steps=1)
     GRPOTrainer(first, model=saved_base(tmp_path), train_data=DATA).train()
@@ -267,7 +267,7 @@ def test_a_run_starts_from_another_runs_adapter_and_refuses_one_that_does_not_fi
 
 
 def test_an_adapter_grows_in_rank_with_the_same_embeddings_and_trains_its_new_directions(tmp_path):
-    """``init_adapter`` of a lower rank ([scale] section 19): r 8, α 16 grown to r 24, α 16 (a third of the
+    """``init_adapter`` of a lower rank (lab/training_recipe.md section 19): r 8, α 16 grown to r 24, α 16 (a third of the
     scale, so the saved B is rescaled by 3) encodes as the saved adapter does; the saved rows of A are kept,
     the new ones are PEFT's random ones, the new columns of B start at zero and move in the first step."""
     first = config(tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=1, save_steps=1)
@@ -299,7 +299,7 @@ def test_an_adapter_grows_in_rank_with_the_same_embeddings_and_trains_its_new_di
     assert any(trained[k][:, 8:].abs().sum() > 0 for k in trained if ".lora_B." in k)
 
 
-# -- budgets by prompt type ([scale]): training what ships ----------------------------------------
+# -- budgets by prompt type: training what ships -------------------------------------------------
 
 SHIPPED = {"default": 5, "query": 5, "document": 0}
 
@@ -337,7 +337,7 @@ def test_a_run_with_budgets_by_prompt_type_saves_the_model_that_encodes_with_the
 
 
 def test_warm_start_rolls_out_one_greedy_rationale_a_text_then_the_configured_k(tmp_path):
-    """[scale]: the first warm_start_steps train β · InfoNCE on one greedy rollout a text (the same rollouts
+    """The first warm_start_steps train β · InfoNCE on one greedy rollout a text (the same rollouts
     as a K = 1 run at temperature 0); the steps after it roll out the configured K, sampled."""
     cfg = config(tmp_path / "warm", contrastive_beta=1.0, warm_start_steps=1, temperature_positive=1.0)
     trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
@@ -382,7 +382,7 @@ def graded_rows():
 
 
 def test_a_batch_of_scored_pairs_trains_cosent_on_one_greedy_rollout_a_text(tmp_path):
-    """[scale]: a step drawn from an sts source rolls out one greedy rationale a text and its contrastive term
+    """A step drawn from an sts source rolls out one greedy rationale a text and its contrastive term
     is CoSENT on the rollouts' cosines against the gold scores; other sources' steps keep K and InfoNCE."""
     rows = graded_rows() + DATA
     cfg = config(tmp_path / "run", contrastive_beta=1.0, batch_sampling="by_source", batch_size=4)

@@ -289,7 +289,7 @@ def test_the_cli_resume_without_a_loadable_checkpoint_is_one_error_line(trained_
 
 
 def test_every_config_key_has_its_help_rules_and_resume_kind_once_and_the_docs_table_is_the_code():
-    """[engine]: a key is one field: default, help, range rules, resume kind; the docs' table is generated."""
+    """A key is one field: default, help, range rules, resume kind; the docs' table is generated."""
     for item in dataclasses.fields(GRPOConfig):
         assert item.metadata["doc"], item.name
         assert item.metadata["resume"] in ("free", "applied", "fixed"), item.name

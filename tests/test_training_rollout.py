@@ -180,7 +180,7 @@ def test_vllm_engine_generates_on_gpu(tmp_path, model):  # pragma: no cover - ne
     engine.sync_from(model[0].model)
 
 
-# -- budgets by prompt type: each side trained as encode embeds it (issue [scale], item 5) ------------
+# -- budgets by prompt type: each side trained as encode embeds it ------------------------------
 
 SHIPPED_BUDGETS = {"default": 6, "query": 6, "document": 0}
 

@@ -1,5 +1,5 @@
-"""A run owns its output directory, and --resume does not silently change what it trains
-(issue [trust], items 3 and 4): the run marker, refusal of directories the run does not own,
+"""A run owns its output directory, and --resume does not silently change what it trains:
+the run marker, refusal of directories the run does not own,
 rotation and cleanup limited to the run's own checkpoints, system and package paths refused,
 older runs adopted on --resume, and the resumed config compared with the checkpoint's."""
 
@@ -281,7 +281,7 @@ def test_what_the_checkpoint_was_built_from_never_changes(earlier_run, tmp_path,
 
 
 def test_a_warm_start_stage_goes_on_with_the_yaml_values_when_asked(tmp_path, monkeypatch):
-    """Stage 1 greedy with one rollout, stage 2 the config's K and temperatures (the [scale] warm start)."""
+    """Stage 1 greedy with one rollout, stage 2 the config's K and temperatures (the scale recipe's warm start)."""
     run = tmp_path / "run"
     warm = {"num_rollouts": 1, "temperature_positive": 0.0, "temperature_query": 0.0, "temperature_negative": 0.0}
     train(run, max_steps=1, **warm)

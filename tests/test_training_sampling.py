@@ -1,4 +1,4 @@
-"""[scale]: the data mix: gzip JSON-lines sources, symmetric sources, per-source weights, batches by source."""
+"""The data mix: gzip JSON-lines sources, symmetric sources, per-source weights, batches by source."""
 
 from __future__ import annotations
 

@@ -7,6 +7,30 @@ from pathlib import Path
 from typing import Any
 
 TEMPLATE = Path(__file__).with_name("grace_model_card.md")
+# The development scoreboard of the shipped models: the README's results table and the shipped models' cards.
+DEV_RESULTS = Path(__file__).with_name("dev_results.json")
+TASKS = ("STS-B dev", "SICK-R trial", "SciFact", "Banking77", "MRPC val")
+
+
+def results_table(results: dict | None = None) -> str:
+    """The shipped models' dev scoreboard as markdown (``python -m grace_st.model_cards`` prints it; a test holds
+    the README's copy to it). A row's mean is over the five tasks."""
+    results = results or json.loads(DEV_RESULTS.read_text(encoding="utf-8"))
+    lines = [
+        "| model | thinks | " + " | ".join(TASKS) + " | mean | LM perplexity |",
+        "|---|---|" + "---|" * (len(TASKS) + 2),
+    ]
+    for row in results["rows"]:
+        scores = [row["scores"][task] for task in TASKS]
+        mean = sum(scores) / len(scores)
+        bold = "**" if row.get("shipped") else ""
+        perplexity = "n/a" if row.get("perplexity") is None else f"{row['perplexity']:.1f}"
+        lines.append(
+            f"| {bold}{row['label']}{bold} | {row['thinks']} | "
+            + " | ".join(f"{score:.3f}" for score in scores)
+            + f" | {bold}{mean:.3f}{bold} | {perplexity} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def render_model_card(
@@ -20,12 +44,16 @@ def render_model_card(
     training_config: dict[str, Any] | None = None,
     scores: dict[str, Any] | None = None,
     budget_choice: str | None = None,
+    results: str | None = None,
 ) -> str:
     """Markdown with Hub metadata (library_name, pipeline_tag, tags, base_model) for a GRACE model.
 
     ``budget_choice``: why the rationale budgets are what they are (the measured curve), if known.
+    ``results``: a markdown table of development scores beside other models (:func:`results_table`).
     """
     import jinja2
+
+    from .. import __version__
 
     encoder = model[0]
     config = {key: json.dumps(value) if isinstance(value, dict) else value for key, value in encoder.get_config_dict().items()}
@@ -42,6 +70,8 @@ def render_model_card(
         training_config=training_config,
         scores=scores,
         budget_choice=budget_choice,
+        results=results,
+        version=__version__,
     )
 
 
@@ -49,3 +79,7 @@ def write_model_card(model, directory: str | Path, **kwargs: Any) -> Path:
     path = Path(directory) / "README.md"
     path.write_text(render_model_card(model, **kwargs), encoding="utf-8")
     return path
+
+
+if __name__ == "__main__":  # python -m grace_st.model_cards: the README's results table, to paste between its markers
+    print(results_table(), end="")
