@@ -147,7 +147,9 @@ def choose(report: dict, default: dict, scifact: dict) -> dict:
     texts, texts_compared = cheapest_within_noise({g: mean_of(default[g]) for g in default})
     document_budgets = sorted({d for _, d in scifact})
     query_budgets = sorted({q for q, _ in scifact})
-    best_by_document = {d: max((scifact[q, d] for q in query_budgets), key=lambda point: point[0]) for d in document_budgets}
+    best_by_document = {
+        d: max((scifact[q, d] for q in query_budgets), key=lambda point: point[0]) for d in document_budgets
+    }
     documents, documents_compared = cheapest_within_noise(best_by_document)
     queries, queries_compared = cheapest_within_noise({q: scifact[q, documents] for q in query_budgets})
     return {
@@ -169,8 +171,10 @@ def choose(report: dict, default: dict, scifact: dict) -> dict:
 def tables(report: dict) -> str:
     rows = report["default"]
     lines = [
-        "Default prompt type (`encode`): each task's score ± its bootstrap standard error; Δ is the paired difference "
-        "of the four tasks' mean with the best budget's (± its standard error)",
+        (
+            "Default prompt type (`encode`): each task's score ± its bootstrap standard error; Δ is the paired difference "
+            "of the four tasks' mean with the best budget's (± its standard error)"
+        ),
         "",
         "| G | " + " | ".join(DEFAULT_TASKS) + " | mean | Δ mean vs best | texts/s | one query p50 / p95 s |",
         "|---|" + "---|" * (len(DEFAULT_TASKS) + 4),
@@ -187,8 +191,10 @@ def tables(report: dict) -> str:
         )
     lines += [
         "",
-        "SciFact nDCG@10 (± bootstrap SE over the 72 claims) by query budget (rows) and document budget (columns); "
-        "texts/s of each side",
+        (
+            "SciFact nDCG@10 (± bootstrap SE over the 72 claims) by query budget (rows) and document budget (columns); "
+            "texts/s of each side"
+        ),
         "",
         "| queries \\ documents | " + " | ".join(f"D = {d}" for d in report["documents"]) + " | query texts/s |",
         "|---|" + "---|" * (len(report["documents"]) + 1),
@@ -213,11 +219,15 @@ def tables(report: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", help="a GRACE model directory (default: the shipped default; base: the untrained base)")
+    parser.add_argument(
+        "--model", help="a GRACE model directory (default: the shipped default; base: the untrained base)"
+    )
     parser.add_argument("--budgets", nargs="+", type=int, default=[0, 8, 16, 32, 64], help="default texts and queries")
     parser.add_argument("--document-budgets", nargs="+", type=int, default=[0, 32])
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--latency-queries", type=int, default=20, help="claims timed one at a time per budget (0: skip)")
+    parser.add_argument(
+        "--latency-queries", type=int, default=20, help="claims timed one at a time per budget (0: skip)"
+    )
     parser.add_argument("--resamples", type=int, default=1000, help="bootstrap resamples for the standard errors")
     parser.add_argument("--out", default=str(RESULTS / "budget_curve_default.json"))
     args = parser.parse_args()
@@ -274,7 +284,11 @@ def main() -> None:
         document_embeddings[d], seconds = encode_side(model, "document", list(corpus.values()), d, args.batch_size)
         report["documents"][str(d)] = {"seconds": seconds, "texts_per_s": len(corpus) / seconds}
         scoreboard.write_json(report, str(out))
-    scifact = {(q, d): scorer.scifact(query_embeddings[q], document_embeddings[d]) for q in query_embeddings for d in document_embeddings}
+    scifact = {
+        (q, d): scorer.scifact(query_embeddings[q], document_embeddings[d])
+        for q in query_embeddings
+        for d in document_embeddings
+    }
     for (q, d), (score, resampled) in scifact.items():
         report["scifact"][f"{q},{d}"] = {"score": score, "se": float(np.std(resampled, ddof=1))}
     for g in sorted(args.budgets):

@@ -71,7 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grace_st.scoreboard import HELD_BACK, METRICS, SEED, TASKS, data_dir, evaluate, load_tasks, write_json
+from grace_st.scoreboard import HELD_BACK, METRICS, SEED, SIZES, TASKS, data_dir, evaluate, load_tasks, write_json
 
 
 def is_grace(model) -> bool:
@@ -223,14 +223,20 @@ def main() -> None:
         help="prompt limit of every GRACE row (training checkpoints save their training limit); 0 keeps each model's",
     )
     parser.add_argument(
-        "--method", choices=("grace", "gircse"), help="how every --model row thinks (default: each model's saved method)"
+        "--method",
+        choices=("grace", "gircse"),
+        help="how every --model row thinks (default: each model's saved method)",
     )
     parser.add_argument(
-        "--weights", choices=("float32", "bfloat16", "int8"), default="float32",
+        "--weights",
+        choices=("float32", "bfloat16", "int8"),
+        default="float32",
         help="how every --model row holds its weights: as saved, bfloat16, or int8 weight-only (docs/speed.md)",
     )
     parser.add_argument(
-        "--repetition-penalty", type=float, default=None,
+        "--repetition-penalty",
+        type=float,
+        default=None,
         help="every GRACE --model row decodes with this repetition_penalty (grace_st.generation.penalise_repeats); "
         "default: the model's saved one",
     )
@@ -239,30 +245,52 @@ def main() -> None:
         "--rationale-tokens", type=int, default=64, help="rationale length of GRACE rows without @TOKENS"
     )
     parser.add_argument(
-        "--device", default="cpu",
+        "--device",
+        default="cpu",
         help="torch device of every row (default cpu, as the scoreboard is scored; auto: cuda when available, else cpu)",
     )
     parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--sts", type=int, default=300, help="pairs per STS set (SICK-R trial has 500)")
-    parser.add_argument("--scifact-queries", type=int, default=0, help="cap on held-back claims; 0 = all of them")
-    parser.add_argument("--scifact-corpus", type=int, default=1000, help="corpus size (cited abstracts + distractors)")
-    parser.add_argument("--banking-train", type=int, default=500, help="Banking77 train texts the kNN searches")
-    parser.add_argument("--banking-test", type=int, default=300, help="Banking77 test texts classified")
-    parser.add_argument("--mrpc", type=int, default=300, help="MRPC val rows (it has 500)")
-    parser.add_argument("--perplexity", type=int, default=200, help="held-back sentences for the LM perplexity column")
+    parser.add_argument("--sts", type=int, default=SIZES["sts"], help="pairs per STS set (SICK-R trial has 500)")
+    parser.add_argument(
+        "--scifact-queries", type=int, default=SIZES["scifact_queries"], help="cap on held-back claims; 0 = all of them"
+    )
+    parser.add_argument(
+        "--scifact-corpus",
+        type=int,
+        default=SIZES["scifact_corpus"],
+        help="corpus size (cited abstracts + distractors)",
+    )
+    parser.add_argument(
+        "--banking-train", type=int, default=SIZES["banking_train"], help="Banking77 train texts the kNN searches"
+    )
+    parser.add_argument(
+        "--banking-test", type=int, default=SIZES["banking_test"], help="Banking77 test texts classified"
+    )
+    parser.add_argument("--mrpc", type=int, default=SIZES["mrpc"], help="MRPC val rows (it has 500)")
+    parser.add_argument(
+        "--perplexity", type=int, default=SIZES["perplexity"], help="held-back sentences for the LM perplexity column"
+    )
     parser.add_argument(
         "--examples", type=int, default=3, help="rationales recorded per GRACE row (first STS-B dev texts)"
     )
     parser.add_argument(
-        "--repetition-texts", type=int, default=64,
+        "--repetition-texts",
+        type=int,
+        default=64,
         help="first STS-B dev texts whose rationales give a GRACE row's rationale_distinct_words (0: skip)",
     )
     parser.add_argument(
-        "--tasks", nargs="+", choices=TASKS, default=list(TASKS), metavar="TASK",
+        "--tasks",
+        nargs="+",
+        choices=TASKS,
+        default=list(TASKS),
+        metavar="TASK",
         help=f"score only these ({', '.join(TASKS)}; default all); the table's mean needs all five",
     )
     parser.add_argument(
-        "--merge", nargs="+", metavar="REPORT",
+        "--merge",
+        nargs="+",
+        metavar="REPORT",
         help="score nothing: join these reports of disjoint --tasks into --out (see above)",
     )
     parser.add_argument("--out", default="benchmarks/results/dev_eval.json")
@@ -317,7 +345,14 @@ def main() -> None:
         if path in ("base", "default"):
             path = grace_st.default_model_path(trained=path == "default")
         rows.append(
-            (label or Path(path).name + suffix, path, tokens, args.method, weight_forms()[args.weights], args.repetition_penalty)
+            (
+                label or Path(path).name + suffix,
+                path,
+                tokens,
+                args.method,
+                weight_forms()[args.weights],
+                args.repetition_penalty,
+            )
         )
     if not args.no_peer:
         rows.append(("all-MiniLM-L6-v2 (peer)", minilm_path(), None, None, None, None))

@@ -8,7 +8,8 @@ Texts: the first --texts STS-B dev sentences (built-in sentences without the dat
 ways, as a user does: ``encode`` (the ``default`` prompt type, 32-token rationale), ``encode_query`` (32) and
 ``encode_document`` (0: the prompt alone). Each gets the sha256 of its float32 bytes; with ``--compare`` each
 is checked against the other file's (whose texts it encodes), and the largest absolute difference is printed
-where they differ. Only ``grace_st.default_model_path`` is needed of the package, so an older tree runs it too.
+where they differ. Only ``grace_st.default_model_path`` and ``grace_st.load`` are needed of the package, so an
+older tree runs it too.
 """
 
 from __future__ import annotations
@@ -24,9 +25,7 @@ import grace_st
 
 
 def digests(texts: list[str], batch_size: int) -> tuple[dict[str, str], dict[str, np.ndarray]]:
-    from sentence_transformers import SentenceTransformer
-
-    model = SentenceTransformer(grace_st.default_model_path(), device="cpu", trust_remote_code=True)
+    model = grace_st.load(grace_st.default_model_path(), device="cpu")
     calls = {"encode": model.encode, "encode_query": model.encode_query, "encode_document": model.encode_document}
     arrays = {name: np.asarray(call(texts, batch_size=batch_size), dtype=np.float32) for name, call in calls.items()}
     return {name: hashlib.sha256(array.tobytes()).hexdigest() for name, array in arrays.items()}, arrays

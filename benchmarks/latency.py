@@ -98,9 +98,10 @@ def weight_bytes_per_token(model) -> int:
 
 
 def load(path: str, weights: str):
-    from sentence_transformers import SentenceTransformer
+    import grace_st
 
-    model = SentenceTransformer(path, device="cpu", trust_remote_code=True, model_kwargs=WEIGHTS[weights])
+    # grace_st.load: the --model given runs no code that ships with it
+    model = grace_st.load(path, device="cpu", model_kwargs=WEIGHTS[weights])
     if weights.endswith("-pytorch-step") or weights == "float32-packed-only":
         model[0].decode_options = dataclasses.replace(model[0].decode_options, native_step=False)
     if weights == "float32-packed-only":

@@ -37,14 +37,12 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/perplexity_curve.json")
     args = parser.parse_args()
 
-    from sentence_transformers import SentenceTransformer
-
     import grace_st
 
     texts = sts_pairs(data_dir() / "sickr" / "trial.tsv", args.sentences)[0]
 
     def load(path):
-        return SentenceTransformer(str(path), device="cpu", trust_remote_code=True)
+        return grace_st.load(str(path), device="cpu")  # no code that ships with a checkpoint runs
 
     base = args.base or grace_st.default_model_path(trained=False)
     report = {

@@ -108,6 +108,10 @@ def _load_model(path: str, args: argparse.Namespace):
     return model
 
 
+# The similarity matrix is N × N: shown by default only for a handful of texts (6,000 lines of stdin
+# would make a 36-million-entry matrix, hundreds of MB of JSON); --similarity asks for it at any N.
+SIMILARITY_MAX_TEXTS = 32
+
 TRUST_HELP = (
     "run Python code that ships with the model (a module class of its own in modules.json, an "
     "auto_map in its config); without it such a model is refused, naming the file"
@@ -118,14 +122,28 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grace-st", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
-    encode = commands.add_parser("encode", help="print each text's rationale, then the cosine similarity matrix")
+    encode = commands.add_parser(
+        "encode",
+        help=f"print each text's rationale, then the cosine similarity matrix (up to {SIMILARITY_MAX_TEXTS} texts, "
+        "or with --similarity)",
+    )
     encode.add_argument("texts", nargs="+", help="texts to encode; '-' reads one text a line from stdin")
     encode.add_argument("--model", help="GRACE model directory or Hub id (default: the embedded default model)")
     encode.add_argument("--task", choices=["query", "document"], help="use the query or document instruction")
     encode.add_argument("--prompt", help="extra instruction, e.g. a task description")
     encode.add_argument("--batch-size", type=_positive_int, default=16)
     encode.add_argument("--device", help="torch device, e.g. cpu or cuda")
-    encode.add_argument("--json", action="store_true", help="print JSON: texts, rationales, embeddings, similarities")
+    encode.add_argument(
+        "--json", action="store_true",
+        help="print JSON: texts, rationales, embeddings, and the similarities when they are shown",
+    )
+    encode.add_argument(
+        "--similarity",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help=f"the N × N cosine similarity matrix (default: shown for up to {SIMILARITY_MAX_TEXTS} texts; its memory "
+        "and output grow with N², --similarity shows it for more, --no-similarity never)",
+    )
     encode.add_argument("--cache", help="a rationale cache file (SQLite): repeated texts skip generation")
     encode.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     _encoder_options(encode)
@@ -225,7 +243,8 @@ def run_encode(args: argparse.Namespace) -> int:
         show_progress_bar=len(texts) > args.batch_size,
     )
     embeddings = np.stack([item["embedding"] for item in items])
-    similarity = model.similarity(embeddings, embeddings).numpy()
+    shown = args.similarity if args.similarity is not None else len(texts) <= SIMILARITY_MAX_TEXTS
+    similarity = model.similarity(embeddings, embeddings).numpy() if shown else None
     if args.json:
         payload = {
             "texts": texts,
@@ -233,7 +252,7 @@ def run_encode(args: argparse.Namespace) -> int:
             "truncated": [item["truncated"] for item in items],
             "rationale_budgets": [item["rationale_budget"] for item in items],
             "embeddings": embeddings.tolist(),
-            "similarity": similarity.tolist(),
+            **({"similarity": similarity.tolist()} if shown else {}),
         }
         json.dump(payload, sys.stdout)
         sys.stdout.write("\n")
@@ -243,6 +262,9 @@ def run_encode(args: argparse.Namespace) -> int:
         print(
             f"[{index}] {item['text']}\n    rationale ({item['rationale_budget']} tokens max{cut}): {item['rationale'].strip()}\n"
         )
+    if not shown:
+        print(f"({len(texts)} texts: no similarity matrix over {SIMILARITY_MAX_TEXTS} texts; --similarity prints it)")
+        return 0
     print("cosine similarity")
     print("      " + " ".join(f"[{j}]".rjust(6) for j in range(len(texts))))
     for i, row in enumerate(similarity):
@@ -267,6 +289,21 @@ def run_build(args: argparse.Namespace) -> int:
     write_model_card(model, args.out, model_id=args.out, base_model=args.base)
     print(f"saved a GRACE model ({model[0].get_embedding_dimension()}-d) to {args.out}")
     return 0
+
+
+def _check_writable(path: str) -> None:
+    """Refuse an ``--output`` that cannot be written before the evaluation, not after it: opened for
+    appending (the file is untouched) and removed again when the check created it."""
+    if os.path.isdir(path):
+        raise SystemExit(f"grace-st eval: --output {path} is a directory; give a file name")
+    existed = os.path.lexists(path)
+    try:
+        with open(path, "a", encoding="utf-8"):
+            pass
+    except OSError as error:
+        raise SystemExit(f"grace-st eval: --output {path} cannot be written ({error.strerror or error})") from None
+    if not existed:
+        os.remove(path)
 
 
 def run_eval(args: argparse.Namespace) -> int:
@@ -298,6 +335,8 @@ def run_eval(args: argparse.Namespace) -> int:
         raise SystemExit(f"grace-st eval: {error}") from None
     if not tasks and not args.tasks:
         raise SystemExit("grace-st eval: nothing to evaluate; give --sts, --beir, --classification, --pairs or --tasks")
+    if args.output:
+        _check_writable(args.output)
 
     model = _load_model(args.model, args)
     encoder = model[0]

@@ -41,6 +41,7 @@ from transformers.cache_utils import DynamicLayer
 
 from .native_step import NativeStep
 from .packed_linear import packed_linears
+from .transformers_compat import cache_kwargs
 
 
 @dataclass(frozen=True)
@@ -203,10 +204,12 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def decoder_states(decoder, hidden_layer: int, **inputs) -> Tensor:
-    """Hidden states of one pass of the decoder alone (it fills ``past_key_values`` when given one):
+def decoder_states(decoder, hidden_layer: int, cache=None, **inputs) -> Tensor:
+    """Hidden states of one pass of the decoder alone (it fills the KV ``cache`` when given one):
     the LM head's logits over the whole vocabulary are not needed when nothing is generated."""
-    use_cache = inputs.get("past_key_values") is not None
+    use_cache = cache is not None
+    if use_cache:
+        inputs.update(cache_kwargs(decoder, cache))
     if hidden_layer == -1:
         return decoder(**inputs, use_cache=use_cache).last_hidden_state
     return decoder(**inputs, use_cache=use_cache, output_hidden_states=True).hidden_states[hidden_layer]
@@ -246,10 +249,12 @@ class IncrementalDecoder:
         self.native: NativeStep | None | bool = options.native_step and hidden_layer == -1  # built at first use
         self.native_threads = 0  # PyTorch's thread count while single-row native steps hold it at one
 
-    def _forward(self, logits: bool = True, **inputs) -> tuple[Tensor, Tensor | None]:
-        """One forward pass: (hidden states of the fed tokens, next-token logits of each row's last one)."""
+    def _forward(self, logits: bool = True, cache=None, **inputs) -> tuple[Tensor, Tensor | None]:
+        """One forward pass that reads and extends the KV ``cache`` (None: none): (hidden states of the fed
+        tokens, next-token logits of each row's last one)."""
         if not logits:
-            return decoder_states(self.model.get_decoder(), self.hidden_layer, **inputs), None
+            return decoder_states(self.model.get_decoder(), self.hidden_layer, cache, **inputs), None
+        inputs.update(cache_kwargs(self.model, cache))
         if self.hidden_layer == -1:
             output = self.model(**inputs, logits_to_keep=1, use_cache=True)
             states = self.captured["states"]
@@ -308,7 +313,7 @@ class IncrementalDecoder:
                 "position_ids": position_ids_from_mask(attention_mask),
             }
             fed = self._native_prefill(logits, **prompts)
-            states, last_logits = fed or self._forward(logits, **prompts, past_key_values=self.kv_cache)
+            states, last_logits = fed or self._forward(logits, self.kv_cache, **prompts)
         return states.masked_fill(attention_mask[..., None] == 0, 0.0), last_logits
 
     def _prefill_shared(
@@ -326,9 +331,7 @@ class IncrementalDecoder:
         starts = width - attention_mask.sum(1)
         first = int(starts[0])
         prefix_cache = DynamicCache(config=self.model.config)
-        prefix_states, _ = self._forward(
-            False, input_ids=input_ids[:1, first : first + shared], past_key_values=prefix_cache
-        )
+        prefix_states, _ = self._forward(False, prefix_cache, input_ids=input_ids[:1, first : first + shared])
         for index, layer in enumerate(prefix_cache.layers):
             keys, values = layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1)
             self.kv_cache.update(keys, values, index)
@@ -340,7 +343,7 @@ class IncrementalDecoder:
             "position_ids": (cache_mask.cumsum(-1)[:, shared:] - 1).clamp(min=0),
         }
         fed = self._native_prefill(logits, **rest)
-        rest_states, last_logits = fed or self._forward(logits, **rest, past_key_values=self.kv_cache)
+        rest_states, last_logits = fed or self._forward(logits, self.kv_cache, **rest)
         states = rest_states.new_zeros((batch, width, rest_states.shape[-1]))
         states[:, shared:] = rest_states
         prefix_columns = starts[:, None] + torch.arange(shared, device=input_ids.device)[None, :]
@@ -428,7 +431,7 @@ class IncrementalDecoder:
             states, logits = fast
         else:
             states, logits = self._forward(
-                input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions, past_key_values=self.kv_cache
+                cache=self.kv_cache, input_ids=tokens[:, None], attention_mask=self.mask, position_ids=positions
             )
         batch_states = states.new_zeros((self.batch, 1, states.shape[-1]))
         batch_states[self.rows] = states

@@ -13,6 +13,11 @@ needed), dequantise the GGUF with transformers (``gguf_file=``), rebuild the mod
 config (a GGUF-loaded model refuses ``save_pretrained``), wrap it as a GRACE
 sentence-transformers model and move it into place with one rename. A file lock serialises
 concurrent builders; the rename means a reader never sees half a directory.
+
+Each shipped adapter carries ``manifest.json``, the sha256 of each of its files, checked before the
+trained default is built (:func:`verify_adapter`): an adapter directory mixed from two exports, or
+cut short, is refused naming the file rather than built into a model nobody trained.
+``python -m grace_training.export_adapter --write-manifest DIR`` rewrites it after a deliberate edit.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ ADAPTER_DIR = Path(__file__).resolve().parent / "default_adapter"
 # The shipped adapter of each method (grace_st.settings.METHODS): which one default_model_path() builds.
 ADAPTER_DIRS = {"grace": ADAPTER_DIR, "gircse": Path(__file__).resolve().parent / "gircse_adapter"}
 ADAPTER_SETTINGS = "grace_settings.json"  # the encoder settings the adapter was trained and scored with
+ADAPTER_MANIFEST = "manifest.json"  # {"sha256": {file name: digest}} of every other file of a shipped adapter
 
 
 def default_model_path(home: str | os.PathLike | None = None, *, trained: bool = True, method: str = "grace") -> str:
@@ -59,10 +65,58 @@ def default_model_path(home: str | os.PathLike | None = None, *, trained: bool =
     adapter_dir = ADAPTER_DIRS[method]
     if trained and not (adapter_dir / "adapter_model.safetensors").is_file():
         raise FileNotFoundError(f"this grace-st ships no {method} adapter ({adapter_dir} is missing)")
+    if trained:
+        verify_adapter(adapter_dir)
     base = _base_model_path(home)
     if not trained:
         return base
     return _trained_model_path(Path(home) if home is not None else grace_home(), base, adapter_dir)
+
+
+def adapter_manifest(adapter_dir: Path) -> dict:
+    """The manifest of the adapter files in ``adapter_dir`` as they are now (every file but the
+    manifest itself and hidden ones)."""
+    names = sorted(p.name for p in Path(adapter_dir).iterdir() if p.is_file() and p.name != ADAPTER_MANIFEST
+                   and not p.name.startswith("."))
+    return {"sha256": {name: _sha256(Path(adapter_dir) / name) for name in names}}
+
+
+def write_adapter_manifest(adapter_dir: Path) -> Path:
+    """Write ``adapter_dir/manifest.json`` for the files there now; returns its path."""
+    import json
+
+    path = Path(adapter_dir) / ADAPTER_MANIFEST
+    path.write_text(json.dumps(adapter_manifest(adapter_dir), indent=2) + "\n", encoding="utf-8")
+    return path
+
+
+def verify_adapter(adapter_dir: Path) -> None:
+    """Refuse a shipped adapter whose files are not the ones its ``manifest.json`` records: one
+    missing, cut short, changed or added after the manifest was written (an interrupted export, a
+    file copied over from another adapter). The message names the file."""
+    import json
+
+    adapter_dir = Path(adapter_dir)
+    path = adapter_dir / ADAPTER_MANIFEST
+    fix = ("reinstall grace-st, or re-export the adapter (python -m grace_training.export_adapter); after a "
+           f"deliberate edit, python -m grace_training.export_adapter --write-manifest {adapter_dir}")
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))["sha256"]
+    except FileNotFoundError:
+        raise ValueError(f"{path}: missing, so the adapter's files cannot be checked; {fix}") from None
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{path}: unreadable ({error}); {fix}") from None
+    found = adapter_manifest(adapter_dir)["sha256"]
+    for name in sorted(set(recorded) | set(found)):
+        if name not in found:
+            raise ValueError(f"{adapter_dir / name}: missing, though {path.name} records it; {fix}")
+        if name not in recorded:
+            raise ValueError(f"{adapter_dir / name}: not in {path.name} (added after the adapter was exported); {fix}")
+        if found[name] != recorded[name]:
+            raise ValueError(
+                f"{adapter_dir / name}: sha256 {found[name][:12]}... is not the {recorded[name][:12]}... {path.name} "
+                f"records: the adapter is mixed or truncated; {fix}"
+            )
 
 
 def shipped_adapter_revision(adapter_dir: Path = ADAPTER_DIR) -> str:

@@ -6,17 +6,31 @@ sentence-transformers imports from a ``.py`` file beside the weights, and a ``co
 under ``trust_remote_code=True``; sentence-transformers 6 asks for that flag to import *our*
 module class too, so passing it blindly would open the door to everything else.
 
+A name that merely starts with ``grace_st.`` is not enough: sentence-transformers hands any class
+reference outside its own package to transformers' dynamic-module loader first, which reads
+``grace_st.Evil`` as "class ``Evil`` of ``<model folder>/grace_st.py``" and
+``grace_st.x--evil.Evil`` as "of ``grace_st.x/evil.py``", a folder resolved from the working
+directory. So a reference is accepted only when it names exactly a class of the installed grace-st
+or sentence-transformers package (:func:`module_class_problem`: resolved by importing from the
+installed package, its file checked to lie inside that package's directory), with no ``--`` and
+no ``.py`` file in the model folder that the dynamic loader could take instead.
+
 :func:`load` is the one loading path of the CLI, the trainer and the benchmarks: it reads
-``modules.json`` first and accepts only classes of grace-st and sentence-transformers, and no
-``auto_map`` anywhere in the model, unless the caller asks for remote code explicitly; only then
-does it give sentence-transformers the flag its own class check needs. ``GenerativeEncoder.load``
-never passes sentence-transformers' flag on to transformers (``model_kwargs`` can).
+``modules.json`` first and accepts only such classes, and no ``auto_map`` anywhere in the model,
+unless the caller asks for remote code explicitly; only then does it give sentence-transformers the
+flag its own class check needs. ``GenerativeEncoder.load`` never passes sentence-transformers' flag
+on to transformers (``model_kwargs`` can). Nothing else in grace-st passes ``trust_remote_code=True``
+(a test reads the source to keep it so).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
+import inspect
 import json
 import os
+import warnings
 from pathlib import Path
 
 # Module classes whose code is an installed, versioned package: never a file of the model.
@@ -54,6 +68,77 @@ def module_classes(directory: str | os.PathLike) -> list[tuple[str, str]]:
     return classes
 
 
+def _package_dir(name: str) -> Path:
+    """The directory of an installed package (imported: grace-st is running, and its loader needs
+    sentence-transformers anyway)."""
+    return Path(importlib.import_module(name).__file__).resolve().parent
+
+
+def _inside(path: str | None, root: Path) -> bool:
+    return bool(path) and Path(path).resolve().is_relative_to(root)
+
+
+def module_class_problem(reference: str) -> str | None:
+    """Why the ``modules.json`` class reference ``reference`` is not exactly a class of the installed
+    grace-st or sentence-transformers package; None when it is.
+
+    The module is located (:func:`importlib.util.find_spec`, which imports only its installed parent
+    packages) and must be a file inside the package's directory before it is imported; the class it
+    names must be defined in a file there too. ``--`` (transformers' "another repository's code")
+    is refused outright, and so is a grace-st reference without a module (``grace_st.Name``), the
+    shape transformers' dynamic loader reads as ``<model folder>/grace_st.py``.
+    """
+    if "--" in reference:
+        return "a '--' reference, which makes transformers import code from another folder or repository"
+    parts = reference.split(".")
+    package = parts[0]
+    if f"{package}." not in OWN_MODULE_PACKAGES or len(parts) < 2:
+        return "not a class of the installed grace-st or sentence-transformers"
+    if not all(part.isidentifier() for part in parts) or "__main__" in parts:
+        return "not a dotted path of a module and a class"
+    if package == "grace_st" and len(parts) < 3:
+        return "grace-st's classes live in its modules (grace_st.encoder.GenerativeEncoder); transformers " \
+               "would read this as a file grace_st.py in the model folder"
+    module_name, class_name = ".".join(parts[:-1]), parts[-1]
+    root = _package_dir(package)
+    try:
+        spec = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError, AttributeError):
+        spec = None
+    origin = spec.origin if spec is not None else None
+    if spec is not None and origin is None and spec.loader is not None:
+        # a module the package makes with a loader of its own (sentence-transformers' old module paths)
+        origin = inspect.getfile(type(spec.loader))
+    if not _inside(origin, root):
+        return f"no module {module_name} in the installed package at {root}"
+    try:
+        with warnings.catch_warnings():  # sentence-transformers' old module paths warn, and still hold the class
+            warnings.simplefilter("ignore", DeprecationWarning)
+            found = getattr(importlib.import_module(module_name), class_name, None)
+    except ImportError as error:  # an installed module whose optional dependency is missing
+        return f"the installed {module_name} cannot be imported ({error})"
+    if not isinstance(found, type):
+        return f"the installed {module_name} has no class {class_name}"
+    try:
+        defined_in = inspect.getfile(found)
+    except TypeError:
+        defined_in = None
+    if not _inside(defined_in, root):
+        return f"{class_name} of {module_name} is not defined in the installed package at {root}"
+    return None
+
+
+def _shadowing_file(root: Path, reference: str) -> str | None:
+    """A ``.py`` file in the model folder that transformers' dynamic loader could import in place of
+    the installed class (it reads ``a.b.C`` as ``a.py`` or ``a.b.py`` beside the weights)."""
+    parts = reference.split(".")
+    for end in range(1, len(parts)):
+        candidate = root / (".".join(parts[:end]) + ".py")
+        if candidate.exists():
+            return f"{candidate} could be imported in its place"
+    return None
+
+
 def remote_code(directory: str | os.PathLike) -> list[str]:
     """Every place in the model at ``directory`` that would make a loader import the model's own
     code: foreign module classes in ``modules.json`` and ``auto_map`` entries, each described
@@ -61,8 +146,9 @@ def remote_code(directory: str | os.PathLike) -> list[str]:
     root = Path(directory)
     found, folders = [], [root]
     for reference, sub_path in module_classes(root):
-        if not reference.startswith(OWN_MODULE_PACKAGES):
-            found.append(f"{root / 'modules.json'} names the module class {reference!r}")
+        problem = module_class_problem(reference) or _shadowing_file(root, reference)
+        if problem:
+            found.append(f"{root / 'modules.json'} names the module class {reference!r} ({problem})")
         if sub_path:
             folders.append(root / sub_path)
     for folder in dict.fromkeys(folders):
@@ -84,7 +170,8 @@ def check_no_remote_code(directory: str | os.PathLike) -> None:
         raise RemoteCodeError(
             f"loading {directory} would run Python code that ships with the model: "
             + "; ".join(found)
-            + ". grace-st runs only its installed package. If you trust this model's code, "
+            + ". grace-st runs only classes of its installed package and of sentence-transformers. "
+            "If you trust this model's code, "
             "pass trust_remote_code=True (`--trust-remote-code` on the command line)."
         )
 

@@ -40,6 +40,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -90,7 +91,9 @@ def _compile(compiler: str, target: Path) -> None:
     # Built beside its final name, then renamed: another process never loads a half-written library.
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE), "-lm"], check=True, capture_output=True)
+        # $CC may carry flags of its own ("gcc -O2", "ccache cc"), as make reads it: split as a shell would
+        command = [*shlex.split(compiler), *FLAGS, "-o", str(built), str(SOURCE), "-lm"]
+        subprocess.run(command, check=True, capture_output=True)
         os.replace(built, target)
 
 
@@ -112,10 +115,13 @@ def library():
                 _compile(compiler, target)
             built = ctypes.CDLL(str(target))
             function, _library_state["panel"] = built.grace_native_step, built.grace_native_step_panel()
-        except (OSError, subprocess.CalledProcessError) as error:
+        except (OSError, ValueError, subprocess.CalledProcessError) as error:  # ValueError: unbalanced quotes in $CC
             detail = getattr(error, "stderr", b"") or b""
-            logger.info(
-                "the native step could not be built (%s %s): PyTorch's own step runs", error, detail.decode()[-500:]
+            # a compiler the user chose (CC) that fails is worth a warning; the system's fallback, a note
+            logger.log(
+                logging.WARNING if os.environ.get("CC") else logging.INFO,
+                "the native step could not be built with %r (%s %s): PyTorch's own step runs",
+                compiler, error, detail.decode(errors="replace")[-500:],
             )
     if function is not None:
         function.restype = ctypes.c_int

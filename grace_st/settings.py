@@ -68,6 +68,17 @@ def for_prompt_type(value: int | Mapping[str, int], prompt_type: str) -> int:
     return value
 
 
+# The prompt types a text is encoded as: encode, encode_query, encode_document (and the prompt names
+# that stand for them: sentence-transformers' and LlamaIndex's "text" and "passage" are documents).
+PROMPT_TYPES = ("default", "query", "document")
+
+
+def unknown_prompt_types(value: Any, known: Any = PROMPT_TYPES) -> list[str]:
+    """The keys of a per-prompt-type mapping that no text is encoded as (a typo such as ``qeury``
+    would otherwise be kept and never used); empty for an int."""
+    return sorted(set(value) - set(known)) if isinstance(value, Mapping) else []
+
+
 def prompt_types(*values: Any) -> set[str]:
     """Every prompt type the per-prompt-type ``values`` name (always ``"default"``)."""
     return {"default"}.union(*(set(v) for v in values if isinstance(v, Mapping)))
@@ -280,6 +291,15 @@ def check_settings(values: Mapping[str, Any], *, num_layers: int | None = None, 
     get = values.get
     if "instructions" in values and "default" not in values["instructions"]:
         raise ValueError(f"{where}instructions must contain a 'default' entry")
+    known = [*PROMPT_TYPES, *sorted(set(get("instructions") or ()) - set(PROMPT_TYPES))]  # and instructions' own
+    for name, setting in SETTINGS.items():
+        unknown = unknown_prompt_types(get(name), known) if setting.cli == "per_type" else []
+        if unknown:
+            raise ValueError(
+                f"{where}{name} names the prompt type {', '.join(map(repr, unknown))}, which no text is encoded as; "
+                f"the prompt types are {', '.join(map(repr, known))} (the prompt names 'text' and 'passage' "
+                "are 'document')"
+            )
     budgets, repeats = get("max_rationale_tokens", 1), get("num_rationales", 1)
     for kind in sorted(prompt_types(budgets, repeats)):
         of = "" if kind == "default" else f" (prompt type {kind!r})"

@@ -27,6 +27,7 @@ from torch import Tensor
 
 from .decoding import position_ids_from_mask
 from .generation import Rollouts, prompt_pooling_mask
+from .transformers_compat import cache_kwargs
 
 
 @dataclass
@@ -130,8 +131,9 @@ def _new_cache(model):
 
 def _decode(decoder, hidden_layer: int, cache, **inputs) -> tuple[Tensor, Tensor]:
     """One decoder pass that extends ``cache``: (final normed states, states at ``hidden_layer``)."""
+    inputs.update(cache_kwargs(decoder, cache))
     if hidden_layer == -1:
-        final = decoder(**inputs, past_key_values=cache, use_cache=True).last_hidden_state
+        final = decoder(**inputs, use_cache=True).last_hidden_state
         return final, final
-    output = decoder(**inputs, past_key_values=cache, use_cache=True, output_hidden_states=True)
+    output = decoder(**inputs, use_cache=True, output_hidden_states=True)
     return output.last_hidden_state, output.hidden_states[hidden_layer]

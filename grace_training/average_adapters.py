@@ -55,7 +55,7 @@ def average_adapters(sources: list[Path], out: Path, rank: int | None = None) ->
             f"{template}: the last source must be a training checkpoint (a saved model), not a bare adapter"
         )
     base_path, _ = adapter_base(template)
-    base = AutoModelForCausalLM.from_pretrained(base_path, torch_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=torch.float32)
     names = [f"source_{i}" for i in range(len(sources))]
     model = PeftModel.from_pretrained(base, str(sources[0]), adapter_name=names[0])
     for name, source in zip(names[1:], sources[1:]):

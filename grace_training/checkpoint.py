@@ -17,6 +17,11 @@ Everything is written under ``<output_dir>/.tmp-checkpoint-<step>`` and then ren
 ``checkpoint-*`` directory is complete or absent: a crash mid-save leaves a temporary
 directory that the next start removes, and ``latest_checkpoint`` never sees half a save.
 
+Rotation (keep-last-k) first renames a checkpoint it drops to ``.deleting-checkpoint-<step>``, one
+atomic step, and only then deletes it: a kill mid-deletion leaves that name, never a half-deleted
+``checkpoint-*``, and the next start's :func:`remove_incomplete` finishes it. A ``checkpoint-*``
+directory is never deleted by a cleanup.
+
 Re-saving a step that exists (a resumed run passing it again) moves the old copy to
 ``.replaced-checkpoint-<step>``, a name :func:`remove_incomplete` puts back when the new copy
 never took ``checkpoint-<step>``, and deletes it only once the new copy has: at every instant a
@@ -56,6 +61,8 @@ TEMPORARY_PREFIX = ".tmp-checkpoint-"
 REPLACED_PREFIX = ".replaced-checkpoint-"  # a complete old copy during a re-save; never deleted blind
 # The exact names write_checkpoint gives its temporaries; anything else with the prefix is not ours.
 TEMPORARY = re.compile(rf"^{re.escape(TEMPORARY_PREFIX)}(old-)?\d+$")
+DELETING_PREFIX = ".deleting-"  # a checkpoint rotation dropped, renamed before its deletion
+DELETING = re.compile(rf"^{re.escape(DELETING_PREFIX)}checkpoint-\d+$")
 REPLACED = re.compile(rf"^{re.escape(REPLACED_PREFIX)}(\d+)$")
 CORRUPT_PREFIX = "corrupt-"  # a checkpoint --resume could not load, kept for a look, out of rotation
 STATE_DIR = "trainer_state"
@@ -122,7 +129,8 @@ def latest_checkpoint(output_dir: str | Path, family: RunFamily | None = None) -
 
 
 def remove_incomplete(output_dir: str | Path, family: RunFamily | None = None) -> list[Path]:
-    """Settle what a crashed save left behind; returns the temporary directories removed.
+    """Settle what a crashed save or rotation left behind; returns the temporary directories removed
+    (rotation's ``.deleting-checkpoint-*`` among them).
 
     A replaced checkpoint whose successor never took its name is put back first, so the
     deletion of temporaries that follows can never take the only complete copy of a step.
@@ -137,7 +145,7 @@ def remove_incomplete(output_dir: str | Path, family: RunFamily | None = None) -
             if REPLACED.match(path.name) and owns(path):
                 _settle_replaced(root, path, owns)
         for path in root.iterdir():
-            if TEMPORARY.match(path.name) and owns(path):
+            if (TEMPORARY.match(path.name) or DELETING.match(path.name)) and owns(path):
                 _remove_tree(path)
                 removed.append(path)
     return removed
@@ -539,15 +547,27 @@ def rotate_checkpoints(
     output_dir: str | Path, keep: int | None, protected: set[str] | None = None, family: RunFamily | None = None
 ) -> list[Path]:
     """Keep the ``keep`` newest checkpoints (of ``family``, when given: another run's checkpoint,
-    however high its step, neither counts nor goes); never delete one still waiting for a Hub push."""
+    however high its step, neither counts nor goes); never delete one still waiting for a Hub push.
+
+    Each one dropped is renamed to ``.deleting-<name>`` before its files go, so a kill part way
+    leaves a name the next start removes (:func:`remove_incomplete`), not a broken checkpoint."""
     if not keep:
         return []
     protected = {str(Path(p).resolve()) for p in (protected or set())}
     checkpoints = list_checkpoints(output_dir, family)
+    owns = _owner(family)
     removed = []
     for _, path in checkpoints[: max(len(checkpoints) - keep, 0)]:
         if str(path.resolve()) in protected:
             continue
-        _remove_tree(path)
+        doomed = path.with_name(f"{DELETING_PREFIX}{path.name}")
+        if doomed.exists() or doomed.is_symlink():
+            if not owns(doomed):
+                logger.warning("kept %s: %s, in the way of its deletion, was not written by this run", path, doomed)
+                continue
+            _remove_tree(doomed)  # an earlier kill's leftover of the same step: a rename cannot land on it
+        os.replace(path, doomed)
+        _fsync_dir(path.parent)
+        _remove_tree(doomed)
         removed.append(path)
     return removed

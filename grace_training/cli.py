@@ -27,6 +27,7 @@ from typing import Any
 from .checkpoint import CheckpointError
 from .config import ConfigError, GRPOConfig, LaunchError, check_batches, check_environment, check_launch, locate
 from .data import cap_per_source, load_data
+from .policy import ModelLoadError, check_model_source
 from .run_dir import ConfigChangeError, OutputDirError, claim_output_dir, inspect_output_dir
 
 
@@ -109,6 +110,7 @@ def plan(config: GRPOConfig, sample: int = 256) -> dict[str, Any]:
     check_batches(config, len(rows), int(os.environ.get("WORLD_SIZE", "1")))
     eval_rows, eval_issues = load_data(config.eval_data, **config.data_settings()) if config.eval_data else ([], [])
     model_path = config.model_name_or_path or grace_st.default_model_path(trained=False)
+    check_model_source(model_path)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     instructions = _instructions(model_path)
 
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
             inspect_output_dir(config.output_dir, **directory)
         except ConfigError as error:
             return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
+        except ModelLoadError as error:
+            return _refuse(str(error), code=1)
         except (ValueError, OSError, OutputDirError) as error:  # data files: a bad row, a missing file or folder
             return _refuse(str(error))
         print(json.dumps({"config": config.to_dict(), "plan": summary}, indent=2))
@@ -199,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:  # what only the data or the process count shows (the dry run shows it too)
         return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
     except CheckpointError as error:  # --resume with no loadable checkpoint: not a crash, a decision to make
+        return _refuse(str(error), code=1)
+    except ModelLoadError as error:  # a missing path, a broken model: one line, not a traceback
         return _refuse(str(error), code=1)
     except (LaunchError, OutputDirError, ConfigChangeError) as error:  # FSDP where DDP would run; the run's directory
         return _refuse(str(error))
@@ -219,19 +225,24 @@ def _train_infonce(
 
     try:
         checkpoint = resume_checkpoint(config.output_dir, resume)  # refused before the directory is claimed
-    except CheckpointError as error:
+        if config.model_name_or_path:  # so is a start model that is not there
+            check_model_source(config.model_name_or_path)
+    except (CheckpointError, ModelLoadError) as error:
         return _refuse(str(error), code=1)
     try:
         if os.environ.get("RANK", "0") == "0":  # under `accelerate launch`, one process takes it
             claim_output_dir(config.output_dir, **directory)
     except OutputDirError as error:
         return _refuse(str(error))
-    path = train_infonce(
-        config,
-        max_minutes=max_minutes,
-        resume=str(checkpoint[0]) if checkpoint else False,
-        stop_at_step=stop_at_step,
-    )
+    try:
+        path = train_infonce(
+            config,
+            max_minutes=max_minutes,
+            resume=str(checkpoint[0]) if checkpoint else False,
+            stop_at_step=stop_at_step,
+        )
+    except ModelLoadError as error:
+        return _refuse(str(error), code=1)
     print(f"InfoNCE baseline saved to {path}")
     return 0
 

@@ -25,7 +25,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grace_st.settings import per_prompt_type
+from grace_st.settings import PROMPT_TYPES, per_prompt_type, unknown_prompt_types
 
 from .sampling import SAMPLINGS
 from .validation import NON_EMPTY, ConfigError, Rule, above, at_least, between, check_value, coerce, one_of, subset_of
@@ -464,7 +464,16 @@ def _hints() -> dict[str, Any]:
 def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
     """(holds, the key to blame, message) for rules that tie several keys together."""
     graded = any(isinstance(source, dict) and source.get("type") == "sts" for source in config.train_data or ())
+    # the types a rollout is encoded as: the encoder's three, and the instructions queries and documents get
+    types = list(dict.fromkeys([*PROMPT_TYPES, config.query_task, config.document_task]))
+    unknown = unknown_prompt_types(config.max_rationale_tokens, types)
     return [
+        (
+            not unknown,
+            "max_rationale_tokens",
+            f"max_rationale_tokens: the prompt type {', '.join(map(repr, unknown))} is no type a text is encoded as; "
+            + f"the types are {', '.join(map(repr, types))}",
+        ),
         (
             config.finetune == "full" or config.rollout_backend == "hf",
             "finetune",

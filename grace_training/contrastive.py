@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from grace_st import GenerativeEncoder
+from grace_st.transformers_compat import activation_checkpointing_argument
 
 from .checkpoint import CheckpointError
 from .config import GRPOConfig
@@ -290,7 +291,7 @@ def _trainer_arguments(config: GRPOConfig, output: Path) -> dict:
         "dataloader_drop_last": True,
     }
     if config.gradient_checkpointing:
-        arguments["gradient_checkpointing"] = True
+        arguments[activation_checkpointing_argument()] = True
     return arguments
 
 

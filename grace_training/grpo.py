@@ -23,6 +23,7 @@ from torch import Tensor
 from grace_st.decoding import position_ids_from_mask
 from grace_st.generation import prompt_pooling_mask
 from grace_st.pooling import masked_mean
+from grace_st.transformers_compat import cache_kwargs, output_cache
 
 
 def build_policy_batch(
@@ -215,13 +216,13 @@ def _shared_prompt_forward(
         output_hidden_states=wants_states,
     )
     head_states = head.hidden_states[hidden_layer] if wants_states else captured.get("states")
-    cache = head.past_key_values
+    cache = output_cache(head)
     cache.batch_select_indices(index)
     tail = model(
         input_ids=batch["input_ids"][:, width:],
         attention_mask=mask,
         position_ids=positions[:, width:],
-        past_key_values=cache,
+        **cache_kwargs(model, cache),
         logits_to_keep=batch["input_ids"].shape[1] - width,
         use_cache=True,
         output_hidden_states=wants_states,

@@ -26,19 +26,18 @@ INTERPOLATED_FROM = "interpolated_from.json"
 def interpolate_weights(tuned: Path, alpha: float, out: Path, base: Path | None = None) -> dict:
     """Write the tuned model with every weight moved to ``base + alpha · (tuned − base)`` into ``out``; return a
     summary with the relative size of the tuned model's delta."""
-    from sentence_transformers import SentenceTransformer
     from transformers import AutoModelForCausalLM
 
-    from grace_st import default_model_path
+    from grace_st import default_model_path, load
 
     if not 0.0 <= alpha <= 1.0:
         raise SystemExit(f"--alpha {alpha}: give a weight in [0, 1] (0 is the base, 1 the tuned model)")
     if out.exists():
         raise SystemExit(f"{out} exists: give a new directory")
     base = base or Path(default_model_path(trained=False))
-    model = SentenceTransformer(str(tuned), device="cpu", trust_remote_code=True)
+    model = load(str(tuned), device="cpu")  # no code that ships with a model it is given runs
     lm = model[0].model
-    start = AutoModelForCausalLM.from_pretrained(str(base), torch_dtype=torch.float32).state_dict()
+    start = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).state_dict()
     weights = lm.state_dict()
     check_one_architecture(weights, start, tuned, base)
     moved = size = 0.0

@@ -7,18 +7,44 @@ from pathlib import Path
 from .config import GRPOConfig
 
 
+class ModelLoadError(ValueError):
+    """The model a run starts from cannot be loaded; the message names it and why, in one line."""
+
+
+def check_model_source(path: str) -> None:
+    """Refuse a ``model_name_or_path`` that is neither a local directory nor shaped like a Hub id.
+
+    transformers takes a path it cannot find for a Hub id and answers "Repo id must be in the form
+    'repo_name' or 'namespace/repo_name'", which hides the real problem: a local path that is not there.
+    """
+    from grace_st.hub import is_repo_id
+
+    if Path(path).expanduser().exists():
+        if not Path(path).expanduser().is_dir():
+            raise ModelLoadError(f"model_name_or_path: {path} is a file, not a model directory")
+        return
+    if not is_repo_id(path) or path.startswith((".", "/", "~")):
+        raise ModelLoadError(f"model_name_or_path: {path}: no such local directory (and not a Hub model id)")
+
+
 def load_grace_model(config: GRPOConfig, device: str | None = None):
     """The policy as a GRACE SentenceTransformer: a GRACE directory as saved, or any chat causal LM
-    wrapped; neither may run code that ships with the model (``grace_st.load``)."""
+    wrapped; neither may run code that ships with the model (``grace_st.load``). A model that cannot
+    be loaded is a :class:`ModelLoadError` naming it (``grace-train`` prints it as one line)."""
     import grace_st
     from grace_st import GenerativeEncoder
 
     path = config.model_name_or_path or grace_st.default_model_path(trained=False)
-    if (Path(path) / "modules.json").is_file():
-        model = grace_st.load(path, device=device)
-        if isinstance(model[0], GenerativeEncoder):
-            return model
-    return grace_st.from_causal_lm(path, device=device)
+    check_model_source(path)
+    try:
+        if (Path(path) / "modules.json").is_file():
+            model = grace_st.load(path, device=device)
+            if isinstance(model[0], GenerativeEncoder):
+                return model
+        return grace_st.from_causal_lm(path, device=device)
+    except (OSError, ValueError, RuntimeError, ImportError) as error:
+        why = " ".join(str(error).split())  # one line: transformers' messages run over several
+        raise ModelLoadError(f"model_name_or_path: cannot load {path}: {why}") from error
 
 
 def card_base_model(config: GRPOConfig) -> str | None:

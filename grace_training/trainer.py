@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from grace_st.transformers_compat import enable_activation_checkpointing
+
 from .checkpoint import (
     RunFamily,
     check_checkpoint,
@@ -193,7 +195,7 @@ class GRPOTrainer:
             self.encoder.model = add_lora_adapter(self.encoder.model, config)
         self.policy = self.encoder.model
         if config.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable()
+            enable_activation_checkpointing(self.policy)
 
     def _build_optimisation(self) -> None:
         """The KL reference (full fine-tuning only), the optimizer and the schedule; the policy prepared

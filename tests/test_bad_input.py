@@ -418,6 +418,8 @@ def test_fuzz_odd_but_valid_texts_embed_finitely_and_deterministically(model, en
         (["--max-rationale-tokens", "1" + "0" * 30], "max_rationale_tokens must be an int in [0, 32768]"),
         (["--max-input-tokens", "1" + "0" * 30], "max_input_tokens must be an int in [1, 1048576]"),
         (["--seed", "1" + "0" * 30], "seed must be null or a 64-bit int"),
+        (["--max-rationale-tokens", "qeury=0"], "prompt type 'qeury', which no text is encoded as"),
+        (["--num-rationales", "documnet=1"], "prompt types are 'default', 'query', 'document'"),
     ],
 )
 def test_fuzz_cli_encode_options_fail_in_one_line(saved_model, capsys, monkeypatch, options, named):
@@ -427,6 +429,15 @@ def test_fuzz_cli_encode_options_fail_in_one_line(saved_model, capsys, monkeypat
     code, out, err = run_cli([*argv, *options], capsys, monkeypatch)
     assert code not in (0, None), out
     assert named in err and "Traceback" not in out + err
+
+
+def test_a_misspelled_prompt_type_in_saved_budgets_is_refused_naming_it_and_the_file(saved_model):
+    """A budget for "qeury" would be kept and never used: queries would get the default's."""
+    edit_settings(saved_model, max_rationale_tokens={"qeury": 0, "default": 3})
+    with pytest.raises(ValueError, match=r"grace_config\.json: max_rationale_tokens names the prompt type 'qeury'"):
+        load(saved_model)
+    edit_settings(saved_model, max_rationale_tokens={"query": 0, "document": 2, "default": 3})
+    assert load(saved_model)[0].rationale_budget("document") == 2
 
 
 @pytest.mark.parametrize(

@@ -94,3 +94,47 @@ def test_each_setting_has_its_default_once_and_the_usage_table_is_the_code():
     start = usage.index("\n", usage.index("<!-- settings table")) + 1
     end = usage.index("<!-- end of settings table -->")
     assert usage[start:end] == settings_table(), "docs/usage.md's settings table is stale: python -m grace_st.settings"
+
+
+def test_encode_shows_the_similarity_matrix_only_for_a_few_texts_or_on_request(saved_model, capsys, monkeypatch):
+    """N texts make an N × N matrix: 6,000 stdin lines would be hundreds of MB of JSON. Over 32 texts
+    it is left out unless --similarity asks for it (and --no-similarity leaves it out at any N)."""
+    from grace_st import cli
+
+    many = [f"text {index}" for index in range(cli.SIMILARITY_MAX_TEXTS + 1)]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(many) + "\n"))
+    base = ["encode", "-", "--model", saved_model, "--max-rationale-tokens", "0", "--batch-size", "64"]
+    assert main([*base, "--json"]) == 0
+    payload = json.loads(capsys.readouterr().out)
+    assert len(payload["embeddings"]) == len(many) and "similarity" not in payload
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(many) + "\n"))
+    assert main(base) == 0
+    out = capsys.readouterr().out
+    assert "cosine similarity" not in out and "--similarity prints it" in out
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(many) + "\n"))
+    assert main([*base, "--json", "--similarity"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["similarity"]) == len(many)
+    assert main(["encode", "a", "b", "--model", saved_model, "--json", "--no-similarity", "--max-rationale-tokens", "0"]) == 0
+    assert "similarity" not in json.loads(capsys.readouterr().out)
+    assert "--similarity" in cli.build_parser()._subparsers._group_actions[0].choices["encode"].format_help()
+
+
+@pytest.mark.parametrize("where", ["missing folder", "a directory"])
+def test_eval_refuses_an_unwritable_output_before_the_evaluation(saved_model, tmp_path, capsys, monkeypatch, where):
+    pytest.importorskip("mteb")
+    from grace_st import cli
+
+    table = tmp_path / "sts.tsv"
+    table.write_text("score\tsentence1\tsentence2\n" + "".join(f"{i}\ta {i}\tb {i}\n" for i in range(5)))
+    output = tmp_path / "no" / "such" / "results.json" if where == "missing folder" else tmp_path
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before --output was checked")
+
+    monkeypatch.setattr(cli, "_load_model", never)
+    argv = ["eval", saved_model, "--sts", str(table), "--output", str(output), "--cache-dir", str(tmp_path / "cache")]
+    with pytest.raises(SystemExit, match=r"--output .* (cannot be written|is a directory)"):
+        main(argv)
+    writable = tmp_path / "results.json"
+    cli._check_writable(str(writable))
+    assert not writable.exists()  # the check leaves no file behind

@@ -118,6 +118,7 @@ def test_a_gircse_adapter_builds_a_gircse_model_and_a_missing_one_is_named(tmp_p
     lm.save_pretrained(tmp_path / "gircse_adapter")
     settings = {"encoder": {"method": "gircse", "max_rationale_tokens": 5}, "training": {"method": "gircse"}}
     (tmp_path / "gircse_adapter" / dm.ADAPTER_SETTINGS).write_text(json.dumps(settings))
+    dm.write_adapter_manifest(tmp_path / "gircse_adapter")  # as export_adapter writes one
     monkeypatch.setitem(dm.ADAPTER_DIRS, "gircse", tmp_path / "gircse_adapter")
     monkeypatch.setattr(dm, "_base_model_path", lambda home=None: str(tmp_path / "base"))
     path = dm.default_model_path(tmp_path / "home", method="gircse")
@@ -189,3 +190,19 @@ def test_the_gircse_model_is_one_argument_away():
     np.testing.assert_allclose(np.stack([item["embedding"] for item in items]), embeddings, atol=1e-5)
     similarity = embeddings @ embeddings.T
     assert similarity[0, 1] > similarity[0, 2], "two guitar sentences are closer than guitar vs interest rates"
+
+
+def test_readme_results_table_is_the_shipped_results_and_cards_carry_it_with_the_version(tmp_path):
+    """The README's results table is generated from grace_st/model_cards/dev_results.json (python -m
+    grace_st.model_cards), the same table the shipped models' cards carry, with the grace-st version."""
+    from conftest import make_st_model
+
+    from grace_st.model_cards import results_table, write_model_card
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
+    start = readme.index("\n", readme.index("<!-- results table")) + 1
+    end = readme.index("<!-- end of results table -->")
+    assert readme[start:end] == results_table(), "README's results table is stale: python -m grace_st.model_cards"
+    card = write_model_card(make_st_model(), tmp_path, results=results_table()).read_text()
+    assert f"grace-st {grace_st.__version__}" in card
+    assert "## Development scoreboard" in card and results_table() in card

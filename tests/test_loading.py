@@ -119,3 +119,84 @@ def test_weights_changed_after_saving_are_refused_by_their_saved_revision(saved,
     # loading in another dtype converts the weights on purpose: not checked
     shutil.copy(saved / "config.json", model_dir / "config.json")
     grace_st.load(str(model_dir), device="cpu", model_kwargs={"dtype": torch.bfloat16})
+
+
+def _plant_module(path, marker):
+    """A module file that, if imported, leaves ``marker`` behind and defines ``Evil``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        "import pathlib\n"
+        f"pathlib.Path({str(marker)!r}).write_text('ran')\n"
+        "from sentence_transformers.models import Normalize\n"
+        "class Evil(Normalize): pass\n"
+    )
+
+
+@pytest.mark.parametrize(
+    "reference, planted",
+    [
+        # transformers' dynamic loader reads "grace_st.Evil" as class Evil of <model folder>/grace_st.py
+        ("grace_st.Evil", "model/grace_st.py"),
+        # and "grace_st.x--evil.Evil" as class Evil of ./grace_st.x/evil.py, from the working directory
+        ("grace_st.x--evil.Evil", "grace_st.x/evil.py"),
+        # an exact class of ours, with a file in the model folder the dynamic loader could take instead
+        ("grace_st.encoder.GenerativeEncoder", "model/grace_st.py"),
+    ],
+)
+def test_a_reference_that_only_starts_with_grace_st_is_refused_and_its_code_never_runs(
+    saved, tmp_path, monkeypatch, capsys, reference, planted
+):
+    model_dir, marker = _copy(saved, tmp_path), tmp_path / "ran"
+    _plant_module(tmp_path / planted, marker)
+    modules = json.loads((model_dir / "modules.json").read_text())
+    modules[0]["type"] = reference
+    (model_dir / "modules.json").write_text(json.dumps(modules))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RemoteCodeError, match=rf"modules\.json names the module class '{reference}' \("):
+        grace_st.load("model", device="cpu")
+    assert main(["encode", "--model", "model", *TEXTS]) == 1
+    assert "names the module class" in capsys.readouterr().err
+    assert not marker.exists()
+
+
+def test_only_exact_classes_of_the_installed_packages_pass():
+    from grace_st.loading import module_class_problem
+
+    assert module_class_problem("grace_st.encoder.GenerativeEncoder") is None
+    assert module_class_problem("sentence_transformers.models.Normalize") is None  # an old path, still installed
+    for reference, why in [
+        ("grace_st.GenerativeEncoder", "grace_st.py in the model folder"),
+        ("grace_st.nowhere.Evil", "no module grace_st.nowhere"),
+        ("grace_st.encoder.Evil", "has no class Evil"),
+        ("grace_st.settings.Mapping", "not defined in the installed package"),
+        ("grace_st.encoder--x.Evil", "'--'"),
+        ("grace_st.model_cards.__main__.Card", "not a dotted path"),
+        ("planted.Planted", "not a class of the installed"),
+    ]:
+        assert why in module_class_problem(reference), reference
+
+
+def test_nothing_but_the_loader_passes_trust_remote_code_true():
+    """``trust_remote_code=True`` given to sentence-transformers or transformers anywhere but
+    grace_st/loading.py would reopen the door the loader closes (read from the source, comments
+    and docstrings aside: a keyword argument or a dict entry set to True)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    found = []
+    for folder in ("grace_st", "grace_training", "benchmarks", "lab/scripts"):
+        for path in sorted((root / folder).rglob("*.py")):
+            if path == root / "grace_st" / "loading.py":
+                continue
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                pairs = []
+                if isinstance(node, ast.Call):
+                    pairs = [(keyword.arg, keyword.value) for keyword in node.keywords]
+                elif isinstance(node, ast.Dict):
+                    pairs = [(key.value if isinstance(key, ast.Constant) else None, value)
+                             for key, value in zip(node.keys, node.values)]
+                for name, value in pairs:
+                    if name == "trust_remote_code" and isinstance(value, ast.Constant) and value.value is True:
+                        found.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert not found, f"trust_remote_code=True outside grace_st/loading.py: {found}"

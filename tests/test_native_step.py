@@ -9,6 +9,7 @@ from conftest import make_lora_model, make_model, make_prompts, make_tokenizer, 
 from grace_st import native_step
 from grace_st.decoding import DecodeOptions
 from grace_st.native_step import NativeStep
+from grace_st.transformers_compat import cache_kwargs
 
 needs_compiler = pytest.mark.skipif(native_step.library() is None, reason="no C compiler to build the native step")
 PYTORCH_STEP = DecodeOptions(native_step=False)
@@ -73,9 +74,9 @@ def test_the_step_s_logits_and_cache_equal_the_model_s_forward():
     with torch.no_grad():
         caches = [preallocated_cache(model, ids.shape[1] + 1) for _ in range(2)]
         for cache in caches:
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
         expected = model(
-            input_ids=torch.tensor([[7]]), past_key_values=caches[0], use_cache=True, output_hidden_states=True
+            input_ids=torch.tensor([[7]]), **cache_kwargs(model, caches[0]), use_cache=True, output_hidden_states=True
         )
         step = NativeStep.for_model(model)
         states, logits = step(7, caches[1], torch.ones(ids.shape[1] + 1, dtype=torch.long), ids.shape[1], 2)
@@ -177,6 +178,19 @@ def test_a_compiler_that_fails_leaves_pytorch_s_step_and_says_why(monkeypatch, t
 
 
 @needs_compiler
+def test_a_cc_with_flags_of_its_own_builds_the_step(monkeypatch, tmp_path):
+    """``CC="gcc -O2"`` names a compiler and a flag, as make takes it: the step is built with it,
+    not dropped for PyTorch's because no program is called "gcc -O2"."""
+    import shutil
+
+    monkeypatch.setenv("GRACE_ST_HOME", str(tmp_path))
+    monkeypatch.setenv("CC", f"{shutil.which('cc') or shutil.which('gcc')} -O2")
+    monkeypatch.setattr(native_step, "_library_state", {})
+    assert native_step.library() is not None
+    assert len(list((tmp_path / "kernels").glob("native_step-*.so"))) == 1
+
+
+@needs_compiler
 def test_the_library_is_built_once_into_the_grace_home(monkeypatch, tmp_path):
     monkeypatch.setenv("GRACE_ST_HOME", str(tmp_path))
     monkeypatch.setattr(native_step, "_library_state", {})
@@ -219,7 +233,7 @@ def test_two_threads_decoding_with_one_model_keep_to_their_own_caches():
     def decode(ids, results, start=None):
         with torch.no_grad():
             cache = preallocated_cache(model, ids.shape[1] + 6)
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
             if start is not None:
                 start.wait()
             for offset in range(6):
@@ -252,7 +266,7 @@ def test_a_new_cache_that_shares_one_buffer_s_address_with_the_last_is_bound_ane
     with torch.no_grad():
         first, second = (preallocated_cache(model, length + 2) for _ in range(2))
         for cache in (first, second):
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            model(input_ids=ids, **cache_kwargs(model, cache), use_cache=True)
         step = NativeStep.for_model(model)
         expected = step(7, first, torch.ones(length + 1, dtype=torch.long), length, 1)[1]
         for old, new in zip(first.layers, second.layers):
@@ -297,7 +311,7 @@ def _prompt_cache(model, rows):
             input_ids=ids,
             attention_mask=mask,
             position_ids=(mask.cumsum(1) - 1).clamp(min=0),
-            past_key_values=cache,
+            **cache_kwargs(model, cache),
             use_cache=True,
         )
     return cache, mask

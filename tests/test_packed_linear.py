@@ -11,6 +11,7 @@ from grace_st import packed_linear
 from grace_st.decoding import DecodeOptions, preallocated_cache
 from grace_st.generation import left_pad
 from grace_st.packed_linear import packed_linears, packing_enabled
+from grace_st.transformers_compat import cache_kwargs
 
 needs_packing = pytest.mark.skipif(not packing_enabled(), reason="this PyTorch has no oneDNN packed linear operators")
 
@@ -130,10 +131,11 @@ def test_preallocated_cache_matches_transformers_dynamic_cache():
     outputs = []
     for cache in (DynamicCache(config=model.config), preallocated_cache(model, ids.shape[1] + 1)):
         with torch.no_grad():
-            model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+            model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, cache))
             cache.batch_select_indices(torch.tensor([0, 2, 3]))
             keep = torch.tensor([0, 2, 3])
-            outputs.append(model(input_ids=step[keep], attention_mask=step_mask[keep], past_key_values=cache).logits)
+            logits = model(input_ids=step[keep], attention_mask=step_mask[keep], **cache_kwargs(model, cache)).logits
+            outputs.append(logits)
         assert cache.get_seq_length() == ids.shape[1] + 1
     torch.testing.assert_close(outputs[1], outputs[0], atol=1e-5, rtol=1e-5)
 
@@ -142,7 +144,7 @@ def test_preallocated_cache_refuses_to_overflow():
     tokenizer, model, rows, _ = make_prompts()
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
     with torch.no_grad(), pytest.raises(RuntimeError, match="cannot hold"):
-        model(input_ids=ids, attention_mask=mask, past_key_values=preallocated_cache(model, ids.shape[1] - 1))
+        model(input_ids=ids, attention_mask=mask, **cache_kwargs(model, preallocated_cache(model, ids.shape[1] - 1)))
 
 
 def _lora(model, **kwargs):

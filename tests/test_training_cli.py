@@ -47,6 +47,33 @@ def test_bad_config_and_refused_data_exit_with_2(setup, capsys):
     assert "train.jsonl:7" in capsys.readouterr().err
 
 
+def test_a_misspelled_prompt_type_in_the_budgets_is_a_bad_config(setup, capsys):
+    argv = ["--config", str(setup / "config.yaml"), "--dry-run"]
+    assert main([*argv, "max_rationale_tokens={qeury: 0, default: 4}"]) == 2
+    assert "the prompt type 'qeury' is no type a text is encoded as" in capsys.readouterr().err
+    assert main([*argv, "max_rationale_tokens={query: 4, document: 0, default: 4}"]) == 0
+
+
+@pytest.mark.parametrize("method", ["grpo", "infonce"])
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_model_that_cannot_load_is_one_line_and_exit_1(setup, tmp_path, capsys, method, dry_run):
+    """A missing local path is named as one (transformers would call it a malformed Hub id), and a
+    directory that is no model is one line too: never a traceback."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    argv = ["--config", str(setup / "config.yaml"), "--method", method, *(["--dry-run"] if dry_run else [])]
+    cases = [(tmp_path / "no" / "such" / "model", "no such local directory")]
+    if not dry_run:  # the dry run reads only the tokenizer
+        cases.append((broken, f"cannot load {broken}"))
+    for model, message in cases:
+        code = main([*argv, f"model_name_or_path={model}", f"output_dir={tmp_path / 'run'}", "max_steps=1"])
+        err = capsys.readouterr().err
+        assert code == 1, err
+        assert message in err and "Traceback" not in err and "Repo id" not in err
+        assert err.strip().splitlines()[-1].startswith("grace-train: error: model_name_or_path:")
+
+
 def test_train_then_resume(setup, tmp_path, capsys):
     out = tmp_path / "run"
     assert main(["--config", str(setup / "config.yaml"), f"output_dir={out}", "max_steps=1"]) == 0

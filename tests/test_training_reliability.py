@@ -115,6 +115,52 @@ def test_a_replacement_without_a_crash_leaves_only_the_new_copy(tmp_path):
     assert read_trainer_state(tmp_path / "checkpoint-00000003")["marker"] == "new"
 
 
+def test_a_kill_during_rotation_leaves_no_half_deleted_checkpoint_and_the_next_start_finishes_it(
+    tmp_path, monkeypatch
+):
+    """Rotation renames a checkpoint it drops to .deleting-checkpoint-* before deleting a file of it:
+    a kill part way leaves that name, which the next start removes, and every checkpoint that was
+    reported saved (kept, or another run's) stays as it was."""
+    from grace_training.checkpoint import RunFamily, rotate_checkpoints
+
+    mine = RunFamily("mine")
+    for step in (1, 2, 3):
+        parameter = torch.nn.Parameter(torch.zeros(1))
+        optimizer = torch.optim.SGD([parameter], lr=0.1)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+        write_checkpoint(
+            tmp_path, step, write_model=lambda path, step=step: (path / "marker.txt").write_text(str(step)),
+            trainer_state={"step": step}, optimizer=optimizer, scheduler=scheduler, family=mine,
+        )
+    foreign = tmp_path / ".deleting-checkpoint-00000009"
+    (foreign / "trainer_state").mkdir(parents=True)
+    (foreign / "trainer_state" / "run.json").write_text(json.dumps({"run_id": "another run"}))
+    with monkeypatch.context() as patch:
+        real, calls = checkpoint_module.remove_path, []
+
+        def killed(path):
+            calls.append(path)
+            if len(calls) == 2:
+                raise OSError("killed mid-deletion")
+            return real(path)
+
+        patch.setattr(checkpoint_module, "remove_path", killed)
+        with pytest.raises(OSError, match="killed"):
+            rotate_checkpoints(tmp_path, keep=1, family=mine)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "checkpoint-00000001" not in names and ".deleting-checkpoint-00000001" in names
+    assert [step for step, _ in list_checkpoints(tmp_path, mine)] == [2, 3]  # none half-deleted under its name
+
+    removed = remove_incomplete(tmp_path, mine)  # the next start
+    assert [p.name for p in removed] == [".deleting-checkpoint-00000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".deleting-checkpoint-00000009", "checkpoint-00000002", "checkpoint-00000003"
+    ]
+    assert (tmp_path / "checkpoint-00000002" / "marker.txt").read_text() == "2"
+    assert [p.name for p in rotate_checkpoints(tmp_path, keep=1, family=mine)] == ["checkpoint-00000002"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".deleting-checkpoint-00000009", "checkpoint-00000003"]
+
+
 # -- 6. the resume rewrite of metrics.jsonl is atomic ----------------------------------------------
 
 

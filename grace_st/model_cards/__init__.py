@@ -56,7 +56,9 @@ def render_model_card(
     from .. import __version__
 
     encoder = model[0]
-    config = {key: json.dumps(value) if isinstance(value, dict) else value for key, value in encoder.get_config_dict().items()}
+    config = {
+        key: json.dumps(value) if isinstance(value, dict) else value for key, value in encoder.get_config_dict().items()
+    }
     environment = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     return environment.from_string(TEMPLATE.read_text(encoding="utf-8")).render(
         name=name or model_id.rstrip("/").split("/")[-1],
@@ -79,7 +81,3 @@ def write_model_card(model, directory: str | Path, **kwargs: Any) -> Path:
     path = Path(directory) / "README.md"
     path.write_text(render_model_card(model, **kwargs), encoding="utf-8")
     return path
-
-
-if __name__ == "__main__":  # python -m grace_st.model_cards: the README's results table, to paste between its markers
-    print(results_table(), end="")
