@@ -82,7 +82,7 @@ train-default: $(VENV)/.installed model
 	$(PY) -m grace_training.lowrank_adapter $(STAGE_RUN)/checkpoint-$$(printf %08d $(STAGE_STEP)) \
 		--rank $(LOWRANK_RANK) --config grace_training/configs/scale_grace.yaml --out $(LOWRANK_DIR) \
 		--distill-steps 200 --distill-learning-rate 5e-5
-	$(PY) -m grace_training.export_adapter $(LOWRANK_DIR) --bfloat16 --repetition-penalty 1.3
+	$(PY) -m grace_training.export_adapter $(LOWRANK_DIR) --into-package --bfloat16 --repetition-penalty 1.3
 
 # The scale-recipe run (lab/training_recipe.md): one chunk of at most 55 minutes a call, resumed from its latest
 # checkpoint; call it again until the run reaches max_steps (warm start, then the hybrid, in one run).
@@ -92,7 +92,7 @@ train-scale: $(VENV)/.installed model
 
 # GIRCSE (lab/gircse_study.md): soft tokens trained by Iterative Contrastive Refinement on the scale recipe's data, one chunk of
 # at most 55 minutes a call, resumed from its latest checkpoint. Export a checkpoint into the package with
-# `python -m grace_training.export_adapter runs/gircse/checkpoint-N` (it goes to grace_st/gircse_adapter).
+# `python -m grace_training.export_adapter runs/gircse/checkpoint-N --into-package` (it goes to grace_st/gircse_adapter).
 train-gircse: $(VENV)/.installed model
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/gircse_smollm2.yaml \
 		--resume --max-minutes 55

@@ -10,6 +10,13 @@ generative model.
 The adapter is checked against the base before any weight is loaded: every LoRA matrix must
 sit on a linear layer the base has, with matching sizes. A mismatch is refused with an error
 that names the module and both shapes, never loaded half-way or silently ignored.
+
+Merging (``merge_adapter``, the default) builds only PEFT's tuner for the adapter's type
+(``LoraModel`` for LoRA), loads the adapter's weights into it and folds them into the base:
+a merge needs nothing else. ``PeftModel`` wraps that same tuner, but its constructor reads the
+base's ``is_gradient_checkpointing``, which transformers 5 deprecates with a FutureWarning on
+every load; the merged weights are the same, bit for bit. ``merge_adapter: false`` asks for the
+wrapper itself (``disable_adapter()``), so it is still a ``PeftModel``.
 """
 
 from __future__ import annotations
@@ -102,8 +109,6 @@ def load_base_and_adapter(adapter_dir: str | os.PathLike, *, merge: bool = True,
     """The base causal LM with the adapter applied: merged into the weights (``merge``: the
     base's speed, the packed CPU kernels) or kept as a ``PeftModel`` (``disable_adapter()``
     then gives exactly the base)."""
-    from peft import PeftModel
-
     from .loading import causal_lm_from_pretrained
 
     weights = read_adapter_weights(adapter_dir)
@@ -123,9 +128,54 @@ def load_base_and_adapter(adapter_dir: str | os.PathLike, *, merge: bool = True,
         )
     base = causal_lm_from_pretrained(base_path, revision=base_revision, **kwargs)
     check_adapter_fits(base, weights, adapter_dir)
+    if merge:
+        # The tuner alone: PeftModel would wrap it, reading a deprecated transformers property
+        # on the way (module docstring), for a wrapper merge_and_unload throws away.
+        return merged_adapter(base, adapter_dir, weights)
+    from peft import PeftModel
+
     model = PeftModel.from_pretrained(base, str(adapter_dir), is_trainable=False)
     model.eval()
-    return model.merge_and_unload() if merge else model
+    return model
+
+
+def merged_adapter(base_model, adapter_dir: str | os.PathLike, weights: dict[str, Any] | None = None):
+    """``base_model`` (changed in place) with the adapter in ``adapter_dir`` merged into its weights,
+    as ``PeftModel.from_pretrained(base_model, adapter_dir).merge_and_unload()`` gives them, bit
+    for bit, without constructing the ``PeftModel``: PEFT's tuner for the adapter's type, the
+    adapter's weights loaded into it (every one used, none missing), then merged. ``weights``:
+    the adapter's tensors when already read (:func:`read_adapter_weights`)."""
+    from peft import PEFT_TYPE_TO_TUNER_MAPPING, PeftConfig, set_peft_model_state_dict
+    from peft.tuners.tuners_utils import cast_adapter_dtype
+
+    weights = read_adapter_weights(adapter_dir) if weights is None else weights
+    config = PeftConfig.from_pretrained(str(adapter_dir))
+    tuner_class = PEFT_TYPE_TO_TUNER_MAPPING.get(config.peft_type)
+    if config.is_prompt_learning or tuner_class is None or not hasattr(tuner_class, "merge_and_unload"):
+        raise ValueError(
+            f"adapter {adapter_dir}: a {config.peft_type} adapter has no weights to merge into its base; "
+            "load it with merge_adapter false"
+        )
+    config.inference_mode = True
+    name = "default"
+    tuner = tuner_class(base_model, {name: config}, name)
+    # What PeftModel's constructor does besides reading is_gradient_checkpointing: adapter
+    # weights in float32 (bfloat16 or float16 ones upcast), and no simulated tensor parallelism.
+    cast_adapter_dtype(tuner.model, adapter_name=name, autocast_adapter_dtype=True)
+    if hasattr(tuner.model.config, "pretraining_tp"):
+        tuner.model.config.pretraining_tp = 1
+    # Saved keys are a PeftModel's, whose ``base_model`` is this tuner.
+    result = set_peft_model_state_dict(tuner, {k.removeprefix("base_model."): v for k, v in weights.items()}, name)
+    missing = [k for k in result.missing_keys if tuner.prefix in k and f".{name}" in k]
+    if result.unexpected_keys or missing:
+        problem = (
+            f"{len(result.unexpected_keys)} tensors fit no module of the base, e.g. {result.unexpected_keys[0]}"
+            if result.unexpected_keys
+            else f"it lacks {len(missing)} tensors, e.g. {missing[0]}"
+        )
+        raise ValueError(f"adapter {Path(adapter_dir) / ADAPTER_WEIGHTS} does not fit its base: {problem}")
+    tuner.eval()
+    return tuner.merge_and_unload()
 
 
 def save_adapter(model, output_path: str, state_dict: dict | None = None) -> None:

@@ -21,6 +21,7 @@ format change would have to be made in several places at once. How an encoder us
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -29,6 +30,7 @@ import numbers
 import os
 import re
 import sqlite3
+import threading
 import urllib.parse
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -54,6 +56,17 @@ REQUIRED_SETTINGS = (*RATIONALE_SETTINGS, "eos_token_ids")
 _SQLITE_MAGIC = b"SQLite format 3\x00"
 # How SQLite reports a file or directory it may not write.
 _READ_ONLY_MESSAGES = re.compile(r"readonly|read-only|unable to open database file", re.IGNORECASE)
+
+
+def _serialised(method):
+    """A :class:`RationaleCache` call that holds the cache's lock: threads sharing one take turns."""
+
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class _ReadOnlyFile(Exception):
@@ -281,12 +294,14 @@ class RationaleCache:
 
     Several processes may open the same file at once: WAL journaling lets readers run beside
     the one writer, and a busy timeout makes writers queue instead of failing. Each process
-    (and thread) must open its own ``RationaleCache``: a SQLite connection must not cross a
-    ``fork``, so one that did raises :class:`CacheError`.
+    must open its own ``RationaleCache``: a SQLite connection must not cross a ``fork``, so one
+    that did raises :class:`CacheError`. Threads may share one: its reads and writes take turns
+    on the one connection (a lock of its own), each a whole transaction.
     """
 
     def __init__(self, path: str | os.PathLike, *, timeout: float = 60.0) -> None:
         self.path = os.fspath(path)
+        self._lock = threading.RLock()
         self._pid = os.getpid()
         self._conn: sqlite3.Connection | None = None
         self.read_only = False
@@ -310,7 +325,8 @@ class RationaleCache:
     def _open_writable(self, timeout: float) -> sqlite3.Connection:
         try:
             # isolation_level=None: transactions are begun and ended here, explicitly.
-            conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None)
+            # check_same_thread=False: threads share the connection, one call at a time (self._lock)
+            conn = sqlite3.connect(self.path, timeout=timeout, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as error:
             raise CacheError(f"{self.path}: cannot open the rationale cache: {error}") from error
         try:
@@ -348,7 +364,7 @@ class RationaleCache:
         """
         uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode=ro&immutable=1"
         try:
-            conn = sqlite3.connect(uri, uri=True, isolation_level=None)
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
         except sqlite3.Error as error:
             raise CacheError(f"{self.path}: cannot open the read-only rationale cache: {error}") from error
         try:
@@ -471,6 +487,7 @@ class RationaleCache:
 
     # -- reading and writing -----------------------------------------------------------------------
 
+    @_serialised
     def get_many(self, keys: Iterable[str]) -> dict[str, CacheEntry]:
         """The entries of those ``keys`` that are cached (absent keys are simply missing).
 
@@ -493,6 +510,7 @@ class RationaleCache:
             raise CacheError(f"{self.path}: reading the rationale cache failed: {error}") from error
         return found
 
+    @_serialised
     def put_many(self, entries: Mapping[str, CacheEntry]) -> None:
         """Store (or replace) every entry in one transaction: all of them land, or none.
         A read-only cache stores nothing (it warned so when opened)."""
@@ -519,10 +537,12 @@ class RationaleCache:
         except sqlite3.DatabaseError as error:
             raise CacheError(f"{self.path}: writing to the rationale cache failed: {error}") from error
 
+    @_serialised
     def __len__(self) -> int:
         (count,) = self._connection().execute("SELECT COUNT(*) FROM entries").fetchone()
         return int(count)
 
+    @_serialised
     def clear(self) -> None:
         """Delete every entry (the file, its format and metadata stay)."""
         conn = self._connection()
@@ -537,6 +557,7 @@ class RationaleCache:
                 conn.execute("ROLLBACK")
             raise
 
+    @_serialised
     def close(self) -> None:
         """Close the connection; further use raises :class:`CacheError`. Closing twice is fine."""
         if self._conn is not None and os.getpid() == self._pid:

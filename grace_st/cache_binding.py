@@ -9,6 +9,7 @@ one output builder. Set with ``GenerativeEncoder.set_rationale_cache``.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,6 +21,9 @@ from .cache import CacheEntry, RationaleCache, entry_key
 from .generation import pad_rationales
 
 
+_opening = threading.Lock()
+
+
 class CacheBinding:
     """One cache file as an encoder uses it; a corrupt or foreign file is refused on construction."""
 
@@ -29,10 +33,12 @@ class CacheBinding:
         self.connection()
 
     def connection(self) -> RationaleCache:
-        # A sqlite connection must not cross a fork or a pickle: each process opens its own.
-        if self._open is None or self._open[0] != os.getpid():
-            self._open = (os.getpid(), RationaleCache(self.path))
-        return self._open[1]
+        # A sqlite connection must not cross a fork or a pickle: each process opens its own. Threads
+        # share it (RationaleCache serialises its calls); the lock makes it one connection, not one a thread.
+        with _opening:
+            if self._open is None or self._open[0] != os.getpid():
+                self._open = (os.getpid(), RationaleCache(self.path))
+            return self._open[1]
 
     def close(self) -> None:
         if self._open is not None and self._open[0] == os.getpid():
@@ -55,7 +61,9 @@ class CacheBinding:
 
     def forward(self, encoder, features: dict[str, Tensor]) -> dict[str, Tensor]:
         """``encoder.forward`` through the cache: embed only the texts it lacks, store them, and
-        answer every text from its entry (hits carry no per-token states)."""
+        answer every text from its entry (hits carry no per-token states). From several threads at
+        once: reads and writes take turns on the one connection, generation does not wait for them;
+        two threads missing the same text both generate it (the same entry, stored twice)."""
         cache, keys = self.connection(), features["cache_keys"]
         budget, repeats = encoder.batch_plan(features)
         found = cache.get_many(keys)

@@ -31,6 +31,8 @@ the last). ``DecodeOptions.plain()`` turns them all off: textbook incremental de
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -215,19 +217,37 @@ def decoder_states(decoder, hidden_layer: int, cache=None, **inputs) -> Tensor:
     return decoder(**inputs, use_cache=use_cache, output_hidden_states=True).hidden_states[hidden_layer]
 
 
-@contextlib.contextmanager
-def _final_hidden_states(model) -> Iterator[dict]:
-    """Capture the decoder's final (normed) hidden states without asking the model for every layer."""
-    captured: dict = {}
+# The calling thread's (or task's) capture: the dict the decoder's final states go to, see _final_hidden_states.
+_capture: contextvars.ContextVar[dict | None] = contextvars.ContextVar("grace_st_final_states", default=None)
+_hook_lock = threading.Lock()
 
-    def hook(_module, _args, output):
+
+def _capture_final_states(_module, _args, output) -> None:
+    """The decoder's forward hook (installed once a decoder, kept): the final states go to the calling
+    thread's capture, if it has one; a forward outside :func:`_final_hidden_states` is left alone."""
+    captured = _capture.get()
+    if captured is not None:
         captured["states"] = output[0] if isinstance(output, tuple) else output.last_hidden_state
 
-    handle = model.get_decoder().register_forward_hook(hook)
+
+@contextlib.contextmanager
+def _final_hidden_states(model) -> Iterator[dict]:
+    """Capture the decoder's final (normed) hidden states without asking the model for every layer.
+
+    Per call: the hook is the decoder's for good (a module-level function, so the model still
+    pickles), installed once under a lock, and writes into the dict of the thread that runs the
+    forward, so threads decoding with one model at once each get their own states."""
+    decoder = model.get_decoder()
+    if _capture_final_states not in decoder._forward_hooks.values():
+        with _hook_lock:
+            if _capture_final_states not in decoder._forward_hooks.values():
+                decoder.register_forward_hook(_capture_final_states)
+    captured: dict = {}
+    token = _capture.set(captured)
     try:
         yield captured
     finally:
-        handle.remove()
+        _capture.reset(token)
 
 
 class IncrementalDecoder:

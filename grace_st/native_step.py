@@ -31,20 +31,38 @@ decoder (biases, another activation, another block), weights other than float32 
 grace_st.quantization's int8 on the CPU (bfloat16), int8 weights and more than one token, autograd
 on, or pooled states other than the last layer's (``hidden_layer`` -1).
 ``DecodeOptions(native_step=False)`` turns it off.
+
+The kernel cache trusts only what it built: a cached library is loaded only where it and its folder
+belong to this user and neither is group- or world-writable, and where its sha256 equals the record
+(``<name>.sha256``, held to the same checks) written beside it when it was built; the file checked is
+the file loaded (opened once, loaded through its descriptor). Anything else (a library someone else
+could have planted or changed, a truncated one, one without the step's symbol) is never called: the
+step is built again in its folder, or in a fresh private folder (mode 0700) when that folder is not
+to be trusted, or PyTorch's step runs; each with one warning naming the file.
+
+Threads: a call keeps its scratch memory and worker threads to itself (allocated a call in
+``native_step.c``), and a thread's cache buffers to a table of its own (:meth:`NativeStep._bind_cache`),
+so calls from several threads run at once, unlocked. Building the library and binding a model's
+weights (its panels, made once and shared) are serialised by this module's locks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
 import hashlib
+import itertools
 import logging
 import os
 import platform
 import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
+import warnings
 import weakref
 from pathlib import Path
 
@@ -76,6 +94,16 @@ class _Layer(ctypes.Structure):
 
 
 _library_state: dict = {}
+_library_lock = threading.Lock()  # one build and one load a process, however many threads ask first
+_bind_lock = threading.Lock()  # one binding (panels) a model, however many threads ask first
+# Part of the cache key: libraries cached before their sha256 was recorded are not looked at.
+CACHE_FORMAT = "sha256-record-1"
+SYMBOLS = ("grace_native_step", "grace_native_step_panel")
+_loads = itertools.count()
+
+
+class _Untrusted(Exception):
+    """A cached library (or its folder, or its record) that is not to be loaded; the message says why."""
 
 
 def _cpu_flags() -> str:
@@ -86,43 +114,218 @@ def _cpu_flags() -> str:
         return ""
 
 
+def _check_owned(info: os.stat_result, what: str) -> None:
+    """``what`` belongs to this user and no one else can write it."""
+    if info.st_uid != os.getuid():
+        raise _Untrusted(f"{what} belongs to user id {info.st_uid}, not to this user ({os.getuid()})")
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _Untrusted(f"{what} is group- or world-writable (mode {stat.S_IMODE(info.st_mode):o})")
+
+
+def _open_folder(folder: Path) -> int:
+    """A descriptor of ``folder``, created (mode 0700) if missing, after checking it is this user's alone."""
+    if not folder.exists():
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            folder.mkdir(mode=0o700)
+    descriptor = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        info = os.fstat(descriptor)
+        _check_owned(info, f"the kernel cache folder {folder}")
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _open_regular(name: str, folder: int, where: Path) -> int:
+    """A descriptor of the regular file ``name`` in the folder (not through a link), this user's alone."""
+    try:
+        descriptor = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=folder)
+    except OSError as error:
+        if error.errno == errno.ENOENT:
+            raise
+        raise _Untrusted(f"{where / name} cannot be opened as a plain file ({error})") from error
+    info = os.fstat(descriptor)
+    try:
+        if not stat.S_ISREG(info.st_mode):
+            raise _Untrusted(f"{where / name} is not a plain file")
+        _check_owned(info, str(where / name))
+    except BaseException:
+        os.close(descriptor)
+        raise
+    return descriptor
+
+
+def _sha256(descriptor: int) -> str:
+    digest = hashlib.sha256()
+    with os.fdopen(os.dup(descriptor), "rb") as stream:
+        for block in iter(lambda: stream.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _verified(name: str, folder: int, where: Path) -> int:
+    """A descriptor of the cached library ``name`` once it and its sha256 record passed every check
+    (module docstring): FileNotFoundError where there is no library, :class:`_Untrusted` for the rest."""
+    library = _open_regular(name, folder, where)
+    try:
+        try:
+            record = _open_regular(name + ".sha256", folder, where)
+        except FileNotFoundError as error:
+            raise _Untrusted(f"{where / name} has no sha256 record: grace-st did not build it (or not to the end)") from error
+        with os.fdopen(record, "rb") as stream:
+            expected = stream.read(200).decode(errors="replace").split()
+        if expected[:1] != [_sha256(library)]:
+            raise _Untrusted(f"{where / name} does not match its sha256 record (truncated, or changed since it was built)")
+    except BaseException:
+        os.close(library)
+        raise
+    return library
+
+
 def _compile(compiler: str, target: Path) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final name, then renamed: another process never loads a half-written library.
+    """Build the library as ``target`` with its sha256 record beside it: built beside its final name,
+    then renamed, so another process never loads a half-written library."""
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
         # $CC may carry flags of its own ("gcc -O2", "ccache cc"), as make reads it: split as a shell would
         command = [*shlex.split(compiler), *FLAGS, "-o", str(built), str(SOURCE), "-lm"]
         subprocess.run(command, check=True, capture_output=True)
+        os.chmod(built, 0o755)  # whatever the umask: a group-writable library would be refused when loaded
+        digest = hashlib.sha256(built.read_bytes()).hexdigest()
+        record = Path(scratch) / (target.name + ".sha256")
+        record.write_text(f"{digest}  {target.name}\n")
+        os.chmod(record, 0o644)
         os.replace(built, target)
+        os.replace(record, target.with_name(target.name + ".sha256"))
+
+
+def _load(descriptor: int, path: Path):
+    """dlopen the checked file itself (through its descriptor where /proc has one, else ``path``) and
+    check its two symbols."""
+    # The dynamic loader hands back a library it loaded before under the same name without opening
+    # anything, and descriptor numbers come back: each load gets a name of its own.
+    through = f"/proc/self/{'./' * next(_loads)}fd/{descriptor}"
+    try:
+        built = ctypes.CDLL(through if os.path.exists(through) else str(path))
+    except OSError as error:
+        raise _Untrusted(f"cannot be loaded ({error})") from error
+    missing = [name for name in SYMBOLS if not hasattr(built, name)]
+    if missing:
+        raise _Untrusted(f"has no {', '.join(missing)}: not the native step's library")
+    return built
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _cached_or_built(compiler: str, name: str):
+    """The library ``name`` from the kernel cache, built there first if missing or untrusted; from a
+    fresh private folder where the cache folder is not to be trusted; None (with a warning) if neither loads."""
+    home = grace_home() / "kernels"
+    try:
+        folder = _open_folder(home)
+    except _Untrusted as error:
+        _warn(f"{error}: it is not used; the native step is built in a private folder instead (chmod go-w the folder, "
+              "or set GRACE_ST_HOME to a folder of your own, to cache it)")
+        return _built_privately(compiler, name)
+    try:
+        lock = os.open(name + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=folder)
+        try:
+            import fcntl
+
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time across processes; the next one loads it
+            try:
+                descriptor = _verified(name, folder, home)
+            except FileNotFoundError:
+                _compile(compiler, home / name)
+                descriptor = _verified(name, folder, home)
+            except _Untrusted as error:
+                _warn(f"{error}: it is not loaded; the native step is built again")
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(name, dir_fd=folder)
+                _compile(compiler, home / name)
+                descriptor = _verified(name, folder, home)
+        finally:
+            os.close(lock)
+        try:
+            return _load(descriptor, home / name)
+        except _Untrusted as error:
+            _warn(f"{home / name} {error}; PyTorch's own step runs")
+            return None
+        finally:
+            os.close(descriptor)
+    finally:
+        os.close(folder)
+
+
+def _built_privately(compiler: str, name: str):
+    """Build into a fresh folder only this process knows (mode 0700), load, and remove the folder
+    (the loaded library stays mapped)."""
+    with tempfile.TemporaryDirectory(prefix="grace_st_kernels-") as scratch:
+        os.chmod(scratch, 0o700)
+        _compile(compiler, Path(scratch) / name)
+        folder = _open_folder(Path(scratch))
+        try:
+            descriptor = _verified(name, folder, Path(scratch))
+        finally:
+            os.close(folder)
+        try:
+            return _load(descriptor, Path(scratch) / name)
+        except _Untrusted as error:
+            _warn(f"{Path(scratch) / name} {error}; PyTorch's own step runs")
+            return None
+        finally:
+            os.close(descriptor)
 
 
 def library():
-    """The compiled step's entry point, or None where it cannot be built here (logged once)."""
+    """The compiled step's entry point, or None where it cannot be built here (logged once), or a
+    cached library fails its checks and cannot be rebuilt (one warning naming the file)."""
     if "function" in _library_state:
         return _library_state["function"]
+    with _library_lock:
+        if "function" not in _library_state:
+            _library_state["function"] = _build_and_load()
+    return _library_state["function"]
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def library_name(compiler: str) -> str:
+    """The cached library's file name in ``$GRACE_ST_HOME/kernels``: keyed by the source, the compiler,
+    the flags and this CPU's features (anyone can compute it: the checks, not the name, keep it safe)."""
+    key = hashlib.sha256(
+        "\0".join([SOURCE.read_text(), compiler, *FLAGS, platform.machine(), _cpu_flags(), CACHE_FORMAT]).encode()
+    )
+    return f"native_step-{key.hexdigest()[:16]}.so"
+
+
+def _build_and_load():
     function = None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    compiler = _compiler()
     if compiler is None or platform.system() == "Windows":
         logger.info("no C compiler found: decoding runs PyTorch's own step")
-    else:
-        key = hashlib.sha256(
-            "\0".join([SOURCE.read_text(), compiler, *FLAGS, platform.machine(), _cpu_flags()]).encode()
-        )
-        target = grace_home() / "kernels" / f"native_step-{key.hexdigest()[:16]}.so"
-        try:
-            if not target.exists():
-                _compile(compiler, target)
-            built = ctypes.CDLL(str(target))
+        return None
+    name = library_name(compiler)
+    try:
+        built = _cached_or_built(compiler, name)
+        if built is not None:
             function, _library_state["panel"] = built.grace_native_step, built.grace_native_step_panel()
-        except (OSError, ValueError, subprocess.CalledProcessError) as error:  # ValueError: unbalanced quotes in $CC
-            detail = getattr(error, "stderr", b"") or b""
-            # a compiler the user chose (CC) that fails is worth a warning; the system's fallback, a note
-            logger.log(
-                logging.WARNING if os.environ.get("CC") else logging.INFO,
-                "the native step could not be built with %r (%s %s): PyTorch's own step runs",
-                compiler, error, detail.decode(errors="replace")[-500:],
-            )
+    except _Untrusted as error:  # a library just built that fails its own checks (a private folder gone wrong)
+        _warn(f"{error}; PyTorch's own step runs")
+    except (OSError, ValueError, subprocess.CalledProcessError) as error:  # ValueError: unbalanced quotes in $CC
+        detail = getattr(error, "stderr", b"") or b""
+        # a compiler the user chose (CC) that fails is worth a warning; the system's fallback, a note
+        logger.log(
+            logging.WARNING if os.environ.get("CC") else logging.INFO,
+            "the native step could not be built with %r (%s %s): PyTorch's own step runs",
+            compiler, error, detail.decode(errors="replace")[-500:],
+        )
     if function is not None:
         function.restype = ctypes.c_int
         function.argtypes = [
@@ -141,7 +344,6 @@ def library():
             *[ctypes.c_void_p] * 3,  # logit_index, states_out, logits_out
             ctypes.c_int,
         ]
-    _library_state["function"] = function
     return function
 
 
@@ -244,16 +446,18 @@ class NativeStep:
     def for_model(cls, model: nn.Module) -> NativeStep | None:
         """The step for ``model`` if it applies (module docstring), else None. Kept for the next call
         while the model's tensors are the same ones: the step reads them in place, so values written
-        into them are seen; a LoRA layer's merged weight is a copy, so such a model is bound anew each call."""
+        into them are seen; a LoRA layer's merged weight is a copy, so such a model is bound anew each call.
+        Under a lock: threads asking at once share one binding (the panels are a copy of the weights)."""
         key = tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
-        cached = _steps.get(model)
-        if cached is not None and cached[0] == key:
-            return cached[1]
-        step = cls._bind(model)
-        lora_class = _lora_layer_class()
-        if lora_class is None or not any(isinstance(module, lora_class) for module in model.modules()):
-            _steps[model] = (key, step)
-        return step
+        with _bind_lock:
+            cached = _steps.get(model)
+            if cached is not None and cached[0] == key:
+                return cached[1]
+            step = cls._bind(model)
+            lora_class = _lora_layer_class()
+            if lora_class is None or not any(isinstance(module, lora_class) for module in model.modules()):
+                _steps[model] = (key, step)
+            return step
 
     @classmethod
     def _bind(cls, model: nn.Module) -> NativeStep | None:

@@ -6,7 +6,15 @@ products at about half the machine's matmul peak; oneDNN with the weight reorder
 its blocked layout runs them about twice as fast, in float32 and to float32 rounding
 (``benchmarks/encode_throughput.py`` measures both). A bfloat16 model (``model_kwargs={"dtype":
 torch.bfloat16}``) is packed too where oneDNN has bfloat16 kernels for this CPU.
-:func:`packed_linears` swaps that kernel in for the duration of a no-grad block.
+:func:`packed_linears` runs that kernel for the duration of a no-grad block.
+
+Threads: a block changes nothing shared while it runs. The first block that packs a layer gives it
+a forward of its own for good (:class:`_PackedDispatch`, installed once under a lock, picklable),
+which runs the packed product only where the *calling* thread's (or task's) block holds that layer:
+the block's layouts live in a :class:`contextvars.ContextVar`, so two threads decoding with one
+model at once each run what their own block asks, and a thread outside any block (a training
+forward) runs the class's own forward. Packing and repacking the weights (the shared copies in
+``_packed``) happen under the module's lock; the products themselves run unlocked.
 
 Costs and limits, all deliberate:
 - a second copy of every packed weight stays in memory (the weights' size again), kept
@@ -46,10 +54,14 @@ not depend on the thread count through it.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import copy
+import functools
+import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -75,8 +87,52 @@ class _Layouts:
 # Kept beside the modules, not on them: packed tensors are not picklable and must not reach a state dict.
 _packed: weakref.WeakKeyDictionary[nn.Module, _Layouts] = weakref.WeakKeyDictionary()
 _kernel_ok: bool | None = None  # None until the first packing in this process has been checked
-# Modules whose forward a packed_linears block has swapped for now: patched by us, not by someone else.
-_swapped_here: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+# The calling thread's (or task's) block: layer -> the product it runs instead of its class's forward.
+_active: contextvars.ContextVar[Mapping[nn.Module, Callable] | None] = contextvars.ContextVar(
+    "grace_st_packed_linears", default=None
+)
+# Serialises what blocks share: the kernel check, packing into ``_packed``, one-row layouts, installing forwards.
+_lock = threading.RLock()
+
+
+class _PackedDispatch:
+    """A packed layer's forward, installed once (module docstring): the product the calling thread's
+    block holds for the layer, else the class's own forward. It holds the layer weakly (no reference
+    cycle keeps a dropped model and its packed copies alive), and the model still pickles and
+    deep-copies: a copy gets a dispatch of its own, bound to the copy."""
+
+    def __init__(self, module: nn.Module):
+        self.module = weakref.ref(module)
+
+    def __call__(self, *args, **kwargs):
+        module = self.module()
+        active = _active.get()
+        if active is not None:
+            run = active.get(module)
+            if run is not None:
+                return run(*args, **kwargs)
+        return type(module).forward(module, *args, **kwargs)
+
+    def __reduce__(self):
+        return _PackedDispatch, (self.module(),)
+
+    def __deepcopy__(self, memo):
+        return _PackedDispatch(copy.deepcopy(self.module(), memo))
+
+
+def _ours(module: nn.Module) -> bool:
+    return isinstance(module.__dict__.get("forward"), _PackedDispatch)
+
+
+def _install(module: nn.Module) -> None:
+    if not _ours(module):
+        module.forward = _PackedDispatch(module)
+
+
+def runs_packed(module: nn.Module) -> bool:
+    """Whether ``module`` runs on packed weights in the calling thread now (inside a block that packs it)."""
+    active = _active.get()
+    return active is not None and module in active
 
 
 def packing_enabled() -> bool:
@@ -142,9 +198,11 @@ def _product(
     """``F.linear(input, weight(), bias)`` on the layout that serves ``input``'s row count best."""
     if one_row_layout and not layouts.square and input.dtype == torch.float32 and input.numel() == input.shape[-1]:
         if layouts.one_row is None:
-            full = weight()
-            transposed = full.shape[0] > full.shape[1]
-            layouts.one_row = (full.t().contiguous() if transposed else full, transposed)
+            with _lock:  # one copy, however many threads get here first
+                if layouts.one_row is None:
+                    full = weight()
+                    transposed = full.shape[0] > full.shape[1]
+                    layouts.one_row = (full.t().contiguous() if transposed else full, transposed)
         row, (laid, transposed) = input.reshape(1, -1), layouts.one_row
         if not transposed:
             output = F.linear(row, laid, bias)
@@ -161,7 +219,7 @@ def _packed_forward(module: nn.Linear, layouts: _Layouts, one_row_layout: bool, 
 
 
 def _patched_elsewhere(module: nn.Module) -> bool:
-    return "forward" in module.__dict__ and module not in _swapped_here
+    return "forward" in module.__dict__ and not _ours(module)
 
 
 def _lora_layer_class():
@@ -236,8 +294,33 @@ def _packable(module: nn.Module, dtypes: tuple[torch.dtype, ...]) -> bool:
         and module.weight.dtype in dtypes
         and module.weight.device.type == "cpu"
         and (module.bias is None or module.bias.dtype == module.weight.dtype)
-        and "forward" not in module.__dict__  # already swapped by an enclosing block, or patched by someone else
+        and not _patched_elsewhere(module)  # someone else's forward: left to run as they made it
     )
+
+
+def _products(model: nn.Module, merge_adapters: bool, one_row_layout: bool) -> dict[nn.Module, Callable] | None:
+    """What a block over ``model`` runs: layer -> its packed product (packing what is new or changed,
+    installing :class:`_PackedDispatch` where missing); None where the kernel failed its check. Under the lock."""
+    global _kernel_ok
+    with _lock:
+        if _kernel_ok is None:
+            _kernel_ok = _check_kernel()
+        if not _kernel_ok:
+            return None
+        products, dtypes, inside_merged = {}, packed_dtypes(), set()
+        lora_class = _lora_layer_class() if merge_adapters else None  # once a block, not once a module
+        for module in model.modules():
+            adapters = _active_lora(module, dtypes, lora_class)
+            if adapters:
+                layouts = _packed_merged_weight(module, adapters)
+                products[module] = functools.partial(_merged_lora_forward, module, layouts, adapters, one_row_layout)
+                inside_merged.update(id(child) for child in module.modules() if child is not module)
+            elif id(module) not in inside_merged and _packable(module, dtypes):
+                products[module] = functools.partial(_packed_forward, module, _packed_weight(module), one_row_layout)
+            else:
+                continue
+            _install(module)
+        return products
 
 
 @contextlib.contextmanager
@@ -251,42 +334,24 @@ def packed_linears(
     ``merge_adapters``: PEFT LoRA layers run on their merged weight (module docstring); off,
     only their base and adapter products are packed, each on its own. ``one_row_layout``: float32
     calls of a single row run on the layout MKL streams fastest (module docstring); off, on the packed one.
+
+    The block holds for the calling thread (or asyncio task) alone: other threads' forwards through the
+    same layers run as their own blocks say (module docstring). In a nested block a layer the enclosing
+    block packs runs as that block packed it.
     """
-    global _kernel_ok
     if not enabled or torch.is_grad_enabled() or not packing_enabled():
         yield
         return
-    if _kernel_ok is None:
-        _kernel_ok = _check_kernel()
-        if not _kernel_ok:
-            yield
-            return
-    swapped, dtypes, inside_merged = [], packed_dtypes(), set()
-    lora_class = _lora_layer_class() if merge_adapters else None  # once a block, not once a module
+    products = _products(model, merge_adapters, one_row_layout)
+    if not products:
+        yield
+        return
+    enclosing = _active.get()
+    token = _active.set(products if enclosing is None else {**products, **enclosing})
     try:
-        for module in model.modules():
-            if module in _swapped_here:  # an enclosing block's: it stays as that block swapped it
-                continue
-            adapters = _active_lora(module, dtypes, lora_class)
-            if adapters:
-                layouts = _packed_merged_weight(module, adapters)
-                module.forward = lambda input, *args, module=module, layouts=layouts, adapters=adapters, **kwargs: (
-                    _merged_lora_forward(module, layouts, adapters, one_row_layout, input, *args, **kwargs)
-                )
-                swapped.append(module)
-                _swapped_here.add(module)
-                inside_merged.update(id(child) for child in module.modules() if child is not module)
-            elif id(module) not in inside_merged and _packable(module, dtypes):
-                layouts = _packed_weight(module)
-                module.forward = lambda input, module=module, layouts=layouts: _packed_forward(
-                    module, layouts, one_row_layout, input
-                )
-                swapped.append(module)
         yield
     finally:
-        for module in swapped:
-            del module.forward
-            _swapped_here.discard(module)
+        _active.reset(token)
 
 
 def matmul_peak_flops(dtype: torch.dtype, size: int = 2048, trials: int = 4, seconds: float = 0.25) -> tuple[float, str]:

@@ -1,28 +1,100 @@
 """Turn a LoRA training checkpoint into the adapter shipped inside grace-st (``grace_st/default_adapter``;
 a GIRCSE checkpoint's into ``grace_st/gircse_adapter``).
 
-    python -m grace_training.export_adapter runs/scale_textkl1/checkpoint-00000400 \
+    python -m grace_training.export_adapter runs/scale_textkl1/checkpoint-00000400 --into-package \
         --scores lab/results/scale_scoreboard_textkl400.json --scores-label "scale + text_kl 1, step 400"
+    python -m grace_training.export_adapter CHECKPOINT --out DIR       # anywhere else
+    python -m grace_training.export_adapter --write-manifest DIR       # after editing an adapter's files by hand
 
-Writes PEFT's two files (``adapter_config.json``, ``adapter_model.safetensors``) and
+Writes PEFT's two files (``adapter_config.json``, ``adapter_model.safetensors``),
 ``grace_settings.json``: the encoder settings it was trained with (applied when
 ``grace_st.default_model_path()`` builds the trained default), the training config summary, the
-development scores of that row when given, and one example rationale. ``make train-default``
+development scores of that row when given, and one example rationale; and ``manifest.json``, the
+sha256 of each, which ``default_model_path()`` checks before it builds. ``make train-default``
 runs the recipe and then this.
+
+The package's adapter is replaced only on request (``--into-package``; ``--out`` or nothing is
+refused), only by one that fits the shipped base (SmolLM2-135M's layer shapes), and whole: the new
+directory is written beside the old one and swapped in by renames, so a kill leaves the old adapter
+or the new one, never a mix.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-from grace_st.default_model import ADAPTER_DIRS, ADAPTER_SETTINGS, DEFAULT_MODEL_CONFIG
+from grace_st.default_model import (
+    ADAPTER_DIRS,
+    ADAPTER_MANIFEST,
+    ADAPTER_SETTINGS,
+    DEFAULT_MODEL_CONFIG,
+    write_adapter_manifest,
+)
 
 SHIPPED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+# The shipped base's layer shapes (its config.json as grace_st.default_model builds it): enough to
+# check an adapter's LoRA matrices without the 540 MB model.
+SHIPPED_BASE_CONFIG = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
 MAX_BYTES = 20 * 1024 * 1024
+# What an exported adapter directory holds; a target holding anything else is not replaced.
+EXPORTED_FILES = ("adapter_config.json", "adapter_model.safetensors", ADAPTER_SETTINGS, ADAPTER_MANIFEST)
+
+
+def check_fits_shipped_base(weights_file: Path) -> None:
+    """Refuse an adapter whose LoRA matrices do not fit SmolLM2-135M's linear layers (a test model's,
+    another base's): shipped, it would fail only when a user first builds the default. The base is
+    built on PyTorch's meta device from :data:`SHIPPED_BASE_CONFIG`: shapes, no weights."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from grace_st.adapter import check_adapter_fits
+
+    with torch.device("meta"):
+        base = LlamaForCausalLM(LlamaConfig(**SHIPPED_BASE_CONFIG))
+    try:
+        check_adapter_fits(base, load_file(str(weights_file)), weights_file.parent)
+    except ValueError as error:
+        raise SystemExit(f"{error}; the package's adapter must fit the shipped base, {SHIPPED_BASE}") from None
+
+
+def _check_replaceable(out: Path) -> None:
+    """``out`` is replaced whole: refuse a directory that holds anything an export does not write."""
+    if out.exists() and not out.is_dir():
+        raise SystemExit(f"{out} is a file; --out names the adapter directory to write")
+    foreign = sorted(p.name for p in out.iterdir() if p.name not in EXPORTED_FILES) if out.is_dir() else []
+    if foreign:
+        raise SystemExit(
+            f"{out} holds {', '.join(foreign[:5])}, which is no exported adapter's: the export replaces the whole "
+            "directory; give a new or an adapter directory"
+        )
+
+
+def _swap_in(staging: Path, out: Path) -> None:
+    """Put the complete directory ``staging`` at ``out``: the old one renamed away, the new one renamed
+    in, the old one deleted. A kill leaves the old adapter (under its name or beside it) or the new."""
+    old = None
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.replace(out, old / out.name)
+    os.replace(staging, out)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def export(
@@ -32,11 +104,18 @@ def export(
     example: dict | None = None,
     bfloat16: bool = False,
     repetition_penalty: float | None = None,
+    into_package: bool = False,
 ) -> Path:
     """``bfloat16``: store the LoRA matrices rounded to bfloat16 (half the bytes: an r 32 adapter of SmolLM2 fits the
     package's 20 MiB); they are read back into the float32 model, so score the exported adapter, not the checkpoint.
     ``repetition_penalty``: the decoding setting the default encodes with (training rolls out without one; the
-    shipped value was chosen on dev data after training, lab/training_recipe.md §21); None leaves the encoder's default."""
+    shipped value was chosen on dev data after training, lab/training_recipe.md §21); None leaves the encoder's default.
+    ``into_package``: ``out`` may be one of the package's adapter directories (refused otherwise), and the adapter
+    must fit the shipped base."""
+    out = Path(out)
+    shipped = {path.resolve() for path in ADAPTER_DIRS.values()}
+    if out.resolve() in shipped and not into_package:
+        raise SystemExit(f"{out} is the package's adapter, which every default model builds from: pass --into-package")
     adapter = checkpoint / "adapter_model.safetensors"
     if not adapter.is_file():
         raise SystemExit(f"{checkpoint}: no adapter_model.safetensors (train with finetune: lora)")
@@ -46,6 +125,9 @@ def export(
             f"{adapter}: {size / 2**20:.1f} MiB{' in bfloat16' if bfloat16 else ''}, over the 20 MiB shipped in the package"
             + ("" if bfloat16 else " (--bfloat16 halves it)")
         )
+    if into_package:
+        check_fits_shipped_base(adapter)
+    _check_replaceable(out)
     state = json.loads((checkpoint / "trainer_state" / "state.json").read_text(encoding="utf-8"))
     grace = json.loads((checkpoint / "grace_config.json").read_text(encoding="utf-8"))
     replaced = out / ADAPTER_SETTINGS
@@ -53,7 +135,20 @@ def export(
     budget_choice = (
         json.loads(replaced.read_text(encoding="utf-8")).get("budget_choice") if replaced.is_file() else None
     )
-    out.mkdir(parents=True, exist_ok=True)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
+    staging.chmod(0o755)  # mkdtemp's 0700 would become the adapter directory's
+    try:
+        _write(checkpoint, staging, adapter, state, grace, budget_choice, scores, example, bfloat16, repetition_penalty)
+        write_adapter_manifest(staging)
+        _swap_in(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _write(checkpoint, out, adapter, state, grace, budget_choice, scores, example, bfloat16, repetition_penalty):
+    """The adapter's files, into the (new, empty) directory ``out``."""
     if bfloat16:
         import torch
         from safetensors.torch import load_file, save_file
@@ -87,7 +182,6 @@ def export(
         **({"budget_choice": budget_choice} if budget_choice else {}),
     }
     (out / ADAPTER_SETTINGS).write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
-    return out
 
 
 def _averaged_from(checkpoint: Path) -> dict:
@@ -121,9 +215,18 @@ def _summary(config: dict) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("checkpoint", type=Path)
-    parser.add_argument(
-        "--out", type=Path, help="default: the package's adapter directory of the checkpoint's method (grace_st/default_adapter, gircse_adapter)"
+    parser.add_argument("checkpoint", type=Path, nargs="?")
+    target = parser.add_mutually_exclusive_group()
+    target.add_argument("--out", type=Path, help="the adapter directory to write (new, or an exported adapter's)")
+    target.add_argument(
+        "--into-package",
+        action="store_true",
+        help="replace the package's adapter of the checkpoint's method (grace_st/default_adapter, gircse_adapter); "
+        "it must fit the shipped base",
+    )
+    target.add_argument(
+        "--write-manifest", type=Path, metavar="DIR",
+        help="only (re)write DIR/manifest.json for the files DIR holds now (after a deliberate edit of them)",
     )
     parser.add_argument("--scores", type=Path, help="a dev_eval.py / quality_study.py JSON")
     parser.add_argument("--scores-label", help="the row of --scores that scored this checkpoint")
@@ -133,6 +236,17 @@ def main(argv: list[str] | None = None) -> int:
         "--repetition-penalty", type=float, help="the repetition_penalty the default decodes with (default: none, 1)"
     )
     args = parser.parse_args(argv)
+    if args.write_manifest is not None:
+        if args.checkpoint is not None:
+            parser.error("--write-manifest takes a directory, not a checkpoint")
+        if not (args.write_manifest / "adapter_model.safetensors").is_file():
+            parser.error(f"--write-manifest {args.write_manifest}: no adapter_model.safetensors there")
+        print(write_adapter_manifest(args.write_manifest))
+        return 0
+    if args.checkpoint is None:
+        parser.error("give a checkpoint to export")
+    if args.out is None and not args.into_package:
+        parser.error("give --out DIR, or --into-package to replace the package's adapter")
     scores = example = None
     if args.scores:
         rows = {row["label"]: row for row in json.loads(args.scores.read_text(encoding="utf-8"))["rows"]}
@@ -145,8 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         for label in args.compare_label:
             scores.update({f"{k} — {label}": v for k, v in rows[label]["scores"].items() if v is not None})
     method = json.loads((args.checkpoint / "grace_config.json").read_text(encoding="utf-8")).get("method", "grace")
-    out = args.out or ADAPTER_DIRS[method]
-    print(export(args.checkpoint, out, scores, example, bfloat16=args.bfloat16, repetition_penalty=args.repetition_penalty))
+    out = ADAPTER_DIRS[method] if args.into_package else args.out
+    print(export(
+        args.checkpoint, out, scores, example, bfloat16=args.bfloat16, repetition_penalty=args.repetition_penalty,
+        into_package=args.into_package,
+    ))
     return 0
 
 

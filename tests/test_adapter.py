@@ -47,6 +47,48 @@ def test_adapter_directory_loads_merged_or_apart_and_matches(tmp_path):
     assert grace_st.explain(merged, TEXTS[:1])[0]["rationale"] == grace_st.explain(model, TEXTS[:1])[0]["rationale"]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_merged_weights_are_peft_models_merge_bit_for_bit(tmp_path, dtype):
+    """The merge builds PEFT's tuner alone (no PeftModel); its weights, dtypes and config are the ones
+    PeftModel.from_pretrained(...).merge_and_unload() gives (a bfloat16 base: adapter upcast the same)."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    _, path = adapter_model(tmp_path)
+    reference = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=dtype), str(path), is_trainable=False
+    )
+    reference = reference.eval().merge_and_unload()
+    merged = grace_st.adapter.load_base_and_adapter(path, model_kwargs={"dtype": dtype})
+    assert type(merged) is type(reference) and not hasattr(merged, "peft_config")
+    ours, theirs = merged.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, tensor in theirs.items():
+        assert ours[name].dtype == tensor.dtype == dtype and torch.equal(ours[name], tensor), name
+    assert merged.config.to_dict() == reference.config.to_dict()
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=dtype).state_dict()
+    assert not torch.equal(
+        ours["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]
+    )
+
+
+@pytest.mark.parametrize("damage", ["extra", "lacking"])
+def test_adapter_weights_that_do_not_all_load_are_refused(tmp_path, damage):
+    from safetensors.torch import load_file, save_file
+
+    _, path = adapter_model(tmp_path)
+    file = path / "adapter_model.safetensors"
+    weights = load_file(file)
+    if damage == "extra":
+        weights["base_model.model.model.norm.lora_extra"] = torch.zeros(4)
+    else:
+        del weights[next(k for k in sorted(weights) if ".lora_B." in k)]
+    save_file(weights, file)
+    match = "fit no module" if damage == "extra" else "lacks 1 tensors"
+    with pytest.raises(ValueError, match=rf"adapter_model.safetensors does not fit its base: .*{match}"):
+        grace_st.adapter.load_base_and_adapter(path)
+
+
 def test_merge_adapter_false_is_saved_and_disabled_adapter_is_exactly_the_base(tmp_path):
     _, path = adapter_model(tmp_path)
     config = json.loads((path / "grace_config.json").read_text())

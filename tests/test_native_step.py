@@ -401,3 +401,123 @@ def test_the_portable_build_gives_what_the_avx512_build_gives(monkeypatch, tmp_p
     assert len(list(tmp_path.rglob("native_step-*.so"))) == 1
     _assert_same(portable, vector)
     assert all(native_calls)
+
+
+# -- the kernel cache trusts nothing it did not build ---------------------------------------------------
+
+PLANTED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    const char *path = getenv("GRACE_TEST_MARKER");
+    FILE *marker = path ? fopen(path, "w") : NULL;
+    if (marker) { fputs("ran", marker); fclose(marker); }
+}
+int nothing_here(void) { return 0; }
+"""
+
+
+def _shared_library(source: str, target, tmp_path):
+    """``source`` built with the system compiler as the shared library ``target``."""
+    import shutil
+    import subprocess
+
+    code = tmp_path / "planted.c"
+    code.write_text(source)
+    subprocess.run([shutil.which("cc") or shutil.which("gcc"), "-shared", "-fPIC", "-o", str(target), str(code)], check=True)
+    target.chmod(0o755)
+    return target
+
+
+def _record(library):
+    """The sha256 record native_step writes beside a library it built, made for ``library``."""
+    import hashlib
+
+    record = library.with_name(library.name + ".sha256")
+    record.write_text(f"{hashlib.sha256(library.read_bytes()).hexdigest()}  {library.name}\n")
+    record.chmod(0o644)
+    return record
+
+
+@pytest.fixture
+def kernel_home(monkeypatch, tmp_path):
+    """An empty GRACE_ST_HOME, the library not loaded yet, and where a planted constructor would write."""
+    home = tmp_path / "home"
+    (home / "kernels").mkdir(parents=True, mode=0o700)
+    (home / "kernels").chmod(0o700)
+    monkeypatch.setenv("GRACE_ST_HOME", str(home))
+    monkeypatch.setenv("GRACE_TEST_MARKER", str(tmp_path / "marker"))
+    monkeypatch.setattr(native_step, "_library_state", {})
+    kernels = home / "kernels"
+    return kernels, kernels / native_step.library_name(native_step._compiler()), tmp_path / "marker"
+
+
+def _planted(kernels, name, tmp_path, how):
+    library = _shared_library(PLANTED, kernels / name, tmp_path)
+    if how != "no-record":
+        _record(library)  # a record that matches: the owner and mode checks must refuse it on their own
+    if how == "world-writable":
+        library.chmod(0o777)
+    if how == "foreign-owner":
+        import os
+
+        if os.getuid() != 0:
+            pytest.skip("giving a file to another user needs root")
+        os.chown(library, 65534, 65534)
+    return library
+
+
+@needs_compiler
+@pytest.mark.parametrize("how", ["no-record", "world-writable", "foreign-owner"])
+def test_a_planted_library_is_not_loaded(kernel_home, tmp_path, how):
+    kernels, target, marker = kernel_home
+    _planted(kernels, target.name, tmp_path, how)
+    with pytest.warns(RuntimeWarning, match=str(target)):
+        assert native_step.library() is not None  # built again, in its own folder
+    assert not marker.exists()
+    assert target.stat().st_uid == __import__("os").getuid() and target.stat().st_mode & 0o022 == 0
+
+
+@needs_compiler
+def test_a_group_writable_cache_folder_is_refused(kernel_home, tmp_path):
+    """Anyone in the group could have put the library there, or could swap it later: not loaded, not
+    written to; the step is built in a private folder for this process instead."""
+    kernels, target, marker = kernel_home
+    _record(_planted(kernels, target.name, tmp_path, "recorded"))
+    kernels.chmod(0o775)
+    before = sorted(p.name for p in kernels.iterdir())
+    with pytest.warns(RuntimeWarning, match=f"{kernels}.*group- or world-writable"):
+        assert native_step.library() is not None
+    assert not marker.exists()
+    assert sorted(p.name for p in kernels.iterdir()) == before
+
+
+@needs_compiler
+def test_a_truncated_cached_library_is_built_again(kernel_home):
+    """A truncated library would die in dlopen or at its first call (SIGBUS): its sha256 no longer
+    matches its record, so it is never loaded, and the step is built again."""
+    kernels, target, _ = kernel_home
+    assert native_step.library() is not None
+    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    native_step._library_state.clear()
+    with pytest.warns(RuntimeWarning, match=f"{target}.*sha256"):
+        assert native_step.library() is not None
+    native_step._library_state.clear()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert native_step.library() is not None  # the rebuilt one passes its checks
+
+
+@needs_compiler
+def test_a_library_without_the_step_s_symbol_falls_back_with_one_warning(kernel_home, tmp_path, caplog):
+    """Our own file, recorded, but not the step's library: PyTorch's step runs, with one warning."""
+    kernels, target, _ = kernel_home
+    _record(_shared_library("int nothing_here(void) { return 0; }\n", target, tmp_path))
+    with pytest.warns(RuntimeWarning, match=f"{target}.*grace_native_step") as caught:
+        assert native_step.library() is None
+    assert len([w for w in caught if issubclass(w.category, RuntimeWarning)]) == 1
+    tokenizer, model, rows, spans = make_prompts()
+    native = one_pass_rollouts(model, tokenizer, rows[:1], spans[:1], 4)  # decodes, on PyTorch's step
+    assert native.rationale_ids.shape[0] == 1

@@ -21,7 +21,8 @@ def _linears(model):
 
 
 def _swapped(model):
-    return [m for m in _linears(model) if "forward" in m.__dict__]
+    """The linear layers that run on packed weights in this thread now."""
+    return [m for m in _linears(model) if packed_linear.runs_packed(m)]
 
 
 @needs_packing
@@ -89,6 +90,33 @@ def test_bfloat16_layers_are_packed_and_match_pytorch():
             got = model(input_ids=ids, attention_mask=mask).logits.float()
     # both round to bfloat16 (8 significant bits) after every layer; they agree to that precision
     assert torch.nn.functional.cosine_similarity(got.flatten(1), expected.flatten(1)).min() > 0.99
+
+
+@needs_packing
+def test_a_block_holds_for_its_own_thread_only():
+    """Another thread's forward through the same layers, while this thread's block is open, runs the
+    class's own forward (no block of its own) or its own block: nothing is swapped under it."""
+    import threading
+
+    tokenizer, model, rows, _ = make_prompts()
+    ids, mask = left_pad(rows, tokenizer.pad_token_id)
+    seen = {}
+
+    def other(name, packed):
+        with torch.no_grad(), packed_linears(model, enabled=packed):
+            seen[name] = (_swapped(model), model(input_ids=ids, attention_mask=mask).logits)
+
+    with torch.no_grad():
+        plain = model(input_ids=ids, attention_mask=mask).logits
+        with packed_linears(model):
+            for name, packed in (("plain", False), ("packed", True)):
+                thread = threading.Thread(target=other, args=(name, packed))
+                thread.start()
+                thread.join()
+            assert len(_swapped(model)) == len(_linears(model))
+            here = model(input_ids=ids, attention_mask=mask).logits
+    assert seen["plain"][0] == [] and torch.equal(seen["plain"][1], plain)
+    assert len(seen["packed"][0]) == len(_linears(model)) and torch.equal(seen["packed"][1], here)
 
 
 @needs_packing
@@ -177,16 +205,16 @@ def test_a_lora_layer_runs_on_its_merged_weight_and_follows_adapter_updates():
         expected = policy(input_ids=ids, attention_mask=mask).logits
         with packed_linears(policy):
             layers = _lora_layers(policy)
-            assert layers and all("forward" in layer.__dict__ for layer in layers)
+            assert layers and all(packed_linear.runs_packed(layer) for layer in layers)
             # their base, A and B are not run (nor packed) on their own
-            assert not any("forward" in part.__dict__ for layer in layers for part in layer.modules() if part is not layer)
+            assert not any(packed_linear.runs_packed(part) for layer in layers for part in layer.modules() if part is not layer)
             got = policy(input_ids=ids, attention_mask=mask).logits
         unmerged_packing = packed_linears(policy, merge_adapters=False)
         with unmerged_packing:
-            assert not any("forward" in layer.__dict__ for layer in layers)
+            assert not any(packed_linear.runs_packed(layer) for layer in layers)
             unmerged = policy(input_ids=ids, attention_mask=mask).logits
         merged = copy.deepcopy(policy).merge_and_unload()(input_ids=ids, attention_mask=mask).logits
-    assert not any("forward" in m.__dict__ for m in policy.modules())
+    assert not any(packed_linear.runs_packed(m) for m in policy.modules())
     # The weight merge_and_unload computes, to the packed kernel's rounding; PEFT's unmerged
     # forward sums W·x + B·(A·x) in another order (relative 1e-4 on a few logits).
     torch.testing.assert_close(got, merged, atol=1e-5, rtol=1e-5)
@@ -218,7 +246,7 @@ def test_lora_layers_peft_would_not_merge_the_same_way_keep_peft_forward():
     with torch.no_grad():
         expected = policy(input_ids=ids, attention_mask=mask).logits
         with packed_linears(policy):
-            assert not any("forward" in layer.__dict__ for layer in _lora_layers(policy))
+            assert not any(packed_linear.runs_packed(layer) for layer in _lora_layers(policy))
             got = policy(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 

@@ -109,6 +109,23 @@ def test_a_lora_model_warns_nothing(merge):
         _encode_all_ways(model)
 
 
+def test_loading_a_merged_lora_adapter_directory_warns_nothing(tmp_path):
+    """A saved base + LoRA adapter loads merged (``merge_adapter: true``, the default) through PEFT's tuner,
+    not PeftModel, whose constructor reads transformers' deprecated ``is_gradient_checkpointing``."""
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = make_tokenizer()
+    make_model(tokenizer).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    model = grace_st.from_causal_lm(str(tmp_path / "base"), device="cpu", max_rationale_tokens=4)
+    model[0].model = get_peft_model(model[0].model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+    model.save(str(tmp_path / "lora"))  # PeftModel built above, outside the check
+    with no_warnings():
+        loaded = grace_st.load(str(tmp_path / "lora"), device="cpu")
+        _encode_all_ways(loaded)
+    assert loaded[0].merge_adapter and not hasattr(loaded[0].model, "peft_config")
+
+
 def test_grace_st_encode_warns_nothing(tmp_path, capsys):
     from grace_st.cli import main
 
