@@ -76,7 +76,7 @@ def test_shipped_adapter_is_in_the_package_and_small():
     settings = json.loads((dm.ADAPTER_DIR / dm.ADAPTER_SETTINGS).read_text())
     assert settings["training"]["finetune"] == "lora"
     # budgets by prompt type, chosen from the curve (docs/budget_curve.md) and said on the card
-    assert settings["encoder"]["max_rationale_tokens"] == {"query": 32, "document": 0, "default": 32}
+    assert settings["encoder"]["max_rationale_tokens"] == {"query": 0, "document": 0, "default": 8}
     assert "docs/budget_curve.md" in settings["budget_choice"]
 
 
@@ -157,7 +157,8 @@ def test_trained_default_is_base_plus_shipped_adapter(default_model):
         assert f"rank-{lowrank['rank']}" in card
         assert ("toward the full model's pooled hidden states" in card) == bool(lowrank.get("distillation"))
         assert "| `lowrank_from` |" not in card  # described above the table, not dumped into it
-    assert default_model[0].rationale_budget("document") == 0 and default_model[0].rationale_budget("query") == 32
+    assert default_model[0].rationale_budget("document") == 0 and default_model[0].rationale_budget("query") == 0
+    assert default_model[0].rationale_budget("default") == 8
 
 
 @pytest.mark.slow
