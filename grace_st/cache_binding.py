@@ -20,7 +20,6 @@ from torch import Tensor
 from .cache import CacheEntry, RationaleCache, entry_key
 from .generation import pad_rationales
 
-
 _opening = threading.Lock()
 
 

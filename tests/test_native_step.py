@@ -1,6 +1,7 @@
 """The single-row decoding step as one native call (grace_st.native_step) against PyTorch's step."""
 
 import logging
+import os
 
 import pytest
 import torch
@@ -496,9 +497,13 @@ def test_a_group_writable_cache_folder_is_refused(kernel_home, tmp_path):
 def test_a_truncated_cached_library_is_built_again(kernel_home):
     """A truncated library would die in dlopen or at its first call (SIGBUS): its sha256 no longer
     matches its record, so it is never loaded, and the step is built again."""
-    kernels, target, _ = kernel_home
+    _, target, _ = kernel_home
     assert native_step.library() is not None
-    target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    # a new file in its place, as a crash or a full disk leaves one: truncating the loaded file itself would pull
+    # the pages from under this process's own mapping of it
+    truncated = target.with_name(target.name + ".truncated")
+    truncated.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+    os.replace(truncated, target)
     native_step._library_state.clear()
     with pytest.warns(RuntimeWarning, match=f"{target}.*sha256"):
         assert native_step.library() is not None
@@ -513,7 +518,7 @@ def test_a_truncated_cached_library_is_built_again(kernel_home):
 @needs_compiler
 def test_a_library_without_the_step_s_symbol_falls_back_with_one_warning(kernel_home, tmp_path, caplog):
     """Our own file, recorded, but not the step's library: PyTorch's step runs, with one warning."""
-    kernels, target, _ = kernel_home
+    _, target, _ = kernel_home
     _record(_shared_library("int nothing_here(void) { return 0; }\n", target, tmp_path))
     with pytest.warns(RuntimeWarning, match=f"{target}.*grace_native_step") as caught:
         assert native_step.library() is None

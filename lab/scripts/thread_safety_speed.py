@@ -6,7 +6,8 @@ alternate, ``--rounds`` times each. A measurement: the real default model (grace
 ``model.encode`` on 64 STS-like sentences at G=16 (batch 64), best of 3 after a warm-up, and 8
 single-text ``encode_query`` calls (the one-row path). OMP_NUM_THREADS=1 throughout.
 
-    OMP_NUM_THREADS=1 python lab/scripts/thread_safety_speed.py --before /tmp/before --out lab/results/thread_safety_speed.json
+    OMP_NUM_THREADS=1 python lab/scripts/thread_safety_speed.py --before /tmp/before --after /tmp/after \
+        --out lab/results/thread_safety_speed.json
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 
 MEASURE = r"""
-import json, sys, time
+import hashlib, json, sys, time
 sys.path.insert(0, sys.argv[1])
 import torch
 import grace_st
@@ -39,14 +39,14 @@ model.encode(texts[:16], batch_size=64)  # warm-up: packing, the native step's b
 batch = []
 for _ in range(3):
     start = time.perf_counter()
-    model.encode(texts, batch_size=64)
+    embeddings = model.encode(texts, batch_size=64)
     batch.append(time.perf_counter() - start)
 start = time.perf_counter()
-for text in texts[:8]:
-    model.encode_query([text])
+queries = [model.encode_query([text]) for text in texts[:8]]
 single = (time.perf_counter() - start) / 8
+digest = hashlib.sha256(embeddings.tobytes() + b"".join(q.tobytes() for q in queries)).hexdigest()[:16]
 print(json.dumps({"package": grace_st.__file__, "source": source, "encode_64_s": batch, "encode_64_best_s": min(batch),
-                  "encode_query_one_text_s": single}))
+                  "encode_query_one_text_s": single, "embeddings_sha256": digest}))
 """
 
 
@@ -61,12 +61,17 @@ def measure(package_root: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--before", required=True, help="a folder holding the unchanged copy of grace_st/")
+    parser.add_argument(
+        "--after", default=str(REPO),
+        help="a folder holding the changed grace_st/ (default this checkout; a copy of --before with only the "
+        "changed modules replaced keeps the package data, e.g. the shipped adapter's settings, the same)",
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", default=str(REPO / "lab" / "results" / "thread_safety_speed.json"))
     args = parser.parse_args()
     runs = []
     for round_ in range(args.rounds):
-        order = [("before", args.before), ("after", str(REPO))]
+        order = [("before", args.before), ("after", args.after)]
         if round_ % 2:
             order.reverse()
         for label, root in order:
@@ -81,10 +86,12 @@ def main() -> None:
             "encode_64_best_s": sorted(r["encode_64_best_s"] for r in mine),
             "encode_64_best_of_rounds_s": min(r["encode_64_best_s"] for r in mine),
             "encode_query_one_text_s": sorted(r["encode_query_one_text_s"] for r in mine),
+            "embeddings_sha256": sorted({r["embeddings_sha256"] for r in mine}),
         }
     report = {
         "what": "model.encode on 64 STS-like sentences at G=16 (batch 64, best of 3 a process) and single-text "
-        "encode_query (mean of 8), real default model, OMP_NUM_THREADS=1; before/after alternate, a fresh process each",
+        "encode_query (mean of 8), real default model, OMP_NUM_THREADS=1; before/after alternate, a fresh process each; "
+        "embeddings_sha256: a digest of the last batch's and the queries' embeddings (equal: the same bits)",
         "cpu_count": os.cpu_count(),
         "summary": summary,
         "runs": runs,
