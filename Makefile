@@ -6,6 +6,7 @@ VENV_GPU := .venv-gpu
 PY := $(VENV)/bin/python
 PY_ST5 := $(VENV_ST5)/bin/python
 # torch first and pinned: 2.13.0 is the local CPU wheel; any other spec pulls CUDA wheels.
+# pip -qq: errors only (a dependency's missing extra or a configured index location is not the user's problem).
 TORCH := torch==2.13.0
 ST5 := sentence-transformers==5.2.3
 
@@ -30,15 +31,15 @@ test-st5: $(VENV_ST5)/.installed
 venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q $(TORCH)
-	$(PY) -m pip install -q -e ".[dev,mteb,langchain,llamaindex,bench,training]"
+	$(PY) -m pip install -qq $(TORCH)
+	$(PY) -m pip install -qq -e ".[dev,mteb,langchain,llamaindex,bench,training]"
 	touch $@
 
 venv-st5: $(VENV_ST5)/.installed
 $(VENV_ST5)/.installed: pyproject.toml Makefile
 	test -x $(PY_ST5) || $(PYTHON) -m venv $(VENV_ST5)
-	$(PY_ST5) -m pip install -q $(TORCH)
-	$(PY_ST5) -m pip install -q -e ".[dev,training]" "$(ST5)"
+	$(PY_ST5) -m pip install -qq $(TORCH)
+	$(PY_ST5) -m pip install -qq -e ".[dev,training]" "$(ST5)"
 	touch $@
 
 # Builds the embedded default model under $GRACE_ST_HOME (default ~/.cache/grace_st) once.
@@ -103,7 +104,7 @@ train-gircse: $(VENV)/.installed model
 gpu-check:
 	@$(PYTHON) benchmarks/gpu_check.py --preflight
 	test -x $(VENV_GPU)/bin/python || $(PYTHON) -m venv $(VENV_GPU)
-	$(VENV_GPU)/bin/python -m pip install -q -e ".[vllm,training]"
+	$(VENV_GPU)/bin/python -m pip install -qq -e ".[vllm,training]"
 	$(VENV_GPU)/bin/python benchmarks/gpu_check.py
 
 clean:

@@ -131,10 +131,12 @@ def export(
     state = json.loads((checkpoint / "trainer_state" / "state.json").read_text(encoding="utf-8"))
     grace = json.loads((checkpoint / "grace_config.json").read_text(encoding="utf-8"))
     replaced = out / ADAPTER_SETTINGS
-    # why the budgets are what they are is written from a budget study, not by training: a new adapter keeps it
-    budget_choice = (
-        json.loads(replaced.read_text(encoding="utf-8")).get("budget_choice") if replaced.is_file() else None
-    )
+    # the budgets and why they are what they are come from a budget study, not from training: a new adapter keeps
+    # both (measure its own curve, benchmarks/budget_curve.py, to choose again)
+    previous = json.loads(replaced.read_text(encoding="utf-8")) if replaced.is_file() else {}
+    budget_choice = previous.get("budget_choice")
+    if budget_choice and "max_rationale_tokens" in previous.get("encoder", {}):
+        grace = {**grace, "max_rationale_tokens": previous["encoder"]["max_rationale_tokens"]}
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.new-", dir=out.parent))
     staging.chmod(0o755)  # mkdtemp's 0700 would become the adapter directory's

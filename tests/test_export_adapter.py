@@ -68,13 +68,15 @@ def test_an_adapter_that_does_not_fit_the_shipped_base_is_refused_for_the_packag
 
 def test_into_the_package_a_fitting_adapter_is_swapped_in_whole_with_its_manifest(tmp_path, package):
     checkpoint = _checkpoint(tmp_path / "checkpoint", adapter_weights=package / "adapter_model.safetensors")
-    budget_choice = json.loads((package / dm.ADAPTER_SETTINGS).read_text())["budget_choice"]
+    shipped = json.loads((package / dm.ADAPTER_SETTINGS).read_text())
+    budget_choice, budgets = shipped["budget_choice"], shipped["encoder"]["max_rationale_tokens"]
     assert main([str(checkpoint), "--into-package"]) == 0
     assert sorted(p.name for p in package.iterdir()) == sorted(
         ["adapter_config.json", "adapter_model.safetensors", dm.ADAPTER_SETTINGS, dm.ADAPTER_MANIFEST]
     )
     settings = json.loads((package / dm.ADAPTER_SETTINGS).read_text())
     assert settings["training"]["step"] == 7 and settings["budget_choice"] == budget_choice
+    assert settings["encoder"]["max_rationale_tokens"] == budgets  # chosen by the budget study, kept with its account
     dm.verify_adapter(package)
     assert [p.name for p in package.parent.iterdir()] == ["default_adapter"]  # nothing left beside it
 
