@@ -65,12 +65,11 @@ def default_model_path(home: str | os.PathLike | None = None, *, trained: bool =
     adapter_dir = ADAPTER_DIRS[method]
     if trained and not (adapter_dir / "adapter_model.safetensors").is_file():
         raise FileNotFoundError(f"this grace-st ships no {method} adapter ({adapter_dir} is missing)")
-    if trained:
-        verify_adapter(adapter_dir)
-    base = _base_model_path(home)
     if not trained:
-        return base
-    return _trained_model_path(Path(home) if home is not None else grace_home(), base, adapter_dir)
+        return _base_model_path(home)
+    digests = verify_adapter(adapter_dir)  # read once: the check and the trained directory's name
+    base = _base_model_path(home)
+    return _trained_model_path(Path(home) if home is not None else grace_home(), base, adapter_dir, digests)
 
 
 def adapter_manifest(adapter_dir: Path) -> dict:
@@ -90,10 +89,10 @@ def write_adapter_manifest(adapter_dir: Path) -> Path:
     return path
 
 
-def verify_adapter(adapter_dir: Path) -> None:
+def verify_adapter(adapter_dir: Path) -> dict[str, str]:
     """Refuse a shipped adapter whose files are not the ones its ``manifest.json`` records: one
     missing, cut short, changed or added after the manifest was written (an interrupted export, a
-    file copied over from another adapter). The message names the file."""
+    file copied over from another adapter). The message names the file. Returns the files' sha256 as found."""
     import json
 
     adapter_dir = Path(adapter_dir)
@@ -117,21 +116,25 @@ def verify_adapter(adapter_dir: Path) -> None:
                 f"{adapter_dir / name}: sha256 {found[name][:12]}... is not the {recorded[name][:12]}... {path.name} "
                 f"records: the adapter is mixed or truncated; {fix}"
             )
+    return found
 
 
-def shipped_adapter_revision(adapter_dir: Path = ADAPTER_DIR) -> str:
+def shipped_adapter_revision(adapter_dir: Path = ADAPTER_DIR, digests: dict[str, str] | None = None) -> str:
     """Short sha256 of a shipped adapter's files (weights, config, settings): names the trained
     directory, so a new adapter in a new grace-st version is built next to the old one, never
-    mixed with it."""
+    mixed with it. ``digests``: the files' sha256 as :func:`verify_adapter` found them (else read)."""
+    digests = digests or {}
     digest = hashlib.sha256()
     for name in ("adapter_model.safetensors", "adapter_config.json", ADAPTER_SETTINGS):
-        digest.update(_sha256(adapter_dir / name).encode())
+        digest.update((digests.get(name) or _sha256(adapter_dir / name)).encode())
     return digest.hexdigest()[:12]
 
 
-def _trained_model_path(home: Path, base: str, adapter_dir: Path = ADAPTER_DIR) -> str:
+def _trained_model_path(
+    home: Path, base: str, adapter_dir: Path = ADAPTER_DIR, digests: dict[str, str] | None = None
+) -> str:
     kind = "trained" if adapter_dir == ADAPTER_DIR else f"{adapter_dir.name.removesuffix('_adapter')}-trained"
-    target = home / "models" / f"{MODEL_DIRNAME}-{kind}-{shipped_adapter_revision(adapter_dir)}"
+    target = home / "models" / f"{MODEL_DIRNAME}-{kind}-{shipped_adapter_revision(adapter_dir, digests)}"
     if (target / "modules.json").is_file():
         return str(target)
     home.mkdir(parents=True, exist_ok=True)  # a GRACE_ST_HOME given a built base elsewhere may not exist yet

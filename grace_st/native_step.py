@@ -217,8 +217,19 @@ def _load(descriptor: int, path: Path):
     return built
 
 
-def _warn(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+def _load_or_warn(descriptor: int, path: Path):
+    """:func:`_load` of a verified library, closing its descriptor; None, with one warning, where it fails."""
+    try:
+        return _load(descriptor, path)
+    except _Untrusted as error:
+        _warn(f"{path} {error}; PyTorch's own step runs", stacklevel=5)
+        return None
+    finally:
+        os.close(descriptor)
+
+
+def _warn(message: str, stacklevel: int = 4) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def _cached_or_built(compiler: str, name: str):
@@ -250,13 +261,7 @@ def _cached_or_built(compiler: str, name: str):
                 descriptor = _verified(name, folder, home)
         finally:
             os.close(lock)
-        try:
-            return _load(descriptor, home / name)
-        except _Untrusted as error:
-            _warn(f"{home / name} {error}; PyTorch's own step runs")
-            return None
-        finally:
-            os.close(descriptor)
+        return _load_or_warn(descriptor, home / name)
     finally:
         os.close(folder)
 
@@ -272,13 +277,7 @@ def _built_privately(compiler: str, name: str):
             descriptor = _verified(name, folder, Path(scratch))
         finally:
             os.close(folder)
-        try:
-            return _load(descriptor, Path(scratch) / name)
-        except _Untrusted as error:
-            _warn(f"{Path(scratch) / name} {error}; PyTorch's own step runs")
-            return None
-        finally:
-            os.close(descriptor)
+        return _load_or_warn(descriptor, Path(scratch) / name)
 
 
 def library():
