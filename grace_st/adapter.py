@@ -195,3 +195,16 @@ def save_adapter(model, output_path: str, state_dict: dict | None = None) -> Non
     model.save_pretrained(output_path, safe_serialization=True, state_dict=state_dict)
     if not os.path.isfile(os.path.join(output_path, ADAPTER_CONFIG)):
         raise RuntimeError(f"PEFT wrote no {ADAPTER_CONFIG} in {output_path}")
+
+
+def copy_adapter(adapter_dir: str | os.PathLike, output_path: str | os.PathLike, base: str | os.PathLike) -> None:
+    """The adapter in ``adapter_dir`` written to ``output_path`` as a model on ``base`` (a directory,
+    made absolute): its weights copied byte for byte, its config naming the new base. What
+    :func:`save_adapter` writes for the same adapter, without a ``PeftModel`` to write it from."""
+    import shutil
+
+    config = json.loads((Path(adapter_dir) / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+    config["base_model_name_or_path"] = str(Path(base).resolve())
+    os.makedirs(output_path, exist_ok=True)
+    shutil.copyfile(Path(adapter_dir) / ADAPTER_WEIGHTS, Path(output_path) / ADAPTER_WEIGHTS)
+    (Path(output_path) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -157,25 +157,25 @@ def _trained_model_path(
 
 
 def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> None:
-    """The base GRACE model with the shipped adapter, saved as an adapter directory naming ``base``."""
+    """The base GRACE model with the shipped adapter, saved as an adapter directory naming ``base``;
+    its ``weights_revision`` is the fingerprint of the merged weights it loads to."""
     import json
 
-    from peft import PeftModel
-
-    from .adapter import check_adapter_fits, read_adapter_weights
+    from .adapter import check_adapter_fits, merged_adapter, read_adapter_weights
     from .loading import load
     from .model_cards import results_table, write_model_card
 
     model = load(base, device="cpu")
     encoder = model[0]
-    check_adapter_fits(encoder.model, read_adapter_weights(adapter_dir), adapter_dir)
-    encoder.model = PeftModel.from_pretrained(encoder.model, str(adapter_dir), is_trainable=False).eval()
-    encoder.model.peft_config["default"].base_model_name_or_path = str(Path(base).resolve())
+    weights = read_adapter_weights(adapter_dir)
+    check_adapter_fits(encoder.model, weights, adapter_dir)
+    encoder.model = merged_adapter(encoder.model, adapter_dir, weights)
     shipped = json.loads((adapter_dir / ADAPTER_SETTINGS).read_text(encoding="utf-8"))
     for key, value in shipped["encoder"].items():
         setattr(encoder, key, value)
     encoder.check_settings()
-    model.save(str(out_dir), create_model_card=False)
+    with encoder.saving_adapter(adapter_dir, base):
+        model.save(str(out_dir), create_model_card=False)
     write_model_card(
         model,
         out_dir,

@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from . import mteb_identity, quantization
-from .adapter import adapter_base, is_adapter_dir, is_peft_model, load_base_and_adapter, save_adapter
+from .adapter import adapter_base, copy_adapter, is_adapter_dir, is_peft_model, load_base_and_adapter, save_adapter
 from .cache import REQUIRED_SETTINGS, RationaleCache, is_deterministic
 from .cache_binding import CacheBinding
 from .decoding import DecodeOptions
@@ -218,6 +218,7 @@ class GenerativeEncoder(InputModule):
         self._source_path = model_name_or_path if model_name_or_path and os.path.isdir(model_name_or_path) else None
         self._vllm = None
         self._weights_to_save: dict[str, Tensor] | None = None  # see saving_weights
+        self._adapter_to_save: tuple[str, str] | None = None  # see saving_adapter
         # How rollouts feed the model (grace_st.decoding): speed only, so not a saved setting.
         self.decode_options = DecodeOptions()
         self._templates: dict[str, PromptTemplate] = {}
@@ -576,6 +577,18 @@ class GenerativeEncoder(InputModule):
         finally:
             self._weights_to_save = None
 
+    @contextlib.contextmanager
+    def saving_adapter(self, adapter_dir: str | os.PathLike, base: str | os.PathLike) -> Iterator[GenerativeEncoder]:
+        """Within this block, :meth:`save` writes the LoRA adapter in ``adapter_dir`` on ``base``
+        instead of the LM's weights, which must be ``base`` with that adapter merged
+        (:func:`grace_st.adapter.merged_adapter`): a directory of megabytes that loads back to
+        the weights in memory, written without constructing a ``PeftModel``."""
+        self._adapter_to_save = (str(adapter_dir), str(base))
+        try:
+            yield self
+        finally:
+            self._adapter_to_save = None
+
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         if not safe_serialization:
             raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
@@ -586,7 +599,10 @@ class GenerativeEncoder(InputModule):
             )
         given = self._weights_to_save
         self.weights_revision = (weights_fingerprint(self.model, given) if given is not None else self.weights_key())[:16]
-        if is_peft_model(self.model):
+        if self._adapter_to_save is not None:
+            adapter_dir, base = self._adapter_to_save
+            copy_adapter(adapter_dir, output_path, base)
+        elif is_peft_model(self.model):
             save_adapter(self.model, output_path, state_dict=self._weights_to_save)
         else:
             self.model.save_pretrained(output_path, state_dict=self._weights_to_save)

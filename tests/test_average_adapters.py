@@ -78,10 +78,10 @@ def test_an_adapter_exported_in_bfloat16_is_half_the_bytes_and_loads_its_rounded
 
     saved_base(tmp_path / "fresh").save(str(tmp_path / "grace_base"))
     build_trained(str(tmp_path / "grace_base"), tmp_path / "built", half)
-    rebuilt = load_file(str(tmp_path / "built" / "adapter_model.safetensors"))  # what the cached default holds
-    assert rebuilt.keys() == stored.keys() and all(value.dtype == torch.float32 for value in rebuilt.values())
-    assert all(torch.equal(rebuilt[name], stored[name].float()) for name in stored)
+    # the cached default holds the shipped bytes; loading upcasts them, as PEFT does
+    assert (tmp_path / "built" / "adapter_model.safetensors").read_bytes() == (half / "adapter_model.safetensors").read_bytes()
     loaded = SentenceTransformer(str(tmp_path / "built"), trust_remote_code=True, device="cpu")
+    assert all(p.dtype == torch.float32 for p in loaded[0].model.parameters())
     reference = SentenceTransformer(str(checkpoint), trust_remote_code=True, device="cpu")
     loaded[0].max_input_tokens = reference[0].max_input_tokens  # the export sets the shipped 512; these texts are short
     cosine = torch.nn.functional.cosine_similarity(

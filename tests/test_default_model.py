@@ -4,6 +4,7 @@ import json
 import multiprocessing
 import os
 import subprocess
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -100,11 +101,18 @@ def test_build_trained_applies_an_adapter_and_its_settings(tmp_path):
     lm.save_pretrained(tmp_path / "adapter")
     settings = {"encoder": {"max_rationale_tokens": 3, "max_input_tokens": 100}, "training": {"lr": 1}, "scores": None}
     (tmp_path / "adapter" / dm.ADAPTER_SETTINGS).write_text(json.dumps(settings))
-    dm.build_trained(str(tmp_path / "base"), tmp_path / "trained", adapter_dir=tmp_path / "adapter")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a first build is part of `make demo`, whose output has no warning
+        dm.build_trained(str(tmp_path / "base"), tmp_path / "trained", adapter_dir=tmp_path / "adapter")
     adapter = json.loads((tmp_path / "trained" / "adapter_config.json").read_text())
     assert adapter["base_model_name_or_path"] == str((tmp_path / "base").resolve())
+    assert (tmp_path / "trained" / "adapter_model.safetensors").read_bytes() == (
+        tmp_path / "adapter" / "adapter_model.safetensors"
+    ).read_bytes()
     trained = SentenceTransformer(str(tmp_path / "trained"), device="cpu", trust_remote_code=True)
     assert (trained[0].max_rationale_tokens, trained[0].max_input_tokens) == (3, 100)
+    # the recorded revision is the fingerprint of the weights the directory loads to
+    assert trained[0].weights_revision == trained[0].weights_key()[:16]
     assert trained.encode(["a cat"]).shape == (1, 32)
 
 
