@@ -269,6 +269,11 @@ class IncrementalDecoder:
         self.native: NativeStep | None | bool = options.native_step and hidden_layer == -1  # built at first use
         self.native_threads = 0  # PyTorch's thread count while single-row native steps hold it at one
 
+    def fresh(self) -> IncrementalDecoder:
+        """Another decoder on the same model, in the same :func:`incremental_decoder` block: a batch of
+        its own (a prompt pass to admit, a new cache)."""
+        return IncrementalDecoder(self.model, self.captured, self.hidden_layer, self.options)
+
     def _forward(self, logits: bool = True, cache=None, **inputs) -> tuple[Tensor, Tensor | None]:
         """One forward pass that reads and extends the KV ``cache`` (None: none): (hidden states of the fed
         tokens, next-token logits of each row's last one)."""
@@ -315,8 +320,9 @@ class IncrementalDecoder:
         shared = 0
         if self.options.share_prefix:
             shared = shared_prefix_length(input_ids, attention_mask, instruction_lengths)
-        # With nothing to generate a KV cache is needed only to hold a shared prefix.
-        if max_new_tokens or shared:
+        # With nothing to generate a KV cache is needed only to hold a shared prefix, or for the native
+        # prompt pass, which writes into one: so that a prompt's states are the same bits alone or in a batch.
+        if max_new_tokens or shared or (self.options.preallocated_cache and self._native_model() is not None):
             if self.options.preallocated_cache:
                 self.kv_cache = preallocated_cache(self.model, width + max_new_tokens)
             else:
@@ -350,8 +356,18 @@ class IncrementalDecoder:
         batch, width = input_ids.shape
         starts = width - attention_mask.sum(1)
         first = int(starts[0])
-        prefix_cache = DynamicCache(config=self.model.config)
-        prefix_states, _ = self._forward(False, prefix_cache, input_ids=input_ids[:1, first : first + shared])
+        prefix = {
+            "input_ids": input_ids[:1, first : first + shared],
+            "attention_mask": attention_mask.new_ones((1, shared)),
+            "position_ids": torch.arange(shared, device=input_ids.device)[None, :],
+        }
+        # Natively where the rest runs natively: every token then has the bits a prompt prefilled whole gets.
+        prefix_cache = preallocated_cache(self.model, shared)
+        fed = self._native_prefill(False, cache=prefix_cache, **prefix)
+        if fed is None:
+            prefix_cache = DynamicCache(config=self.model.config)
+            fed = self._forward(False, prefix_cache, **prefix)
+        prefix_states = fed[0]
         for index, layer in enumerate(prefix_cache.layers):
             keys, values = layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1)
             self.kv_cache.update(keys, values, index)
@@ -385,7 +401,7 @@ class IncrementalDecoder:
         embedding, at each row's own positions, and a step's positions come from its row of the
         mask, so a row decodes exactly as if it had been prefilled alone. Rows are fed while
         ``self.rows`` stays every slot (:meth:`step` with ``keep_rows``)."""
-        batch_rows = IncrementalDecoder(self.model, self.captured, self.hidden_layer, self.options)
+        batch_rows = self.fresh()
         states, logits = batch_rows.prefill(input_ids, attention_mask, instruction_lengths, 1)
         width = batch_rows.mask.shape[1]
         if self.kv_cache is None:
@@ -457,30 +473,38 @@ class IncrementalDecoder:
         batch_states[self.rows] = states
         return batch_states, logits
 
-    def _native(self, rows: int, columns: int, allocate: bool = False) -> NativeStep | None:
-        """The native step, if it can feed ``columns`` more columns of ``rows`` rows into the cache. With
-        ``allocate``, a preallocated cache nothing was written to yet gets its buffers first (a prompt pass)."""
+    def _native_model(self) -> NativeStep | None:
+        """The model's native step (built at first use), or None where it cannot run this model."""
         if self.native is True:
             self.native = NativeStep.for_model(self.model) or False
-        if self.native is False:
-            return None
-        cache = self.kv_cache
-        if (
-            allocate and self.native.takes(rows, columns) and cache is not None
-            and _every_layer_preallocated(cache) and not cache.layers[0].is_initialized
-        ):
-            self.native.allocate(cache, rows)
-        return self.native if self.native.applies(cache, rows, columns) else None
+        return self.native or None
 
-    def _native_prefill(
-        self, logits: bool, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor
-    ) -> tuple[Tensor, Tensor | None] | None:
-        """The prompts (after the shared prefix, if any) as one native call over their real tokens,
-        padding skipped (:meth:`grace_st.native_step.NativeStep.prefill`); None where it does not apply."""
-        native = self._native(*input_ids.shape, allocate=True)
+    def _native(self, rows: int, columns: int, allocate: bool = False, cache=None) -> NativeStep | None:
+        """The native step, if it can feed ``columns`` more columns of ``rows`` rows into ``cache`` (None:
+        the decoder's). With ``allocate``, a preallocated cache nothing was written to yet gets its
+        buffers first (a prompt pass)."""
+        native = self._native_model()
         if native is None:
             return None
-        return native.prefill(input_ids, self.kv_cache, attention_mask, position_ids, logits, torch.get_num_threads())
+        cache = self.kv_cache if cache is None else cache
+        if (
+            allocate and native.takes(rows, columns) and cache is not None
+            and _every_layer_preallocated(cache) and not cache.layers[0].is_initialized
+        ):
+            native.allocate(cache, rows)
+        return native if native.applies(cache, rows, columns) else None
+
+    def _native_prefill(
+        self, logits: bool, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache=None
+    ) -> tuple[Tensor, Tensor | None] | None:
+        """The prompts (after the shared prefix, if any) as one native call over their real tokens,
+        padding skipped (:meth:`grace_st.native_step.NativeStep.prefill`), into ``cache`` (None: the
+        decoder's); None where it does not apply."""
+        cache = self.kv_cache if cache is None else cache
+        native = self._native(*input_ids.shape, allocate=True, cache=cache)
+        if native is None:
+            return None
+        return native.prefill(input_ids, cache, attention_mask, position_ids, logits, torch.get_num_threads())
 
     def _native_step(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor] | None:
         """The step as one native call (:mod:`grace_st.native_step`); None where it does not apply

@@ -17,13 +17,13 @@ state exists; that token is pooled like the others.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from .decoding import DecodeOptions, incremental_decoder
+from .decoding import DecodeOptions, IncrementalDecoder, incremental_decoder
 
 
 class Rationales(NamedTuple):
@@ -249,6 +249,206 @@ def generate_rollouts(
     )
 
 
+@dataclass
+class StreamedRow:
+    """One prompt's rollout in a :class:`RolloutStream`: its prompt's states (real tokens only), the
+    rationale written (Eq. 1) and its tokens' states (Eq. 2), and how it ended."""
+
+    key: object
+    prompt_ids: list[int]
+    instruction_length: int
+    max_new_tokens: int
+    temperature: float = 0.0
+    generator: torch.Generator | None = None
+    prompt_states: Tensor | None = None  # (prompt length, H)
+    rationale_ids: list[int] = field(default_factory=list)
+    rationale_states: list[Tensor] = field(default_factory=list)  # one (H,) a rationale token
+    stop_id: int = -1  # the EOS that ended it; -1 if none
+    truncated: bool = False  # ended at its budget without an EOS
+
+    def pooling_mask(self) -> Tensor:
+        """Eq. 3's positions over ``P(x) ⊕ r``: after L_sys, every rationale token."""
+        positions = torch.arange(len(self.prompt_ids) + len(self.rationale_ids))
+        return positions >= self.instruction_length
+
+    def token_embeddings(self) -> Tensor:
+        """The states of ``P(x) ⊕ r``, (prompt length + rationale length, H)."""
+        return torch.cat([self.prompt_states, *(state[None] for state in self.rationale_states)])
+
+
+class RolloutStream:
+    """Continuous batching as a loop its caller drives (Eqs. 1–2): rows join with :meth:`add` at any
+    time, each :meth:`step` admits waiting prompts into free decoding slots and feeds every slot one
+    token, and returns the rows whose rationale ended. A row whose budget is 0 gets its prompt pass
+    only, in a batch with the other such rows waiting.
+
+    ``encode``'s stream (:func:`stream_rollouts`) and the server (:mod:`grace_st.scheduler`) both run
+    this loop, and a row's rollout is the same bits whatever shares the slots: every per-row
+    computation (native prompt pass and step, the pooled mean) is batch-invariant
+    (``tests/test_batch_invariance.py``).
+
+    Slots: the cache holds ``slots`` rows (``slots`` may be a callable of the number of rows waiting),
+    with room for twice the widest prompt and budget waiting when it was allocated; a wider prompt,
+    or another slot count, waits until the stream is empty and the cache is allocated again. Waiting prompts enter in the order added, once an eighth of the slots (at least
+    one) are free, or all are.
+    """
+
+    def __init__(
+        self,
+        decoder: IncrementalDecoder,
+        *,
+        slots,
+        eos_token_ids: Sequence[int],
+        pad_token_id: int,
+        do_sample: bool = False,
+        top_p: float = 1.0,
+        repetition_penalty: float = 1.0,
+        device: torch.device | str = "cpu",
+    ):
+        self.root, self.decoder = decoder, None
+        self.slot_policy = slots if callable(slots) else (lambda waiting, n=slots: min(n, waiting))
+        self.eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
+        self.pad_token_id, self.do_sample, self.top_p = pad_token_id, do_sample, top_p
+        self.repetition_penalty, self.device = repetition_penalty, device
+        self.waiting: list[StreamedRow] = []
+        self.slot_rows: list[StreamedRow | None] = []
+        self.done = torch.ones(0, dtype=torch.bool, device=device)
+        self.logits: Tensor | None = None
+        self.written: Tensor | None = None
+        self.capacity = 0  # the widest prompt plus budget the cache was allocated for
+        self.steps = 0  # decoding steps run
+        self.rows_stepped = 0  # rows fed over those steps
+
+    def add(self, row: StreamedRow) -> None:
+        self.waiting.append(row)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.waiting) or not bool(self.done.all())
+
+    def drop(self, keys) -> None:
+        """Rows no longer wanted (a client gone): out of the queue, their slots freed."""
+        keys = set(keys)
+        self.waiting = [row for row in self.waiting if row.key not in keys]
+        for slot, row in enumerate(self.slot_rows):
+            if row is not None and row.key in keys and not self.done[slot]:
+                self._finish(slot)
+
+    def step(self) -> list[StreamedRow]:
+        """Admit, then one decoding step: the rows that ended, each once."""
+        ended = self._prompt_only()
+        self._admit()
+        if not bool(self.done.all()):
+            ended += self._decode()
+        return ended
+
+    # -- the parts of a step -------------------------------------------------------------------------
+
+    def _prompt_only(self) -> list[StreamedRow]:
+        rows = [row for row in self.waiting if row.max_new_tokens == 0]
+        if not rows:
+            return []
+        self.waiting = [row for row in self.waiting if row.max_new_tokens > 0]
+        input_ids, attention_mask = left_pad([row.prompt_ids for row in rows], self.pad_token_id)
+        spans = torch.tensor([row.instruction_length for row in rows], device=self.device)
+        states, _ = self.root.fresh().prefill(input_ids.to(self.device), attention_mask.to(self.device), spans, 0)
+        width = states.shape[1]
+        for index, row in enumerate(rows):
+            row.prompt_states = states[index, width - len(row.prompt_ids) :]
+        return rows
+
+    def _admit(self) -> None:
+        empty = bool(self.done.all())
+        if not self.waiting or not (empty or int(self.done.sum()) >= max(1, len(self.done) // 8)):
+            return
+        need = max(len(row.prompt_ids) + row.max_new_tokens for row in self.waiting)
+        count = max(1, self.slot_policy(len(self.waiting)))
+        if empty and (self.decoder is None or need > self.capacity or count != len(self.done)):
+            # a new cache, sized for what waits now
+            self.decoder, self.capacity = self.root.fresh(), need
+            self.slot_rows, self.done = [None] * count, torch.ones(count, dtype=torch.bool, device=self.device)
+            self.logits = self.written = None
+        free = self.done.nonzero().squeeze(1).tolist()
+        rows = []
+        for row in list(self.waiting):
+            if len(rows) == len(free):
+                break
+            if len(row.prompt_ids) + row.max_new_tokens <= self.capacity:
+                rows.append(row)
+                self.waiting.remove(row)
+        if not rows:
+            return
+        slots = torch.tensor(free[: len(rows)], dtype=torch.long, device=self.device)
+        input_ids, attention_mask = left_pad([row.prompt_ids for row in rows], self.pad_token_id)
+        states, new_logits = self.decoder.admit(
+            slots, input_ids.to(self.device), attention_mask.to(self.device),
+            torch.tensor([row.instruction_length for row in rows], device=self.device), len(self.done),
+            self.capacity - input_ids.shape[1],  # the cache: twice the widest prompt and budget, plus a column
+        )
+        width = states.shape[1]
+        for index, (slot, row) in enumerate(zip(slots.tolist(), rows)):
+            row.prompt_states = states[index, width - len(row.prompt_ids) :]
+            self.slot_rows[slot] = row
+        self.done[slots] = False
+        self.logits = new_logits if self.logits is None else self.logits.index_copy(0, slots, new_logits)
+        if self.written is None:
+            self.written = _written(len(self.done), self.logits, self.repetition_penalty)
+        elif self.written is not None:
+            self.written.index_fill_(0, slots, False)
+
+    def _decode(self) -> list[StreamedRow]:
+        slot_rows = self.decoder.rows  # the slots fed; logits are theirs
+        logits = self.logits
+        if self.written is not None:
+            logits = penalise_repeats(logits, self.written[slot_rows], self.repetition_penalty)
+        token = self._choose(logits, slot_rows)  # Eq. 1
+        live = ~self.done[slot_rows]
+        stopping = live & torch.isin(token, self.eos)
+        ended = []
+        for slot, stop in zip(slot_rows[stopping].tolist(), token[stopping].tolist()):
+            self.slot_rows[slot].stop_id = stop
+            ended.append(self._finish(slot))
+        alive = live & ~stopping
+        if not alive.any():
+            return ended
+        # finished slots stay in the cache (keep_rows): a later prompt takes them
+        states, self.logits = self.decoder.step(token, alive, self.pad_token_id, keep_rows=True)
+        self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + int(alive.sum())
+        fed_slots, fed_tokens = slot_rows[alive], token[alive]
+        if self.written is not None:
+            self.written[fed_slots, fed_tokens] = True
+        for slot, tok in zip(fed_slots.tolist(), fed_tokens.tolist()):
+            row = self.slot_rows[slot]
+            row.rationale_ids.append(tok)
+            row.rationale_states.append(states[slot, 0])  # Eq. 2 over r_k
+            if len(row.rationale_ids) >= row.max_new_tokens:
+                row.truncated = True
+                ended.append(self._finish(slot))
+        return ended
+
+    def _choose(self, logits: Tensor, slot_rows: Tensor) -> Tensor:
+        if not self.do_sample:
+            return logits.argmax(-1)
+        rows = [self.slot_rows[slot] for slot in slot_rows.tolist()]
+        temperatures = torch.tensor([row.temperature if row else 0.0 for row in rows], device=self.device)
+        generators = None
+        if all(row.generator is not None for row in rows if row is not None):  # seeded: each row draws from its own
+            generators = [row.generator if row else torch.Generator() for row in rows]
+        return _sample(logits, temperatures, self.top_p, generators, self.root.options.inverse_cdf_sampling)
+
+    def _finish(self, slot: int) -> StreamedRow:
+        self.done[slot] = True
+        self.decoder.release(torch.tensor([slot], device=self.device))
+        row, self.slot_rows[slot] = self.slot_rows[slot], None
+        return row
+
+
+def streamed_row(key, prompt_ids, instruction_length, max_new_tokens, temperature=0.0, seed=None) -> StreamedRow:
+    """A :class:`StreamedRow` with its own generator when seeded (its draws then do not depend on its batch)."""
+    generator = torch.Generator().manual_seed(int(seed)) if seed is not None else None
+    return StreamedRow(key, list(prompt_ids), int(instruction_length), int(max_new_tokens), float(temperature), generator)
+
+
 @torch.no_grad()
 def stream_rollouts(
     model,
@@ -268,97 +468,54 @@ def stream_rollouts(
     options: DecodeOptions | None = None,
     device: torch.device | str = "cpu",
 ) -> Rollouts:
-    """:func:`generate_rollouts` for many prompts through ``slots`` rows decoded at once (continuous
-    batching): when a row's rationale ends (EOS or the budget), its slot takes the next prompt, so
-    every step feeds a full batch until the prompts run out. The same rollouts as one call over all
-    rows (each row decodes from its own prompt, at its own positions, with its own seed; only float
-    rounding can differ, and sampling without ``seeds`` draws from torch's global generator in another
-    order), returned in the order given, prompts left-padded to the longest.
+    """:func:`generate_rollouts` for many prompts through ``slots`` rows decoded at once (a
+    :class:`RolloutStream`): when a row's rationale ends (EOS or the budget), its slot takes the next
+    prompt, so every step feeds a full batch until the prompts run out. Each row's rollout is the
+    one it gets decoded alone (sampling without ``seeds`` draws from torch's global generator in
+    another order), returned in the order given, prompts left-padded to the longest.
 
-    Prompts enter longest first: a later prompt then always fits the columns the cache already
-    has. New prompts are prefilled once an eighth of the slots (at least one) are free, or all are.
+    Prompts enter longest first: a later prompt then always fits the columns the cache already has.
     """
     rows = len(prompt_ids)
-    eos, temperatures, generators = _sampling(eos_token_ids, temperature, rows, do_sample, seeds, device)
-    queue = sorted(range(rows), key=lambda i: len(prompt_ids[i]))  # pop() takes the longest waiting
-    slots = min(slots, rows)
-    text_of = torch.zeros(slots, dtype=torch.long, device=device)  # the prompt each slot decodes
-    done = torch.ones(slots, dtype=torch.bool, device=device)  # its rationale ended (or it holds none yet)
-    length = torch.zeros(rows, dtype=torch.long, device=device)  # rationale tokens fed so far, by prompt
-    stop_ids = torch.full((rows,), -1, dtype=torch.long, device=device)
-    prompts: list[tuple[Tensor, Tensor]] = []  # each admission's prompts and their (left-padded) states
-    fed: list[tuple[Tensor, Tensor, Tensor, Tensor]] = []  # each step's (prompts, positions, tokens, states)
-
+    temperatures = per_row(temperature if do_sample else 0.0, rows)
+    entries = [
+        streamed_row(i, prompt_ids[i], instruction_lengths[i], max_new_tokens, temperatures[i],
+                     None if seeds is None else seeds[i])
+        for i in range(rows)
+    ]
     with incremental_decoder(model, hidden_layer, options) as decoder:
-        inverse_cdf = decoder.options.inverse_cdf_sampling
-        logits = None
-        written = None  # by slot, cleared when the slot takes a new prompt
-        while True:
-            if queue and (int(done.sum()) >= max(1, slots // 8) or bool(done.all())):
-                free = done.nonzero().squeeze(1)[: len(queue)]
-                texts = torch.tensor([queue.pop() for _ in range(len(free))], dtype=torch.long, device=device)
-                input_ids, attention_mask = left_pad([prompt_ids[i] for i in texts.tolist()], pad_token_id)
-                states, new_logits = decoder.admit(
-                    free, input_ids.to(device), attention_mask.to(device),
-                    torch.tensor([instruction_lengths[i] for i in texts.tolist()], device=device), slots, max_new_tokens,
-                )
-                prompts.append((texts, states))
-                text_of[free], done[free] = texts, False
-                logits = new_logits if logits is None else logits.index_copy(0, free, new_logits)
-                written = _written(slots, logits, repetition_penalty) if written is None else written.index_fill_(0, free, False)
-            if bool(done.all()):
-                break
-            slot_rows = decoder.rows  # the slots fed; logits are theirs
-            texts = text_of[slot_rows]
-            if written is not None:
-                logits = penalise_repeats(logits, written[slot_rows], repetition_penalty)
-            token = _choose(logits, texts, do_sample, temperatures, top_p, generators, inverse_cdf)  # Eq. 1
-            live = ~done[slot_rows]
-            stopping = live & torch.isin(token, eos)
-            stop_ids[texts[stopping]] = token[stopping]
-            alive = live & ~stopping
-            done[slot_rows[stopping]] = True
-            decoder.release(slot_rows[stopping])
-            if not alive.any():
-                continue
-            states, logits = decoder.step(token, alive, pad_token_id, keep_rows=bool(queue))
-            fed_slots = slot_rows[alive]
-            if written is not None:
-                written[fed_slots, token[alive]] = True
-            fed_texts = text_of[fed_slots]
-            fed.append((fed_texts, length[fed_texts], token[alive], states[fed_slots, 0]))  # Eq. 2 over r_k
-            length[fed_texts] += 1
-            ended = fed_slots[length[fed_texts] >= max_new_tokens]
-            done[ended] = True
-            decoder.release(ended)
-
-    return _assemble(prompt_ids, instruction_lengths, prompts, fed, length, stop_ids, max_new_tokens, device)
+        stream = RolloutStream(
+            decoder, slots=slots, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, do_sample=do_sample,
+            top_p=top_p, repetition_penalty=repetition_penalty, device=device,
+        )
+        for entry in sorted(entries, key=lambda e: len(e.prompt_ids), reverse=True):
+            stream.add(entry)
+        while stream.busy:
+            stream.step()
+    return assemble_rollouts(entries, device)
 
 
-def _assemble(prompt_ids, instruction_lengths, prompts, fed, length, stop_ids, max_new_tokens, device) -> Rollouts:
-    """:func:`stream_rollouts`' pieces as :class:`Rollouts` in request order: prompts left-padded to
+def assemble_rollouts(entries: Sequence[StreamedRow], device: torch.device | str = "cpu") -> Rollouts:
+    """Finished :class:`StreamedRow` s as :class:`Rollouts`, in the order given: prompts left-padded to
     the longest, rationales right-padded to the longest."""
-    rows, width = len(prompt_ids), max(len(p) for p in prompt_ids)
-    generated = int(length.max()) if rows else 0
-    hidden = prompts[0][1].shape[-1]
-    token_embeddings = torch.zeros((rows, width + generated, hidden), dtype=prompts[0][1].dtype, device=device)
-    for texts, states in prompts:  # left-padded to their own widest: right-aligned with the rest
-        token_embeddings[texts, width - states.shape[1] : width] = states
+    rows, width = len(entries), max(len(e.prompt_ids) for e in entries)
+    generated = max(len(e.rationale_ids) for e in entries)
+    hidden = entries[0].prompt_states.shape[-1]
+    token_embeddings = torch.zeros((rows, width + generated, hidden), dtype=entries[0].prompt_states.dtype, device=device)
     rationale_ids = torch.full((rows, generated), -1, dtype=torch.long, device=device)
-    for texts, positions, tokens, states in fed:
-        token_embeddings[texts, width + positions] = states
-        rationale_ids[texts, positions] = tokens
-    _, prompt_mask = left_pad(prompt_ids, 0)
+    for index, entry in enumerate(entries):
+        token_embeddings[index, width - len(entry.prompt_ids) : width] = entry.prompt_states
+        if entry.rationale_ids:
+            token_embeddings[index, width : width + len(entry.rationale_ids)] = torch.stack(entry.rationale_states)
+            rationale_ids[index, : len(entry.rationale_ids)] = torch.tensor(entry.rationale_ids, device=device)
+    _, prompt_mask = left_pad([e.prompt_ids for e in entries], 0)
     prompt_mask = prompt_mask.to(device)
-    attention_mask = torch.cat([prompt_mask, (rationale_ids >= 0).long()], 1)
-    pooling_mask = torch.cat(
-        [prompt_pooling_mask(prompt_mask, torch.tensor(list(instruction_lengths), device=device)), rationale_ids >= 0], 1
-    )
+    spans = torch.tensor([e.instruction_length for e in entries], device=device)
     return Rollouts(
-        attention_mask=attention_mask,
-        pooling_mask=pooling_mask,
+        attention_mask=torch.cat([prompt_mask, (rationale_ids >= 0).long()], 1),
+        pooling_mask=torch.cat([prompt_pooling_mask(prompt_mask, spans), rationale_ids >= 0], 1),
         token_embeddings=token_embeddings,
         rationale_ids=rationale_ids,
-        truncated=(stop_ids < 0) & (length >= max_new_tokens),
-        stop_ids=stop_ids,
+        truncated=torch.tensor([e.truncated for e in entries], dtype=torch.bool, device=device),
+        stop_ids=torch.tensor([e.stop_id for e in entries], dtype=torch.long, device=device),
     )

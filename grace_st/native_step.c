@@ -384,25 +384,34 @@ static void silu_times(const float *gate, float *out, int n) {
     for (; i < n; i++) out[i] *= gate[i] / (1.0f + expf(-gate[i]));
 }
 
-/* scores[j] = e^(scores[j] - top) where mask[j], else 0; returns their sum. */
+/* scores[j] = e^(scores[j] - top) where mask[j], else 0; returns their sum, added one column at a time
+ * in column order: a masked column adds an exact 0, so the sum of a row's own columns is the same bits
+ * whatever padding or stale columns surround them (a text alone, among others, or served). */
 static float exp_shifted(float *scores, const unsigned char *mask, int columns, float top) {
     int j = 0;
-    float total = 0.0f;
 #if defined(__AVX512F__)
-    __m512 sum = _mm512_setzero_ps(), shift = _mm512_set1_ps(top);
+    __m512 shift = _mm512_set1_ps(top);
     for (; j + 16 <= columns; j += 16) {
         __mmask16 kept = _mm512_cmpneq_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(mask + j))),
                                                   _mm512_setzero_si512());
-        __m512 e = _mm512_maskz_mov_ps(kept, exp_vector(_mm512_sub_ps(_mm512_loadu_ps(scores + j), shift)));
-        _mm512_storeu_ps(scores + j, e);
-        sum = _mm512_add_ps(sum, e);
+        _mm512_storeu_ps(scores + j, _mm512_maskz_mov_ps(kept, exp_vector(_mm512_sub_ps(_mm512_loadu_ps(scores + j), shift))));
     }
-    total = _mm512_reduce_add_ps(sum);
+    if (j < columns) { /* the last columns through the same exp_vector: which columns are last depends on padding */
+        float tail[16] = {0};
+        unsigned char tail_mask[16] = {0};
+        int n = columns - j;
+        memcpy(tail, scores + j, n * sizeof(float));
+        memcpy(tail_mask, mask + j, n);
+        __mmask16 kept = _mm512_cmpneq_epi32_mask(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)tail_mask)),
+                                                  _mm512_setzero_si512());
+        _mm512_storeu_ps(tail, _mm512_maskz_mov_ps(kept, exp_vector(_mm512_sub_ps(_mm512_loadu_ps(tail), shift))));
+        memcpy(scores + j, tail, n * sizeof(float));
+        j = columns;
+    }
 #endif
-    for (; j < columns; j++) {
-        scores[j] = mask[j] ? expf(scores[j] - top) : 0.0f;
-        total += scores[j];
-    }
+    for (; j < columns; j++) scores[j] = mask[j] ? expf(scores[j] - top) : 0.0f;
+    float total = 0.0f;
+    for (j = 0; j < columns; j++) total += scores[j];
     return total;
 }
 

@@ -1,0 +1,75 @@
+"""A text's embedding is the same bits alone, in any batch, and in any order (where the native step
+runs): the prompt pass, each decoding step, the attention's softmax and the pooled mean all give
+a row the same result whatever padding and other rows surround it. The server relies on it."""
+
+import pytest
+import torch
+from conftest import make_model, make_tokenizer
+
+from grace_st import from_causal_lm, native_step
+
+needs_compiler = pytest.mark.skipif(native_step.library() is None, reason="no C compiler to build the native step")
+
+TEXTS = [
+    "cats",
+    "A man is playing a guitar on stage while the crowd sings along with every word of the chorus.",
+    "Stock markets fell.",
+    "How do vaccines train the immune system to recognise a virus it has never met before?",
+    "the",
+    "Proteins fold into shapes that decide what they do in the cell.",
+]
+
+
+@pytest.fixture(scope="module")
+def model():
+    tokenizer = make_tokenizer()
+    # head_dim 16: the attention's vector path; budgets by type, a rationale for texts and queries
+    return from_causal_lm(
+        model=make_model(tokenizer, hidden_size=64),
+        tokenizer=tokenizer,
+        device="cpu",
+        max_rationale_tokens={"default": 6, "query": 3, "document": 0},
+    )
+
+
+@needs_compiler
+@pytest.mark.parametrize("prompt_name", [None, "query", "document"])
+def test_a_text_is_the_same_bits_alone_batched_and_reordered(model, prompt_name):
+    kwargs = {"prompt_name": prompt_name} if prompt_name else {}
+    together = model.encode(TEXTS, convert_to_tensor=True, **kwargs)
+    reordered = model.encode(TEXTS[::-1], convert_to_tensor=True, **kwargs).flip(0)
+    pairs = model.encode(TEXTS, convert_to_tensor=True, batch_size=2, **kwargs)
+    for index, text in enumerate(TEXTS):
+        alone = model.encode([text], convert_to_tensor=True, **kwargs)[0]
+        for other in (together, reordered, pairs):
+            assert torch.equal(alone, other[index]), (prompt_name, text)
+
+
+@needs_compiler
+def test_continuous_batching_gives_each_text_the_bits_of_a_batch(model):
+    """More texts than decode slots: rows stream through two slots, admitted as others finish."""
+    from grace_st.decoding import DecodeOptions
+
+    texts = TEXTS * 2
+    expected = model.encode(texts, convert_to_tensor=True)
+    model[0].decode_options = DecodeOptions(decode_rows=2)
+    try:
+        streamed = model.encode(texts, convert_to_tensor=True)
+    finally:
+        model[0].decode_options = DecodeOptions()
+    assert torch.equal(streamed, expected)
+
+
+def test_the_pooled_mean_does_not_depend_on_padding():
+    from grace_st.pooling import masked_mean
+
+    torch.manual_seed(0)
+    states, mask = torch.randn(1, 40, 64), torch.ones(1, 40)
+    for pad in (1, 5, 17):
+        left = torch.cat([torch.full((1, pad, 64), float("nan")), states], 1)
+        right = torch.cat([states, torch.randn(1, pad, 64)], 1)
+        others = torch.randn(3, 40 + pad, 64)
+        batch = torch.cat([left, others])
+        batch_mask = torch.cat([torch.cat([torch.zeros(1, pad), mask], 1), torch.ones(3, 40 + pad)])
+        assert torch.equal(masked_mean(states, mask), masked_mean(batch, batch_mask)[:1])
+        assert torch.equal(masked_mean(states, mask), masked_mean(right, torch.cat([mask, torch.zeros(1, pad)], 1)))
