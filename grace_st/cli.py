@@ -93,7 +93,10 @@ def _load_model(path: str, args: argparse.Namespace):
     GenerativeEncoder settings; other sentence-transformers models take none)."""
     from .loading import load
 
-    model = load(path, device=args.device, trust_remote_code=args.trust_remote_code)
+    model = load(
+        path, device=args.device, trust_remote_code=args.trust_remote_code,
+        model_kwargs=getattr(args, "model_kwargs", None),
+    )
     encoder = model[0]
     settings = _encoder_settings(args)
     if settings and not hasattr(encoder, "check_settings"):
@@ -184,6 +187,31 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--no-progress", action="store_true", help="hide progress bars")
     evaluate.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     _encoder_options(evaluate)
+
+    serve = commands.add_parser(
+        "serve", help="an OpenAI-compatible embedding server (POST /v1/embeddings); needs grace-st[serve]"
+    )
+    serve.add_argument("model", nargs="?", help="GRACE model directory or Hub id (default: the embedded default model)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key", help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $GRACE_ST_API_KEY; none when unset)"
+    )
+    serve.add_argument("--model-name", help="the model's name in the API (default: MODEL as given, or grace-st-default)")
+    serve.add_argument("--max-texts", type=_positive_int, default=2048, help="texts a request at most (413 over)")
+    serve.add_argument("--max-chars", type=_positive_int, default=32_768, help="characters a text at most (413 over)")
+    serve.add_argument(
+        "--max-queue", type=_positive_int, default=1024,
+        help="texts waiting or decoding at most; a request over it gets 429 with Retry-After",
+    )
+    serve.add_argument("--slots", type=_positive_int, default=32, help="rows decoded together at most")
+    serve.add_argument("--weight-quantization", choices=["int8"], help="int8 weight-only quantization at load")
+    serve.add_argument("--device", help="torch device, e.g. cpu or cuda")
+    serve.add_argument("--cache", help="a rationale cache file (SQLite), shared by every request")
+    serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    serve.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
+    _encoder_options(serve)
     return parser
 
 
@@ -361,7 +389,33 @@ def run_eval(args: argparse.Namespace) -> int:
     return 1 if any(entry["error"] for entry in report["tasks"]) else 0
 
 
-COMMANDS = {"encode": run_encode, "build": run_build, "eval": run_eval}
+def run_serve(args: argparse.Namespace) -> int:
+    try:
+        from .server import Limits, serve
+    except ImportError as error:
+        raise SystemExit(f"grace-st serve: {error.name} is missing: pip install 'grace-st[serve]'") from None
+    from . import default_model_path
+
+    if args.weight_quantization:
+        args.model_kwargs = {"weight_quantization": args.weight_quantization}
+    model = _load_model(args.model or default_model_path(), args)
+    if args.cache:
+        model[0].set_rationale_cache(args.cache)
+    serve(
+        model,
+        model_name=args.model_name or args.model or "grace-st-default",
+        host=args.host,
+        port=args.port,
+        api_key=args.api_key,
+        limits=Limits(max_texts=args.max_texts, max_chars=args.max_chars),
+        max_queued_texts=args.max_queue,
+        max_slots=args.slots,
+        log_level=args.log_level,
+    )
+    return 0
+
+
+COMMANDS = {"encode": run_encode, "build": run_build, "eval": run_eval, "serve": run_serve}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -390,7 +390,9 @@ class RolloutStream:
             row.prompt_states = states[index, width - len(row.prompt_ids) :]
             self.slot_rows[slot] = row
         self.done[slots] = False
-        self.logits = new_logits if self.logits is None else self.logits.index_copy(0, slots, new_logits)
+        if self.logits is None:  # slots no prompt holds yet: logits never read (their rows are done)
+            self.logits = new_logits.new_zeros((len(self.done), new_logits.shape[-1]))
+        self.logits = self.logits.index_copy(0, slots, new_logits)
         if self.written is None:
             self.written = _written(len(self.done), self.logits, self.repetition_penalty)
         elif self.written is not None:

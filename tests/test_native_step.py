@@ -297,7 +297,7 @@ def test_a_batch_decodes_natively_and_gets_pytorch_s_rationales_and_states(
     native = one_pass_rollouts(model, tokenizer, rows, spans, 12, **decoding)
     pytorch = one_pass_rollouts(model, tokenizer, rows, spans, 12, options=PYTORCH_STEP, **decoding)
     _assert_same(native, pytorch)
-    assert native_prefills == [True] and len(native_calls) >= 11 and all(native_calls)
+    assert native_prefills == [True, True] and len(native_calls) >= 11 and all(native_calls)
 
 
 def _prompt_cache(model, rows):
@@ -356,7 +356,7 @@ def test_the_prompt_pass_skips_padding_and_gives_the_model_s_states_logits_and_c
         with torch.no_grad(), incremental_decoder(model, options=options) as decoder:
             states, logits = decoder.prefill(ids, mask, torch.tensor(spans), budget)
             results.append((states, logits, decoder.kv_cache, decoder.mask))
-    assert native_prefills == [True]
+    assert native_prefills == [True, True]  # the shared prefix, then the rest of each prompt
     (states, logits, cache, cache_mask), (expected_states, expected_logits, expected_cache, _) = results
     torch.testing.assert_close(states, expected_states, atol=1e-5, rtol=1e-5)
     if budget:
@@ -367,8 +367,9 @@ def test_the_prompt_pass_skips_padding_and_gives_the_model_s_states_logits_and_c
     for ours, theirs in zip(cache.layers, expected_cache.layers):
         assert ours.length == theirs.length
         real = cache_mask.bool()[:, None, :, None].expand_as(ours.keys)
-        torch.testing.assert_close(ours.keys[real], theirs.keys[real], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(ours.values[real], theirs.values[real], atol=1e-5, rtol=1e-5)
+        # the shared prefix runs natively too: its keys carry float32 rounding like the rest (up to ~1e-5)
+        torch.testing.assert_close(ours.keys[real], theirs.keys[real], atol=3e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values[real], theirs.values[real], atol=3e-5, rtol=1e-5)
         assert not ours.keys[~real].any() and not ours.values[~real].any()  # padding: zeros, never computed
 
 
