@@ -1,0 +1,315 @@
+"""grace-st serve: OpenAI's embeddings API through real clients (the ``openai`` package, LangChain's
+``OpenAIEmbeddings``, plain HTTP), bit for bit ``model.encode``; bad input, overload, clients that
+leave and shutdown, each answered without disturbing other requests. Loopback only, tiny models."""
+
+import base64
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+import pytest
+import uvicorn
+from conftest import make_model, make_tokenizer
+
+from grace_st import from_causal_lm, native_step
+from grace_st.scheduler import QueueFull, Scheduler
+from grace_st.server import Limits, create_app
+
+needs_compiler = pytest.mark.skipif(native_step.library() is None, reason="no C compiler to build the native step")
+KEY = "test-key"
+TEXTS = ["cats", "A man is playing a guitar on stage.", "Stock markets fell after the rate decision.", ""]
+BUDGETS = {"default": 5, "query": 3, "document": 0}
+
+
+def tiny(**settings):
+    tokenizer = make_tokenizer()
+    settings.setdefault("max_rationale_tokens", BUDGETS)
+    return from_causal_lm(model=make_model(tokenizer, hidden_size=64), tokenizer=tokenizer, device="cpu", **settings)
+
+
+class Running:
+    """A uvicorn server on a free loopback port, in a thread."""
+
+    def __init__(self, app):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "the server did not start"
+            time.sleep(0.02)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def post(self, body, key=KEY, **kwargs):
+        headers = {"Authorization": f"Bearer {key}"} if key else {}
+        if isinstance(body, (bytes, str)):
+            return httpx.post(f"{self.url}/v1/embeddings", content=body, headers=headers, **kwargs)
+        return httpx.post(f"{self.url}/v1/embeddings", json=body, headers=headers, **kwargs)
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(60)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny()
+
+
+@pytest.fixture(scope="module")
+def server(model):
+    running = Running(create_app(model, model_name="tiny", api_key=KEY, limits=Limits(max_texts=8, max_chars=200,
+                                                                                    max_body_bytes=4096)))
+    yield running
+    running.stop()
+
+
+def expected(model, texts, kind):
+    if kind == "query":
+        return model.encode_query(texts)
+    if kind == "document":
+        return model.encode_document(texts)
+    return model.encode(texts)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["default", "query", "document"])
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+def test_the_openai_client_gets_encode_s_embeddings_bit_for_bit(server, model, kind, encoding):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+    extra = {} if kind == "default" else {"input_type": kind}
+    response = client.embeddings.create(input=TEXTS, model="tiny", encoding_format=encoding, extra_body=extra)
+    # asked for explicitly, base64 comes back as the string (the client decodes it only when it chose base64)
+    got = np.array([np.frombuffer(base64.b64decode(item.embedding), "<f4") if encoding == "base64" else item.embedding
+                    for item in response.data], dtype=np.float32)
+    assert [item.index for item in response.data] == list(range(len(TEXTS)))
+    assert np.array_equal(got, expected(model, TEXTS, kind))
+    assert response.model == "tiny" and 0 < response.usage.prompt_tokens <= response.usage.total_tokens
+    one = client.embeddings.create(input=TEXTS[1], model="tiny", extra_body=extra)  # a string, not a list
+    assert np.array_equal(np.array(one.data[0].embedding, dtype=np.float32), expected(model, TEXTS[1:2], kind)[0])
+
+
+@needs_compiler
+def test_langchain_s_openai_embeddings_get_encode_s_embeddings(server, model):
+    from langchain_openai import OpenAIEmbeddings
+
+    # check_embedding_ctx_length=False: send text, not tiktoken ids (tiktoken's tables are a download)
+    embeddings = OpenAIEmbeddings(model="tiny", base_url=f"{server.url}/v1", api_key=KEY,
+                                  check_embedding_ctx_length=False, max_retries=0)
+    assert np.array_equal(np.array(embeddings.embed_documents(TEXTS), dtype=np.float32), model.encode(TEXTS))
+    assert np.array_equal(np.array(embeddings.embed_query(TEXTS[2]), dtype=np.float32), model.encode(TEXTS[2:3])[0])
+
+
+def test_dimensions_rationales_models_health_and_metrics(server, model):
+    response = server.post({"model": "tiny", "input": TEXTS[:2], "dimensions": 8, "return_rationale": True})
+    assert response.status_code == 200
+    full = model.encode(TEXTS[:2], output_value=None)
+    for item, text_out in zip(response.json()["data"], full):
+        assert np.array_equal(np.array(item["embedding"], dtype=np.float32), text_out["sentence_embedding"][:8].numpy())
+        ids = text_out["rationale_token_ids"][0]
+        assert item["rationale"] == model[0].decode_rationales(ids[None])[0]
+    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == "tiny"
+    assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
+    metrics = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert 'grace_st_requests_total{route="/v1/embeddings",status="200"}' in metrics
+    assert "grace_st_rows_per_step_bucket" in metrics and "grace_st_queued_texts" in metrics
+
+
+BAD = [
+    (b"{not json", 400, "not valid JSON"),
+    (b'{"model": "tiny", "input": "caf\xe9"}', 400, "not valid UTF-8"),
+    (b'{"model": "tiny", "input": ["ok", "\\ud800"]}', 400, "input[1] is not valid Unicode"),
+    (b"[1, 2]", 400, "must be a JSON object"),
+    ({"input": "x"}, 400, "'model' is required"),
+    ({"model": "gpt-4", "input": "x"}, 404, "does not exist"),
+    ({"model": "tiny", "input": 5}, 400, "a string or a list"),
+    ({"model": "tiny", "input": []}, 400, "empty list"),
+    ({"model": "tiny", "input": ["ok", None]}, 400, "input[1] is NoneType"),
+    ({"model": "tiny", "input": [1, 2, 3]}, 400, "token array"),
+    ({"model": "tiny", "input": [[1, 2]]}, 400, "token array"),
+    ({"model": "tiny", "input": ["x"] * 9}, 413, "at most 8"),
+    ({"model": "tiny", "input": "x" * 201}, 413, "at most 200"),
+    ({"model": "tiny", "input": ["y" * 150] * 40}, 413, "body"),
+    ({"model": "tiny", "input": "x", "encoding_format": "int8"}, 400, "encoding_format"),
+    ({"model": "tiny", "input": "x", "dimensions": 0}, 400, "dimensions"),
+    ({"model": "tiny", "input": "x", "dimensions": 65}, 400, "dimensions"),
+    ({"model": "tiny", "input": "x", "dimensions": True}, 400, "dimensions"),
+    ({"model": "tiny", "input": "x", "input_type": "passage"}, 400, "input_type"),
+    ({"model": "tiny", "input": "x", "return_rationale": "yes"}, 400, "return_rationale"),
+]
+
+
+@pytest.mark.parametrize("body,status,words", BAD)
+def test_bad_requests_get_a_4xx_in_openai_s_shape_and_the_server_goes_on(server, model, body, status, words):
+    response = server.post(body)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert words in error["message"] and error["type"]
+    good = server.post({"model": "tiny", "input": TEXTS[1]})
+    assert np.array_equal(np.array(good.json()["data"][0]["embedding"], dtype=np.float32), model.encode(TEXTS[1:2])[0])
+
+
+def test_every_route_but_health_wants_the_key(server):
+    assert server.post({"model": "tiny", "input": "x"}, key=None).status_code == 401
+    assert server.post({"model": "tiny", "input": "x"}, key="wrong").json()["error"]["code"] == "invalid_api_key"
+    for route in ("/v1/models", "/metrics"):
+        assert httpx.get(f"{server.url}{route}").status_code == 401
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+@needs_compiler
+def test_concurrent_clients_mixing_good_and_bad_requests_all_get_their_own_answers(server, model):
+    """32 clients, 192 requests of every prompt type and some bad ones at once: each good answer is
+    encode's, each bad one a 4xx, no 5xx."""
+    references = {kind: expected(model, TEXTS, kind) for kind in ("default", "query", "document")}
+
+    def client(number):
+        kind = ("default", "query", "document")[number % 3]
+        if number % 5 == 4:
+            response = server.post({"model": "tiny", "input": [1, 2]})
+            return response.status_code == 400
+        picks = [(number + k) % len(TEXTS) for k in range(1 + number % 3)]
+        response = server.post({"model": "tiny", "input": [TEXTS[i] for i in picks], "input_type": kind})
+        got = np.array([item["embedding"] for item in response.json()["data"]], dtype=np.float32)
+        return response.status_code == 200 and np.array_equal(got, references[kind][picks])
+
+    with ThreadPoolExecutor(32) as pool:
+        assert all(pool.map(client, range(192)))
+    assert "status=\"5" not in httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+
+
+def test_a_full_queue_answers_429_with_retry_after(model):
+    from fastapi.testclient import TestClient
+
+    app = create_app(model, model_name="tiny", max_queued_texts=3)
+    client = TestClient(app)  # no lifespan: the scheduler is not started, so what is queued stays queued
+    app.state.scheduler.submit(["a", "b"])
+    response = client.post("/v1/embeddings", json={"model": "tiny", "input": ["c", "d"]})
+    assert response.status_code == 429 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["code"] == "queue_full"
+    too_many = client.post("/v1/embeddings", json={"model": "tiny", "input": ["c"] * 4})
+    assert too_many.status_code == 413  # more than the queue ever holds: retrying would not help
+
+
+def test_the_scheduler_refuses_past_its_bound_and_drops_a_cancelled_request_s_rows(model):
+    scheduler = Scheduler(model, max_queued_texts=6)
+    gone = scheduler.submit(["long text " * 20] * 4)
+    with pytest.raises(QueueFull):
+        scheduler.submit(["x"] * 3)
+    assert gone.cancel()  # its client left before it was decoded
+    kept = scheduler.submit(["cats"])
+    scheduler.start()
+    assert np.array_equal(kept.result(timeout=60).embeddings, model.encode(["cats"]))
+    deadline = time.monotonic() + 10
+    while scheduler.queued_texts and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert scheduler.queued_texts == 0
+    scheduler.stop(10)
+
+
+def test_a_client_that_disconnects_has_its_rows_dropped(model):
+    slow = tiny(max_rationale_tokens=200)  # long rationales: the request is still decoding when the client goes
+    running = Running(create_app(slow, model_name="tiny"))
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            running.post({"model": "tiny", "input": [f"text number {i}" for i in range(8)]}, key=None, timeout=0.3)
+        scheduler = running.server.config.app.state.scheduler
+        deadline = time.monotonic() + 20
+        while scheduler.queued_texts and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert scheduler.queued_texts == 0  # dropped, not decoded to the end
+        after = running.post({"model": "tiny", "input": "cats"}, key=None, timeout=60)
+        assert np.array_equal(np.array(after.json()["data"][0]["embedding"], dtype=np.float32), slow.encode(["cats"])[0])
+    finally:
+        running.stop()
+
+
+def test_shutdown_finishes_the_requests_in_flight(model):
+    running = Running(create_app(model, model_name="tiny"))
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(running.post, {"model": "tiny", "input": TEXTS * 2}, None, timeout=60)
+        time.sleep(0.05)
+        running.stop()
+        response = pending.result()
+    assert response.status_code == 200 and len(response.json()["data"]) == 2 * len(TEXTS)
+
+
+def test_a_model_that_does_not_stream_is_served_by_whole_batches():
+    """GIRCSE's soft tokens all run K steps: each request runs as encode's batch, still one thread."""
+    gircse = tiny(method="gircse", max_rationale_tokens=3)
+    scheduler = Scheduler(gircse).start()
+    try:
+        futures = [scheduler.submit(TEXTS[:2]), scheduler.submit(TEXTS[2:], "query")]
+        assert np.allclose(futures[0].result(60).embeddings, gircse.encode(TEXTS[:2]), atol=1e-6)
+        assert np.allclose(futures[1].result(60).embeddings, gircse.encode_query(TEXTS[2:]), atol=1e-6)
+    finally:
+        scheduler.stop(10)
+
+
+def test_the_cli_serves_on_loopback(tmp_path):
+    tiny().save(str(tmp_path / "model"))
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "grace_st.cli", "serve", str(tmp_path / "model"), "--port", str(port),
+         "--model-name", "tiny", "--log-level", "warning"],
+        env={**os.environ, "GRACE_ST_API_KEY": KEY},
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health")
+                break
+            except httpx.ConnectError:
+                assert process.poll() is None and time.monotonic() < deadline, "grace-st serve did not start"
+                time.sleep(0.2)
+        assert health.json()["model"] == "tiny"
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401  # the key from the environment
+        response = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"model": "tiny", "input": "cats"},
+                              headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        assert len(response.json()["data"][0]["embedding"]) == 64
+    finally:
+        process.terminate()
+        # uvicorn shuts down gracefully on SIGTERM, then re-raises it: the exit says which signal ended it
+        assert process.wait(60) in (0, -15)
+
+
+def test_base64_is_little_endian_float32(server, model):
+    response = server.post({"model": "tiny", "input": TEXTS[0], "encoding_format": "base64"})
+    raw = base64.b64decode(response.json()["data"][0]["embedding"])
+    assert np.array_equal(np.frombuffer(raw, dtype="<f4"), model.encode(TEXTS[:1])[0])
+    assert json.loads(response.content)["object"] == "list"
+
+
+@pytest.mark.slow
+def test_the_shipped_default_is_served_bit_for_bit():
+    from openai import OpenAI
+    from sentence_transformers import SentenceTransformer
+
+    import grace_st
+
+    default = SentenceTransformer(grace_st.default_model_path(), device="cpu", trust_remote_code=True)
+    running = Running(create_app(default, model_name="grace-st-default"))
+    try:
+        client = OpenAI(base_url=f"{running.url}/v1", api_key="unused", max_retries=0)
+        for kind in ("default", "query", "document"):
+            extra = {} if kind == "default" else {"input_type": kind}
+            got = client.embeddings.create(input=TEXTS[:3], model="grace-st-default", extra_body=extra)
+            vectors = np.array([item.embedding for item in got.data], dtype=np.float32)
+            assert np.array_equal(vectors, expected(default, TEXTS[:3], kind)), kind
+    finally:
+        running.stop()
