@@ -219,17 +219,29 @@ def test_the_scheduler_refuses_past_its_bound_and_drops_a_cancelled_request_s_ro
     scheduler.stop(10)
 
 
-def test_a_client_that_disconnects_has_its_rows_dropped(model):
-    slow = tiny(max_rationale_tokens=200)  # long rationales: the request is still decoding when the client goes
+def test_a_client_that_disconnects_has_its_rows_dropped(monkeypatch):
+    from grace_st.generation import RolloutStream
+
+    steps = []
+    decode = RolloutStream._decode
+
+    def slow_decode(stream):  # 10 ms a step: 200 steps outlast the client's patience
+        steps.append(1)
+        time.sleep(0.01)
+        return decode(stream)
+
+    monkeypatch.setattr(RolloutStream, "_decode", slow_decode)
+    slow = tiny(max_rationale_tokens=200)
     running = Running(create_app(slow, model_name="tiny"))
     try:
         with pytest.raises(httpx.TimeoutException):
             running.post({"model": "tiny", "input": [f"text number {i}" for i in range(8)]}, key=None, timeout=0.3)
         scheduler = running.server.config.app.state.scheduler
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 1
         while scheduler.queued_texts and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert scheduler.queued_texts == 0  # dropped, not decoded to the end
+            time.sleep(0.01)
+        assert scheduler.queued_texts == 0 and len(steps) < 150  # dropped, not decoded to the end
+        monkeypatch.setattr(RolloutStream, "_decode", decode)
         after = running.post({"model": "tiny", "input": "cats"}, key=None, timeout=60)
         assert np.array_equal(np.array(after.json()["data"][0]["embedding"], dtype=np.float32), slow.encode(["cats"])[0])
     finally:
