@@ -152,6 +152,13 @@ class PreallocatedLayer(DynamicLayer):
 
     # -- continuous batching: rows of the cache as slots that prompts come and go through ----------
 
+    def add_rows(self, count: int) -> None:
+        """``count`` more rows (zeros) after the existing ones."""
+        if self.is_initialized:
+            self._keys = torch.cat([self._keys, self._keys.new_zeros((count, *self._keys.shape[1:]))])
+            self._values = torch.cat([self._values, self._values.new_zeros((count, *self._values.shape[1:]))])
+            self.keys, self.values = self._keys[:, :, : self.length], self._values[:, :, : self.length]
+
     def place(self, rows: Tensor, keys: Tensor, values: Tensor) -> None:
         """Write another cache's keys and values into ``rows``, ending at the last filled column."""
         start = self.length - keys.shape[-2]
@@ -421,6 +428,19 @@ class IncrementalDecoder:
         length = self.mask.shape[1]
         self.mask[slots] = torch.cat([self.mask.new_zeros((len(slots), length - width)), batch_rows.mask], 1)
         return states, logits
+
+    def add_slots(self, count: int) -> None:
+        """Continuous batching: ``count`` more cache rows, free, after the ones in use (a copy of the
+        cache into larger buffers). Rows keep their numbers; a new row attends to nothing until a
+        prompt is admitted into it."""
+        if self.kv_cache is None or count <= 0:
+            return
+        for layer in self.kv_cache.layers:
+            layer.add_rows(count)
+        self.batch += count
+        self.rows = torch.arange(self.batch, device=self.rows.device)
+        self.mask = torch.cat([self.mask, self.mask.new_zeros((count, self.mask.shape[1]))])
+        self.released = torch.cat([self.released, self.released.new_ones(count)])
 
     def release(self, slots: Tensor) -> None:
         """Mark ``slots`` finished: their columns no longer hold the cache's width (:meth:`_make_room`)."""

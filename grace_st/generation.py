@@ -287,9 +287,10 @@ class RolloutStream:
     computation (native prompt pass and step, the pooled mean) is batch-invariant
     (``tests/test_batch_invariance.py``).
 
-    Slots: the cache holds ``slots`` rows (``slots`` may be a callable of the number of rows waiting),
-    with room for twice the widest prompt and budget waiting when it was allocated; a wider prompt,
-    or another slot count, waits until the stream is empty and the cache is allocated again. Waiting prompts enter in the order added, once an eighth of the slots (at least
+    Slots: the cache holds ``slots`` rows (``slots`` may be a callable of the number of rows decoding
+    and waiting), with room for twice the widest prompt and budget waiting when it was allocated. When
+    more rows wait than slots are free, the cache grows to the count the callable gives; a wider
+    prompt, or fewer slots, waits until the stream is empty and the cache is allocated again. Waiting prompts enter in the order added, once an eighth of the slots (at least
     one) are free, or all are.
     """
 
@@ -316,8 +317,8 @@ class RolloutStream:
         self.logits: Tensor | None = None
         self.written: Tensor | None = None
         self.capacity = 0  # the widest prompt plus budget the cache was allocated for
-        self.steps = 0  # decoding steps run
-        self.rows_stepped = 0  # rows fed over those steps
+        self.rows_stepped = 0  # rows fed by the last step (0: it decoded nothing)
+        self.rows_prefilled = 0  # rows of the last step's prompt pass for budget-0 rows (0: none ran)
 
     def add(self, row: StreamedRow) -> None:
         self.waiting.append(row)
@@ -336,6 +337,7 @@ class RolloutStream:
 
     def step(self) -> list[StreamedRow]:
         """Admit, then one decoding step: the rows that ended, each once."""
+        self.rows_stepped = self.rows_prefilled = 0
         ended = self._prompt_only()
         self._admit()
         if not bool(self.done.all()):
@@ -346,9 +348,12 @@ class RolloutStream:
 
     def _prompt_only(self) -> list[StreamedRow]:
         rows = [row for row in self.waiting if row.max_new_tokens == 0]
+        rows = rows[: max(1, self.slot_policy(len(rows)))]  # as many rows as slots at most: a bounded pass
         if not rows:
             return []
-        self.waiting = [row for row in self.waiting if row.max_new_tokens > 0]
+        taken = {id(row) for row in rows}
+        self.waiting = [row for row in self.waiting if id(row) not in taken]
+        self.rows_prefilled = len(rows)
         input_ids, attention_mask = left_pad([row.prompt_ids for row in rows], self.pad_token_id)
         spans = torch.tensor([row.instruction_length for row in rows], device=self.device)
         states, _ = self.root.fresh().prefill(input_ids.to(self.device), attention_mask.to(self.device), spans, 0)
@@ -358,16 +363,27 @@ class RolloutStream:
         return rows
 
     def _admit(self) -> None:
-        empty = bool(self.done.all())
-        if not self.waiting or not (empty or int(self.done.sum()) >= max(1, len(self.done) // 8)):
+        if not self.waiting:
             return
+        empty = bool(self.done.all())
         need = max(len(row.prompt_ids) + row.max_new_tokens for row in self.waiting)
-        count = max(1, self.slot_policy(len(self.waiting)))
+        live = 0 if empty else int((~self.done).sum())
+        count = max(1, self.slot_policy(live + len(self.waiting)))
         if empty and (self.decoder is None or need > self.capacity or count != len(self.done)):
             # a new cache, sized for what waits now
             self.decoder, self.capacity = self.root.fresh(), need
             self.slot_rows, self.done = [None] * count, torch.ones(count, dtype=torch.bool, device=self.device)
             self.logits = self.written = None
+        elif count > len(self.done) and not empty:  # more waiting than slots free: more slots, same cache
+            extra = count - len(self.done)
+            self.decoder.add_slots(extra)
+            self.slot_rows += [None] * extra
+            self.done = torch.cat([self.done, self.done.new_ones(extra)])
+            self.logits = torch.cat([self.logits, self.logits.new_zeros((extra, self.logits.shape[-1]))])
+            if self.written is not None:
+                self.written = torch.cat([self.written, self.written.new_zeros((extra, self.written.shape[-1]))])
+        if not (bool(self.done.all()) or int(self.done.sum()) >= max(1, len(self.done) // 8)):
+            return
         free = self.done.nonzero().squeeze(1).tolist()
         rows = []
         for row in list(self.waiting):
@@ -415,7 +431,7 @@ class RolloutStream:
             return ended
         # finished slots stay in the cache (keep_rows): a later prompt takes them
         states, self.logits = self.decoder.step(token, alive, self.pad_token_id, keep_rows=True)
-        self.steps, self.rows_stepped = self.steps + 1, self.rows_stepped + int(alive.sum())
+        self.rows_stepped = int(alive.sum())
         fed_slots, fed_tokens = slot_rows[alive], token[alive]
         if self.written is not None:
             self.written[fed_slots, fed_tokens] = True

@@ -86,7 +86,8 @@ class Scheduler:
         min_slots: slots allocated even for fewer waiting rows, so texts arriving during a decode find
             a free slot (a step's cost grows little with its rows).
         max_queued_texts: texts waiting or in flight at most; more are refused (:class:`QueueFull`).
-        on_step: called after each decoding step with the rows it fed (metrics).
+        on_step: called with the rows each decoding step fed, and with ``prompt_pass=True`` with the
+            rows of each prompt pass for budget-0 texts (metrics).
     """
 
     def __init__(
@@ -96,7 +97,7 @@ class Scheduler:
         max_slots: int = 32,
         min_slots: int = 8,
         max_queued_texts: int = 1024,
-        on_step: Callable[[int], None] | None = None,
+        on_step: Callable[..., None] | None = None,
     ):
         self.model, self.encoder = model, model[0]
         self.max_slots, self.min_slots, self.max_queued_texts = max_slots, min(min_slots, max_slots), max_queued_texts
@@ -187,7 +188,8 @@ class Scheduler:
                     self._row_done(row)
                 if self.on_step is not None and stream.rows_stepped:
                     self.on_step(stream.rows_stepped)
-                stream.rows_stepped = 0
+                if self.on_step is not None and stream.rows_prefilled:
+                    self.on_step(stream.rows_prefilled, prompt_pass=True)
                 if self._jobs and not stream.busy:  # never: every job's rows end in the stream
                     self._fail_all(RuntimeError("rows were lost from the decoding stream"))
 

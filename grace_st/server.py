@@ -12,7 +12,7 @@ keeps the first N values, as sentence-transformers' ``truncate_dim`` does (no re
 ``usage.total_tokens`` adds the rationale tokens it wrote.
 
 Also ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus' text format: requests by
-route and status, texts, texts queued, rows fed a decoding step, request latency). With an API key
+route and status, texts, texts queued, rows fed a decoding step or a prompt pass, request latency). With an API key
 (``--api-key`` or ``GRACE_ST_API_KEY``) every route but ``/health`` wants ``Authorization: Bearer``.
 
 Every request's texts go to one :class:`~grace_st.scheduler.Scheduler`, the only thread that
@@ -149,11 +149,19 @@ def create_app(
     requests_total = Counter("grace_st_requests", "HTTP requests by route and status", ["route", "status"],
                              registry=registry)
     texts_total = Counter("grace_st_texts", "texts embedded", registry=registry)
+    buckets = (1, 2, 4, 8, 16, 32, 64, 128)
     rows_per_step = Histogram("grace_st_rows_per_step", "rows fed a decoding step (all requests together)",
-                              buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=registry)
+                              buckets=buckets, registry=registry)
+    rows_per_prompt_pass = Histogram("grace_st_rows_per_prompt_pass",
+                                     "rows of a prompt pass for texts that do not think (budget 0; all requests)",
+                                     buckets=buckets, registry=registry)
+
+    def on_step(rows: int, prompt_pass: bool = False) -> None:
+        (rows_per_prompt_pass if prompt_pass else rows_per_step).observe(rows)
+
     latency = Histogram("grace_st_request_seconds", "time to answer an embeddings request",
                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry)
-    scheduler = Scheduler(model, max_slots=max_slots, max_queued_texts=max_queued_texts, on_step=rows_per_step.observe)
+    scheduler = Scheduler(model, max_slots=max_slots, max_queued_texts=max_queued_texts, on_step=on_step)
     Gauge("grace_st_queued_texts", "texts waiting or decoding", registry=registry).set_function(
         lambda: scheduler.queued_texts
     )

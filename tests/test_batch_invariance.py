@@ -73,3 +73,32 @@ def test_the_pooled_mean_does_not_depend_on_padding():
         batch_mask = torch.cat([torch.cat([torch.zeros(1, pad), mask], 1), torch.ones(3, 40 + pad)])
         assert torch.equal(masked_mean(states, mask), masked_mean(batch, batch_mask)[:1])
         assert torch.equal(masked_mean(states, mask), masked_mean(right, torch.cat([mask, torch.zeros(1, pad)], 1)))
+
+
+@needs_compiler
+def test_a_stream_that_grows_its_slots_mid_decode_gives_each_row_its_bits(model):
+    """Rows arriving while others decode: the cache gains rows (a copy into larger buffers) and every row,
+    old or new, gets the rollout it gets alone."""
+    from grace_st.decoding import incremental_decoder
+    from grace_st.generation import RolloutStream, streamed_row
+    from grace_st.pooling import masked_mean
+
+    encoder = model[0]
+    rows, span = encoder.prompt_token_ids(TEXTS)
+    engine = encoder.engine
+    with torch.no_grad(), incremental_decoder(encoder.model) as decoder:
+        stream = RolloutStream(decoder, slots=lambda waiting: min(8, waiting), eos_token_ids=engine.eos_token_ids,
+                               pad_token_id=engine.pad_token_id, repetition_penalty=encoder.repetition_penalty)
+        finished = {}
+        stream.add(streamed_row(0, rows[0], span, 6))
+        for step in range(40):
+            if step in (1, 2):  # two rows join a running decode: slots 1 -> 2 -> 4
+                for index in range(1 + 2 * (step - 1), 3 + 2 * (step - 1)):
+                    stream.add(streamed_row(index, rows[index], span, 6))
+            for row in stream.step():
+                finished[row.key] = row
+        assert len(stream.done) == 4 and not stream.busy
+    pooled = {key: masked_mean(row.token_embeddings()[None], row.pooling_mask()[None])[0] for key, row in finished.items()}
+    for key in sorted(pooled):
+        expected = encoder.embed(encoder.preprocess([TEXTS[key]]))["sentence_embedding"][0]
+        assert torch.equal(pooled[key], expected), key

@@ -1,0 +1,288 @@
+"""``grace-st serve`` under load, against ``encode_query`` one request at a time, side by side in one run.
+
+For each weight form (float32 as saved, int8 weight-only) the script starts ``grace-st serve`` on the
+embedded default in a subprocess (loopback, a free port) and loads the same model here. Then, for each
+mix of texts:
+
+- ``query``: real queries (held-back SciFact claims, Banking77 held-out texts) as ``input_type: query``,
+  at the shipped query budget;
+- ``document``: SciFact abstracts as ``input_type: document`` (the shipped document budget);
+- ``text``: the same queries with no ``input_type`` (the shipped default budget: a rationale is written),
+
+it times the texts sent one by one to the in-process model (``encode_query`` / ``encode_document`` /
+``encode``: what a web app wrapping the model does per request; the ``sequential`` row), then 1, 8, 32 and
+64 concurrent clients, each sending one text a request and the next when answered, ``--requests`` requests
+in all (bounded by ``--seconds`` a cell). Reported: texts/s, the ratio to the sequential row, latency
+p50/p95/p99, and rows a decoding step / a prompt pass fed on average (the server's ``/metrics``). Every
+answer is checked against the in-process model's embedding (bit for bit in float32).
+
+``--soak N`` then sends N requests from 32 clients, a fifth of them bad (malformed JSON, token arrays,
+empty lists, unknown models, lone surrogates, texts over the limit), and reports wrong answers, 5xx and
+the server's resident memory at the start and the end.
+
+The clients run in this process, on the same cores as the server: on a 2-core machine they take a share
+of the CPU, so the ratios understate what a server with its own cores gets.
+
+    python benchmarks/serve_load.py                      # float32 and int8, every mix, then a 2,000-request soak
+    python benchmarks/serve_load.py --weights float32 --mixes query --clients 1 32 --soak 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import numpy as np
+from sentence_transformers import SentenceTransformer
+
+import grace_st
+from grace_st.data.formats import read_beir
+from grace_st.scoreboard import banking77, data_dir, scifact, write_json
+
+RESULTS = Path(__file__).resolve().parent / "results"
+WEIGHTS = {"float32": {}, "int8": {"weight_quantization": "int8"}}
+MIXES = {"query": "query", "document": "document", "text": None}  # mix -> input_type
+
+
+def texts_for(mix: str, count: int) -> list[str]:
+    data = data_dir()
+    if not data.is_dir():
+        raise SystemExit(f"{data} is missing: this benchmark sends real texts from the shared data folder ($GRACE_ST_DATA)")
+    if mix == "document":
+        corpus = read_beir(data / "scifact", "train").corpus
+        return [f"{doc.title}\n{doc.text}".strip() for doc in list(corpus.values())[:count]]
+    claims, _, _ = scifact(data / "scifact", 0, 0)
+    texts = list(claims.values())
+    _, _, banking, _ = banking77(data / "banking77" / "train.csv", 500, max(0, count - len(texts)))
+    return (texts + banking)[:count]
+
+
+def local_encode(model, mix: str):
+    return {"query": model.encode_query, "document": model.encode_document, "text": model.encode}[mix]
+
+
+class Server:
+    """``grace-st serve`` in a subprocess on a free loopback port."""
+
+    def __init__(self, weights: str, slots: int):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        command = [sys.executable, "-m", "grace_st.cli", "serve", "--port", str(self.port), "--model-name", "default",
+                   "--log-level", "warning", "--slots", str(slots), "--max-queue", "4096", "--max-chars", "8000"]
+        if weights == "int8":
+            command += ["--weight-quantization", "int8"]
+        self.process = subprocess.Popen(command)
+        self.url = f"http://127.0.0.1:{self.port}"
+        deadline = time.monotonic() + 300
+        while True:
+            try:
+                httpx.get(f"{self.url}/health")
+                return
+            except httpx.ConnectError:
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit("grace-st serve did not start") from None
+                time.sleep(0.5)
+
+    def rss_mb(self) -> float:
+        for line in Path(f"/proc/{self.process.pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+        return float("nan")
+
+    def metrics(self) -> dict[str, float]:
+        values = {}
+        for line in httpx.get(f"{self.url}/metrics").text.splitlines():
+            if line.startswith(("grace_st_rows_per_step_", "grace_st_rows_per_prompt_pass_")) and "{" not in line:
+                name, value = line.split()
+                values[name] = float(value)
+        return values
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(60)
+
+
+def per_step(before: dict, after: dict, name: str) -> float | None:
+    count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
+    return round((after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)) / count, 1) if count else None
+
+
+def load_cell(server: Server, texts: list[str], input_type: str | None, clients: int, requests: int, seconds: float,
+              reference: np.ndarray) -> dict:
+    """``clients`` threads, one text a request, until ``requests`` are answered or ``seconds`` pass."""
+    lock, latencies, wrong, answered = threading.Lock(), [], [0], [0]
+    next_index = [0]
+    stop_at = time.monotonic() + seconds
+
+    def client():
+        with httpx.Client(timeout=300) as http:
+            while time.monotonic() < stop_at:
+                with lock:
+                    if next_index[0] >= requests:
+                        return
+                    index = next_index[0]
+                    next_index[0] += 1
+                body = {"model": "default", "input": texts[index % len(texts)]}
+                if input_type:
+                    body["input_type"] = input_type
+                start = time.perf_counter()
+                response = http.post(f"{server.url}/v1/embeddings", json=body)
+                elapsed = time.perf_counter() - start
+                vector = np.array(response.json()["data"][0]["embedding"], dtype=np.float32)
+                with lock:
+                    latencies.append(elapsed)
+                    answered[0] += 1
+                    wrong[0] += not np.array_equal(vector, reference[index % len(texts)])
+
+    before = server.metrics()
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for future in [pool.submit(client) for _ in range(clients)]:
+            future.result()
+    wall = time.perf_counter() - start
+    after = server.metrics()
+    q = np.percentile(latencies, [50, 95, 99])
+    return {
+        "clients": clients, "texts": answered[0], "texts_per_s": answered[0] / wall,
+        "p50_s": float(q[0]), "p95_s": float(q[1]), "p99_s": float(q[2]), "not_bit_equal": wrong[0],
+        "rows_per_decoding_step": per_step(before, after, "grace_st_rows_per_step"),
+        "rows_per_prompt_pass": per_step(before, after, "grace_st_rows_per_prompt_pass"),
+    }
+
+
+def sequential_cell(model, mix: str, texts: list[str], count: int) -> tuple[dict, np.ndarray]:
+    encode = local_encode(model, mix)
+    encode(texts[:1])  # warm-up
+    vectors, latencies = [], []
+    start = time.perf_counter()
+    for text in texts[:count]:
+        t0 = time.perf_counter()
+        vectors.append(encode([text])[0])
+        latencies.append(time.perf_counter() - t0)
+    wall = time.perf_counter() - start
+    q = np.percentile(latencies, [50, 95, 99])
+    cell = {"clients": "sequential", "texts": count, "texts_per_s": count / wall,
+            "p50_s": float(q[0]), "p95_s": float(q[1]), "p99_s": float(q[2])}
+    return cell, np.stack(vectors)
+
+
+BAD_BODIES = [
+    b"{not json", b'{"model": "default", "input": [1, 2, 3]}', b'{"model": "default", "input": []}',
+    b'{"model": "gpt-4", "input": "x"}', b'{"model": "default", "input": "\\ud800"}',
+    json.dumps({"model": "default", "input": "x" * 9000}).encode(),
+]
+
+
+def soak(server: Server, texts: list[str], reference: np.ndarray, count: int, clients: int = 32) -> dict:
+    """``count`` requests from ``clients`` threads, every fifth bad; good ones checked against ``reference``."""
+    rss_start = server.rss_mb()
+    lock, tally = threading.Lock(), {"good": 0, "wrong": 0, "bad_4xx": 0, "5xx": 0, "other": 0}
+    counter = iter(range(count))
+
+    def client():
+        with httpx.Client(timeout=300) as http:
+            for number in counter:
+                if number % 5 == 4:
+                    response = http.post(f"{server.url}/v1/embeddings", content=BAD_BODIES[number % len(BAD_BODIES)])
+                    key = "bad_4xx" if 400 <= response.status_code < 500 else "5xx" if response.status_code >= 500 else "other"
+                else:
+                    index = number % len(texts)
+                    response = http.post(f"{server.url}/v1/embeddings",
+                                         json={"model": "default", "input": texts[index], "input_type": "query"})
+                    if response.status_code >= 500:
+                        key = "5xx"
+                    else:
+                        vector = np.array(response.json()["data"][0]["embedding"], dtype=np.float32)
+                        key = "good" if np.array_equal(vector, reference[index]) else "wrong"
+                with lock:
+                    tally[key] += 1
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        for future in [pool.submit(client) for _ in range(clients)]:
+            future.result()
+    return {"requests": count, "clients": clients, **tally, "seconds": time.perf_counter() - start,
+            "rss_start_mb": rss_start, "rss_end_mb": server.rss_mb()}
+
+
+def table(report: dict) -> str:
+    lines = ["| weights | mix | clients | texts | texts/s | × sequential | p50 s | p95 s | p99 s | rows/step | rows/prompt pass | not bit-equal |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        base = run["cells"][0]["texts_per_s"]
+        for cell in run["cells"]:
+            lines.append(
+                f"| {run['weights']} | {run['mix']} | {cell['clients']} | {cell['texts']} | {cell['texts_per_s']:.2f} | "
+                f"{cell['texts_per_s'] / base:.2f} | {cell['p50_s']:.3f} | {cell['p95_s']:.3f} | {cell['p99_s']:.3f} | "
+                f"{cell.get('rows_per_decoding_step') or '–'} | {cell.get('rows_per_prompt_pass') or '–'} | "
+                f"{cell.get('not_bit_equal', '–')} |"
+            )
+    for weights, result in report.get("soak", {}).items():
+        lines.append("")
+        lines.append(
+            f"Soak ({weights}): {result['requests']} requests from {result['clients']} clients in "
+            f"{result['seconds']:.0f} s: {result['good']} good answered bit for bit, {result['wrong']} wrong, "
+            f"{result['bad_4xx']} bad answered 4xx, {result['5xx']} 5xx; server memory {result['rss_start_mb']:.0f} MB "
+            f"at the start, {result['rss_end_mb']:.0f} MB at the end."
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--weights", nargs="+", choices=list(WEIGHTS), default=list(WEIGHTS))
+    parser.add_argument("--mixes", nargs="+", choices=list(MIXES), default=list(MIXES))
+    parser.add_argument("--clients", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--requests", type=int, default=128, help="requests a cell (and texts for the sequential row)")
+    parser.add_argument("--seconds", type=float, default=120, help="a cell stops after this long")
+    parser.add_argument("--slots", type=int, default=64, help="the server's --slots")
+    parser.add_argument("--soak", type=int, default=2000, help="requests of the soak (0: none)")
+    parser.add_argument("--output", default=str(RESULTS / "serve_load.json"))
+    args = parser.parse_args()
+
+    report = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
+              "settings": vars(args), "runs": [], "soak": {}}
+    for weights in args.weights:
+        model = SentenceTransformer(grace_st.default_model_path(), device="cpu", trust_remote_code=True,
+                                    model_kwargs=WEIGHTS[weights] or None)
+        server = Server(weights, args.slots)
+        try:
+            for mix in args.mixes:
+                texts = texts_for(mix, args.requests)
+                sequential, reference = sequential_cell(model, mix, texts, len(texts))
+                cells = [sequential]
+                warm = {"model": "default", "input": texts[:4], **({"input_type": MIXES[mix]} if MIXES[mix] else {})}
+                httpx.post(f"{server.url}/v1/embeddings", json=warm, timeout=300)  # first calls bind the native step
+                for clients in args.clients:
+                    cells.append(load_cell(server, texts, MIXES[mix], clients, args.requests, args.seconds, reference))
+                    print(f"{weights} {mix} {clients} clients: {cells[-1]['texts_per_s']:.2f} texts/s "
+                          f"({cells[-1]['texts_per_s'] / sequential['texts_per_s']:.2f}x sequential), "
+                          f"p95 {cells[-1]['p95_s']:.3f} s", flush=True)
+                report["runs"].append({"weights": weights, "mix": mix, "cells": cells})
+                write_json(report, args.output)
+            if args.soak and weights == args.weights[0]:
+                texts = texts_for("query", 256)
+                reference = local_encode(model, "query")(texts)
+                report["soak"][weights] = soak(server, texts, reference, args.soak)
+                write_json(report, args.output)
+        finally:
+            server.stop()
+    markdown = table(report)
+    Path(args.output).with_suffix(".md").write_text(markdown + "\n")
+    print(markdown)
+
+
+if __name__ == "__main__":
+    main()
