@@ -7,7 +7,9 @@ mix of texts:
 - ``query``: real queries (held-back SciFact claims, Banking77 held-out texts) as ``input_type: query``,
   at the shipped query budget;
 - ``document``: SciFact abstracts as ``input_type: document`` (the shipped document budget);
-- ``text``: the same queries with no ``input_type`` (the shipped default budget: a rationale is written),
+- ``text``: the same queries with no ``input_type`` (the shipped default budget: a rationale is written);
+- ``query-G32``: the queries with a 32-token query rationale (server and model at ``query=32``: what a
+  user who turns query rationales on gets, and where decoding, not the prompt pass, is the cost),
 
 it times the texts sent one by one to the in-process model (``encode_query`` / ``encode_document`` /
 ``encode``: what a web app wrapping the model does per request; the ``sequential`` row), then 1, 8, 32 and
@@ -52,7 +54,8 @@ from grace_st.scoreboard import banking77, data_dir, scifact, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WEIGHTS = {"float32": {}, "int8": {"weight_quantization": "int8"}}
-MIXES = {"query": "query", "document": "document", "text": None}  # mix -> input_type
+# mix -> (input_type, budget override of the served and the in-process model)
+MIXES = {"query": ("query", None), "document": ("document", None), "text": (None, None), "query-G32": ("query", "query=32")}
 
 
 def texts_for(mix: str, count: int) -> list[str]:
@@ -69,13 +72,14 @@ def texts_for(mix: str, count: int) -> list[str]:
 
 
 def local_encode(model, mix: str):
-    return {"query": model.encode_query, "document": model.encode_document, "text": model.encode}[mix]
+    input_type = MIXES[mix][0]
+    return {"query": model.encode_query, "document": model.encode_document, None: model.encode}[input_type]
 
 
 class Server:
     """``grace-st serve`` in a subprocess on a free loopback port."""
 
-    def __init__(self, weights: str, slots: int):
+    def __init__(self, weights: str, slots: int, budgets: str | None = None):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -83,6 +87,8 @@ class Server:
                    "--log-level", "warning", "--slots", str(slots), "--max-queue", "4096", "--max-chars", "8000"]
         if weights == "int8":
             command += ["--weight-quantization", "int8"]
+        if budgets:
+            command += ["--max-rationale-tokens", budgets]
         self.process = subprocess.Popen(command)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
@@ -122,7 +128,7 @@ def per_step(before: dict, after: dict, name: str) -> float | None:
 def load_cell(server: Server, texts: list[str], input_type: str | None, clients: int, requests: int, seconds: float,
               reference: np.ndarray) -> dict:
     """``clients`` threads, one text a request, until ``requests`` are answered or ``seconds`` pass."""
-    lock, latencies, wrong, answered = threading.Lock(), [], [0], [0]
+    lock, latencies, wrong, answered, worst = threading.Lock(), [], [0], [0], [0.0]
     next_index = [0]
     stop_at = time.monotonic() + seconds
 
@@ -145,6 +151,7 @@ def load_cell(server: Server, texts: list[str], input_type: str | None, clients:
                     latencies.append(elapsed)
                     answered[0] += 1
                     wrong[0] += not np.array_equal(vector, reference[index % len(texts)])
+                    worst[0] = max(worst[0], float(np.abs(vector - reference[index % len(texts)]).max()))
 
     before = server.metrics()
     start = time.perf_counter()
@@ -156,7 +163,7 @@ def load_cell(server: Server, texts: list[str], input_type: str | None, clients:
     q = np.percentile(latencies, [50, 95, 99])
     return {
         "clients": clients, "texts": answered[0], "texts_per_s": answered[0] / wall,
-        "p50_s": float(q[0]), "p95_s": float(q[1]), "p99_s": float(q[2]), "not_bit_equal": wrong[0],
+        "p50_s": float(q[0]), "p95_s": float(q[1]), "p99_s": float(q[2]), "not_bit_equal": wrong[0], "max_abs_diff": worst[0],
         "rows_per_decoding_step": per_step(before, after, "grace_st_rows_per_step"),
         "rows_per_prompt_pass": per_step(before, after, "grace_st_rows_per_prompt_pass"),
     }
@@ -218,7 +225,7 @@ def soak(server: Server, texts: list[str], reference: np.ndarray, count: int, cl
 
 
 def table(report: dict) -> str:
-    lines = ["| weights | mix | clients | texts | texts/s | × sequential | p50 s | p95 s | p99 s | rows/step | rows/prompt pass | not bit-equal |",
+    lines = ["| weights | mix | clients | texts | texts/s | × sequential | p50 s | p95 s | p99 s | rows/step | rows/prompt pass | not bit-equal (max abs diff) |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in report["runs"]:
         base = run["cells"][0]["texts_per_s"]
@@ -227,7 +234,7 @@ def table(report: dict) -> str:
                 f"| {run['weights']} | {run['mix']} | {cell['clients']} | {cell['texts']} | {cell['texts_per_s']:.2f} | "
                 f"{cell['texts_per_s'] / base:.2f} | {cell['p50_s']:.3f} | {cell['p95_s']:.3f} | {cell['p99_s']:.3f} | "
                 f"{cell.get('rows_per_decoding_step') or '–'} | {cell.get('rows_per_prompt_pass') or '–'} | "
-                f"{cell.get('not_bit_equal', '–')} |"
+                + (f"{cell['not_bit_equal']} ({cell['max_abs_diff']:.1e}) |" if "not_bit_equal" in cell else "– |")
             )
     for weights, result in report.get("soak", {}).items():
         lines.append("")
@@ -245,8 +252,8 @@ def main() -> None:
     parser.add_argument("--weights", nargs="+", choices=list(WEIGHTS), default=list(WEIGHTS))
     parser.add_argument("--mixes", nargs="+", choices=list(MIXES), default=list(MIXES))
     parser.add_argument("--clients", nargs="+", type=int, default=[1, 8, 32, 64])
-    parser.add_argument("--requests", type=int, default=128, help="requests a cell (and texts for the sequential row)")
-    parser.add_argument("--seconds", type=float, default=120, help="a cell stops after this long")
+    parser.add_argument("--requests", type=int, default=96, help="requests a cell (and texts for the sequential row)")
+    parser.add_argument("--seconds", type=float, default=60, help="a cell stops after this long")
     parser.add_argument("--slots", type=int, default=64, help="the server's --slots")
     parser.add_argument("--soak", type=int, default=2000, help="requests of the soak (0: none)")
     parser.add_argument("--output", default=str(RESULTS / "serve_load.json"))
@@ -257,28 +264,34 @@ def main() -> None:
     for weights in args.weights:
         model = SentenceTransformer(grace_st.default_model_path(), device="cpu", trust_remote_code=True,
                                     model_kwargs=WEIGHTS[weights] or None)
-        server = Server(weights, args.slots)
-        try:
-            for mix in args.mixes:
-                texts = texts_for(mix, args.requests)
-                sequential, reference = sequential_cell(model, mix, texts, len(texts))
-                cells = [sequential]
-                warm = {"model": "default", "input": texts[:4], **({"input_type": MIXES[mix]} if MIXES[mix] else {})}
-                httpx.post(f"{server.url}/v1/embeddings", json=warm, timeout=300)  # first calls bind the native step
-                for clients in args.clients:
-                    cells.append(load_cell(server, texts, MIXES[mix], clients, args.requests, args.seconds, reference))
-                    print(f"{weights} {mix} {clients} clients: {cells[-1]['texts_per_s']:.2f} texts/s "
-                          f"({cells[-1]['texts_per_s'] / sequential['texts_per_s']:.2f}x sequential), "
-                          f"p95 {cells[-1]['p95_s']:.3f} s", flush=True)
-                report["runs"].append({"weights": weights, "mix": mix, "cells": cells})
-                write_json(report, args.output)
-            if args.soak and weights == args.weights[0]:
-                texts = texts_for("query", 256)
-                reference = local_encode(model, "query")(texts)
-                report["soak"][weights] = soak(server, texts, reference, args.soak)
-                write_json(report, args.output)
-        finally:
-            server.stop()
+        shipped = dict(model[0].max_rationale_tokens)
+        for budgets in dict.fromkeys(MIXES[mix][1] for mix in args.mixes):
+            override = dict(item.split("=") for item in budgets.split(",")) if budgets else {}
+            model[0].max_rationale_tokens = {**shipped, **{k: int(v) for k, v in override.items()}}
+            server = Server(weights, args.slots, budgets)
+            try:
+                for mix in [m for m in args.mixes if MIXES[m][1] == budgets]:
+                    input_type = MIXES[mix][0]
+                    texts = texts_for(mix, args.requests)
+                    sequential, reference = sequential_cell(model, mix, texts, len(texts))
+                    cells = [sequential]
+                    warm = {"model": "default", "input": texts[:4], **({"input_type": input_type} if input_type else {})}
+                    httpx.post(f"{server.url}/v1/embeddings", json=warm, timeout=300)  # first calls bind the native step
+                    for clients in args.clients:
+                        cells.append(load_cell(server, texts, input_type, clients, args.requests, args.seconds, reference))
+                        print(f"{weights} {mix} {clients} clients: {cells[-1]['texts_per_s']:.2f} texts/s "
+                              f"({cells[-1]['texts_per_s'] / sequential['texts_per_s']:.2f}x sequential), "
+                              f"p95 {cells[-1]['p95_s']:.3f} s", flush=True)
+                    report["runs"].append({"weights": weights, "mix": mix, "budgets": model[0].max_rationale_tokens,
+                                           "cells": cells})
+                    write_json(report, args.output)
+                if args.soak and weights == args.weights[0] and not budgets:
+                    texts = texts_for("query", 256)
+                    reference = local_encode(model, "query")(texts)
+                    report["soak"][weights] = soak(server, texts, reference, args.soak)
+                    write_json(report, args.output)
+            finally:
+                server.stop()
     markdown = table(report)
     Path(args.output).with_suffix(".md").write_text(markdown + "\n")
     print(markdown)

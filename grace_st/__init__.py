@@ -15,7 +15,7 @@ from .explain import explain
 from .loading import load
 from .prompts import DEFAULT_INSTRUCTIONS
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 __all__ = ["DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "default_model_path", "explain", "from_causal_lm", "load"]
 
 

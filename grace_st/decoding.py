@@ -532,6 +532,8 @@ class IncrementalDecoder:
         native = self._native(len(tokens), 1)
         if native is None:
             return None
+        if len(tokens) > 1 and self.native_threads:  # rows joined (a stream): PyTorch gets its threads back
+            self.close()
         threads = self.native_threads or torch.get_num_threads()
         if len(tokens) == 1 and not self.native_threads:
             # A single row's step takes milliseconds: PyTorch's own small ops between native steps (the

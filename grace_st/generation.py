@@ -342,7 +342,14 @@ class RolloutStream:
         self._admit()
         if not bool(self.done.all()):
             ended += self._decode()
+        if not self.busy:
+            self.close()
         return ended
+
+    def close(self) -> None:
+        """Give PyTorch back the threads a single-row step holds (:meth:`IncrementalDecoder.close`)."""
+        if self.decoder is not None:
+            self.decoder.close()
 
     # -- the parts of a step -------------------------------------------------------------------------
 
@@ -371,11 +378,13 @@ class RolloutStream:
         count = max(1, self.slot_policy(live + len(self.waiting)))
         if empty and (self.decoder is None or need > self.capacity or count != len(self.done)):
             # a new cache, sized for what waits now
+            self.close()
             self.decoder, self.capacity = self.root.fresh(), need
             self.slot_rows, self.done = [None] * count, torch.ones(count, dtype=torch.bool, device=self.device)
             self.logits = self.written = None
         elif count > len(self.done) and not empty:  # more waiting than slots free: more slots, same cache
-            extra = count - len(self.done)
+            # at least doubled (to the most the policy allows): a copy of the cache a doubling, not a row
+            extra = max(count, min(2 * len(self.done), self.slot_policy(1 << 30))) - len(self.done)
             self.decoder.add_slots(extra)
             self.slot_rows += [None] * extra
             self.done = torch.cat([self.done, self.done.new_ones(extra)])

@@ -83,8 +83,8 @@ class Scheduler:
     Args:
         model: the model served.
         max_slots: rows decoded at once at most (the stream's slots, and a prompt pass's rows).
-        min_slots: slots allocated even for fewer waiting rows, so texts arriving during a decode find
-            a free slot (a step's cost grows little with its rows).
+        min_slots: slots allocated even for fewer waiting rows (1: a lone request decodes alone, on the
+            single-row step; the slots grow as requests arrive).
         max_queued_texts: texts waiting or in flight at most; more are refused (:class:`QueueFull`).
         on_step: called with the rows each decoding step fed, and with ``prompt_pass=True`` with the
             rows of each prompt pass for budget-0 texts (metrics).
@@ -95,7 +95,7 @@ class Scheduler:
         model,
         *,
         max_slots: int = 32,
-        min_slots: int = 8,
+        min_slots: int = 1,
         max_queued_texts: int = 1024,
         on_step: Callable[..., None] | None = None,
     ):
@@ -156,6 +156,7 @@ class Scheduler:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)  # a thread's own switch: this one only ever embeds
+        streams = self._streams()
         with contextlib.ExitStack() as block:
             while True:
                 with self._lock:
@@ -167,7 +168,7 @@ class Scheduler:
                 self._drop_cancelled()
                 for job in incoming:
                     self._jobs[job.id] = job
-                if not self._streams():
+                if not streams:
                     for job in incoming:
                         self._run_whole(job)
                     continue

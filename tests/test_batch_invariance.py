@@ -102,3 +102,20 @@ def test_a_stream_that_grows_its_slots_mid_decode_gives_each_row_its_bits(model)
     for key in sorted(pooled):
         expected = encoder.embed(encoder.preprocess([TEXTS[key]]))["sentence_embedding"][0]
         assert torch.equal(pooled[key], expected), key
+
+
+@needs_compiler
+def test_a_stream_gives_pytorch_its_threads_back(model):
+    """A stream's last rows decode one at a time on the native single-row step, which holds PyTorch at one
+    thread meanwhile: when the stream ends, PyTorch has its threads again."""
+    from grace_st.decoding import DecodeOptions
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    model[0].decode_options = DecodeOptions(decode_rows=2)
+    try:
+        model.encode(TEXTS)
+        assert torch.get_num_threads() == 2
+    finally:
+        model[0].decode_options = DecodeOptions()
+        torch.set_num_threads(threads)
