@@ -325,3 +325,23 @@ def test_the_shipped_default_is_served_bit_for_bit():
             assert np.array_equal(vectors, expected(default, TEXTS[:3], kind)), kind
     finally:
         running.stop()
+
+
+@needs_compiler
+def test_the_rationale_cache_is_shared_with_encode(tmp_path):
+    """Texts the cache holds are answered from it; texts the server embeds are stored for encode (and the
+    server) to reuse; either way the vector is encode's."""
+    from grace_st.cache import RationaleCache
+
+    cached = tiny()
+    cached[0].set_rationale_cache(tmp_path / "rationales.sqlite")
+    first = cached.encode(TEXTS[:2])  # stored by encode
+    scheduler = Scheduler(cached).start()
+    try:
+        served = scheduler.submit(TEXTS, return_rationale=True).result(60)
+    finally:
+        scheduler.stop(10)
+    assert np.array_equal(served.embeddings[:2], first)
+    assert np.array_equal(served.embeddings, cached.encode(TEXTS))
+    with RationaleCache(tmp_path / "rationales.sqlite") as cache:  # the server's misses were stored
+        assert len(cache) == len(TEXTS)
