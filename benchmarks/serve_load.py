@@ -36,7 +36,6 @@ import json
 import os
 import platform
 import socket
-import statistics
 import subprocess
 import sys
 import threading
@@ -46,7 +45,6 @@ from pathlib import Path
 
 import httpx
 import numpy as np
-from sentence_transformers import SentenceTransformer
 
 import grace_st
 from grace_st.data.formats import read_beir
@@ -55,13 +53,20 @@ from grace_st.scoreboard import banking77, data_dir, scifact, write_json
 RESULTS = Path(__file__).resolve().parent / "results"
 WEIGHTS = {"float32": {}, "int8": {"weight_quantization": "int8"}}
 # mix -> (input_type, budget override of the served and the in-process model)
-MIXES = {"query": ("query", None), "document": ("document", None), "text": (None, None), "query-G32": ("query", "query=32")}
+MIXES = {
+    "query": ("query", None),
+    "document": ("document", None),
+    "text": (None, None),
+    "query-G32": ("query", "query=32"),
+}
 
 
 def texts_for(mix: str, count: int) -> list[str]:
     data = data_dir()
     if not data.is_dir():
-        raise SystemExit(f"{data} is missing: this benchmark sends real texts from the shared data folder ($GRACE_ST_DATA)")
+        raise SystemExit(
+            f"{data} is missing: this benchmark sends real texts from the shared data folder ($GRACE_ST_DATA)"
+        )
     if mix == "document":
         corpus = read_beir(data / "scifact", "train").corpus
         return [f"{doc.title}\n{doc.text}".strip() for doc in list(corpus.values())[:count]]
@@ -83,8 +88,24 @@ class Server:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        command = [sys.executable, "-m", "grace_st.cli", "serve", "--port", str(self.port), "--model-name", "default",
-                   "--log-level", "warning", "--slots", str(slots), "--max-queue", "4096", "--max-chars", "8000"]
+        command = [
+            sys.executable,
+            "-m",
+            "grace_st.cli",
+            "serve",
+            "--port",
+            str(self.port),
+            "--model-name",
+            "default",
+            "--log-level",
+            "warning",
+            "--slots",
+            str(slots),
+            "--max-queue",
+            "4096",
+            "--max-chars",
+            "8000",
+        ]
         if weights == "int8":
             command += ["--weight-quantization", "int8"]
         if budgets:
@@ -125,8 +146,15 @@ def per_step(before: dict, after: dict, name: str) -> float | None:
     return round((after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)) / count, 1) if count else None
 
 
-def load_cell(server: Server, texts: list[str], input_type: str | None, clients: int, requests: int, seconds: float,
-              reference: np.ndarray) -> dict:
+def load_cell(
+    server: Server,
+    texts: list[str],
+    input_type: str | None,
+    clients: int,
+    requests: int,
+    seconds: float,
+    reference: np.ndarray,
+) -> dict:
     """``clients`` threads, one text a request, until ``requests`` are answered or ``seconds`` pass."""
     lock, latencies, wrong, answered, worst = threading.Lock(), [], [0], [0], [0.0]
     next_index = [0]
@@ -162,8 +190,14 @@ def load_cell(server: Server, texts: list[str], input_type: str | None, clients:
     after = server.metrics()
     q = np.percentile(latencies, [50, 95, 99])
     return {
-        "clients": clients, "texts": answered[0], "texts_per_s": answered[0] / wall,
-        "p50_s": float(q[0]), "p95_s": float(q[1]), "p99_s": float(q[2]), "not_bit_equal": wrong[0], "max_abs_diff": worst[0],
+        "clients": clients,
+        "texts": answered[0],
+        "texts_per_s": answered[0] / wall,
+        "p50_s": float(q[0]),
+        "p95_s": float(q[1]),
+        "p99_s": float(q[2]),
+        "not_bit_equal": wrong[0],
+        "max_abs_diff": worst[0],
         "rows_per_decoding_step": per_step(before, after, "grace_st_rows_per_step"),
         "rows_per_prompt_pass": per_step(before, after, "grace_st_rows_per_prompt_pass"),
     }
@@ -180,14 +214,23 @@ def sequential_cell(model, mix: str, texts: list[str], count: int) -> tuple[dict
         latencies.append(time.perf_counter() - t0)
     wall = time.perf_counter() - start
     q = np.percentile(latencies, [50, 95, 99])
-    cell = {"clients": "sequential", "texts": count, "texts_per_s": count / wall,
-            "p50_s": float(q[0]), "p95_s": float(q[1]), "p99_s": float(q[2])}
+    cell = {
+        "clients": "sequential",
+        "texts": count,
+        "texts_per_s": count / wall,
+        "p50_s": float(q[0]),
+        "p95_s": float(q[1]),
+        "p99_s": float(q[2]),
+    }
     return cell, np.stack(vectors)
 
 
 BAD_BODIES = [
-    b"{not json", b'{"model": "default", "input": [1, 2, 3]}', b'{"model": "default", "input": []}',
-    b'{"model": "gpt-4", "input": "x"}', b'{"model": "default", "input": "\\ud800"}',
+    b"{not json",
+    b'{"model": "default", "input": [1, 2, 3]}',
+    b'{"model": "default", "input": []}',
+    b'{"model": "gpt-4", "input": "x"}',
+    b'{"model": "default", "input": "\\ud800"}',
     json.dumps({"model": "default", "input": "x" * 9000}).encode(),
 ]
 
@@ -203,11 +246,19 @@ def soak(server: Server, texts: list[str], reference: np.ndarray, count: int, cl
             for number in counter:
                 if number % 5 == 4:
                     response = http.post(f"{server.url}/v1/embeddings", content=BAD_BODIES[number % len(BAD_BODIES)])
-                    key = "bad_4xx" if 400 <= response.status_code < 500 else "5xx" if response.status_code >= 500 else "other"
+                    key = (
+                        "bad_4xx"
+                        if 400 <= response.status_code < 500
+                        else "5xx"
+                        if response.status_code >= 500
+                        else "other"
+                    )
                 else:
                     index = number % len(texts)
-                    response = http.post(f"{server.url}/v1/embeddings",
-                                         json={"model": "default", "input": texts[index], "input_type": "query"})
+                    response = http.post(
+                        f"{server.url}/v1/embeddings",
+                        json={"model": "default", "input": texts[index], "input_type": "query"},
+                    )
                     if response.status_code >= 500:
                         key = "5xx"
                     else:
@@ -220,13 +271,21 @@ def soak(server: Server, texts: list[str], reference: np.ndarray, count: int, cl
     with ThreadPoolExecutor(clients) as pool:
         for future in [pool.submit(client) for _ in range(clients)]:
             future.result()
-    return {"requests": count, "clients": clients, **tally, "seconds": time.perf_counter() - start,
-            "rss_start_mb": rss_start, "rss_end_mb": server.rss_mb()}
+    return {
+        "requests": count,
+        "clients": clients,
+        **tally,
+        "seconds": time.perf_counter() - start,
+        "rss_start_mb": rss_start,
+        "rss_end_mb": server.rss_mb(),
+    }
 
 
 def table(report: dict) -> str:
-    lines = ["| weights | mix | clients | texts | texts/s | × sequential | p50 s | p95 s | p99 s | rows/step | rows/prompt pass | not bit-equal (max abs diff) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| weights | mix | clients | texts | texts/s | × sequential | p50 s | p95 s | p99 s | rows/step | rows/prompt pass | not bit-equal (max abs diff) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for run in report["runs"]:
         base = run["cells"][0]["texts_per_s"]
         for cell in run["cells"]:
@@ -259,11 +318,14 @@ def main() -> None:
     parser.add_argument("--output", default=str(RESULTS / "serve_load.json"))
     args = parser.parse_args()
 
-    report = {"machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
-              "settings": vars(args), "runs": [], "soak": {}}
+    report = {
+        "machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
+        "settings": vars(args),
+        "runs": [],
+        "soak": {},
+    }
     for weights in args.weights:
-        model = SentenceTransformer(grace_st.default_model_path(), device="cpu", trust_remote_code=True,
-                                    model_kwargs=WEIGHTS[weights] or None)
+        model = grace_st.load(grace_st.default_model_path(), device="cpu", model_kwargs=WEIGHTS[weights] or None)
         shipped = dict(model[0].max_rationale_tokens)
         for budgets in dict.fromkeys(MIXES[mix][1] for mix in args.mixes):
             override = dict(item.split("=") for item in budgets.split(",")) if budgets else {}
@@ -275,15 +337,26 @@ def main() -> None:
                     texts = texts_for(mix, args.requests)
                     sequential, reference = sequential_cell(model, mix, texts, len(texts))
                     cells = [sequential]
-                    warm = {"model": "default", "input": texts[:4], **({"input_type": input_type} if input_type else {})}
-                    httpx.post(f"{server.url}/v1/embeddings", json=warm, timeout=300)  # first calls bind the native step
+                    warm = {
+                        "model": "default",
+                        "input": texts[:4],
+                        **({"input_type": input_type} if input_type else {}),
+                    }
+                    # the first calls bind the native step
+                    httpx.post(f"{server.url}/v1/embeddings", json=warm, timeout=300)
                     for clients in args.clients:
-                        cells.append(load_cell(server, texts, input_type, clients, args.requests, args.seconds, reference))
-                        print(f"{weights} {mix} {clients} clients: {cells[-1]['texts_per_s']:.2f} texts/s "
-                              f"({cells[-1]['texts_per_s'] / sequential['texts_per_s']:.2f}x sequential), "
-                              f"p95 {cells[-1]['p95_s']:.3f} s", flush=True)
-                    report["runs"].append({"weights": weights, "mix": mix, "budgets": model[0].max_rationale_tokens,
-                                           "cells": cells})
+                        cells.append(
+                            load_cell(server, texts, input_type, clients, args.requests, args.seconds, reference)
+                        )
+                        print(
+                            f"{weights} {mix} {clients} clients: {cells[-1]['texts_per_s']:.2f} texts/s "
+                            f"({cells[-1]['texts_per_s'] / sequential['texts_per_s']:.2f}x sequential), "
+                            f"p95 {cells[-1]['p95_s']:.3f} s",
+                            flush=True,
+                        )
+                    report["runs"].append(
+                        {"weights": weights, "mix": mix, "budgets": model[0].max_rationale_tokens, "cells": cells}
+                    )
                     write_json(report, args.output)
                 if args.soak and weights == args.weights[0] and not budgets:
                     texts = texts_for("query", 256)

@@ -27,7 +27,6 @@ import contextlib
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -150,8 +149,10 @@ class Scheduler:
 
     def _streams(self) -> bool:
         engine = self.encoder.engine
-        return type(engine) is RationaleEngine and engine.generator is None and continuous_batching(
-            self.encoder.model, self.encoder.decode_options
+        return (
+            type(engine) is RationaleEngine
+            and engine.generator is None
+            and continuous_batching(self.encoder.model, self.encoder.decode_options)
         )
 
     def _run(self) -> None:
@@ -234,11 +235,15 @@ class Scheduler:
                 seed = None if request.seeds is None else request.seeds[row]
                 stream.add(
                     streamed_row(
-                        (job.id, row), request.prompt_ids[row], request.instruction_lengths[row],
-                        request.max_new_tokens, request.temperatures[row], seed,
+                        (job.id, row),
+                        request.prompt_ids[row],
+                        request.instruction_lengths[row],
+                        request.max_new_tokens,
+                        request.temperatures[row],
+                        seed,
                     )
                 )
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 (this job fails, never the thread)
             self._finish(job, error=error)
             return
         if not rows:
@@ -276,11 +281,16 @@ class Scheduler:
                 truncated.append(entry.truncated)
             if fresh:
                 encoder._rationale_cache.connection().put_many(
-                    {key: CacheEntry(e.rationale_ids, e.truncated, e.embedding.float().cpu().numpy()) for key, e in fresh.items()}
+                    {
+                        key: CacheEntry(e.rationale_ids, e.truncated, e.embedding.float().cpu().numpy())
+                        for key, e in fresh.items()
+                    }
                 )
-            out = encoder.outputs(features, torch.stack(pooled), pad_rationales(rationales, repeats), torch.tensor(truncated))
+            out = encoder.outputs(
+                features, torch.stack(pooled), pad_rationales(rationales, repeats), torch.tensor(truncated)
+            )
             self._finish(job, out=self._after_encoder(out))
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 (this job fails, never the thread)
             self._finish(job, error=error)
 
     def _after_encoder(self, out: dict) -> dict:
@@ -294,7 +304,7 @@ class Scheduler:
             job.features = self._features(job)
             out = self.model(dict(job.features))
             self._finish(job, out=out)
-        except Exception as error:
+        except Exception as error:  # noqa: BLE001 (this job fails, never the thread)
             self._finish(job, error=error)
 
     def _finish(self, job: _Job, out: dict | None = None, error: BaseException | None = None) -> None:
@@ -312,7 +322,8 @@ class Scheduler:
             Embedded(
                 embeddings=out["sentence_embedding"].detach().float().cpu().numpy(),
                 rationales=rationales,
-                text_tokens=int(job.features["attention_mask"].sum()) // max(1, self.encoder.batch_plan(job.features)[1]),
+                text_tokens=int(job.features["attention_mask"].sum())
+                // max(1, self.encoder.batch_plan(job.features)[1]),
                 rationale_tokens=int((ids[:, 0] >= 0).sum()),
             )
         )

@@ -48,8 +48,16 @@ API_KEY_ENV = "GRACE_ST_API_KEY"
 class RequestError(Exception):
     """A request refused: its HTTP status and OpenAI's error fields."""
 
-    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers or {}
@@ -79,8 +87,12 @@ def parse_request(body: bytes, *, model_name: str, prompt_types: set[str], dimen
     if not isinstance(model, str):
         raise RequestError(400, "'model' is required: a string naming the model", param="model")
     if model != model_name:
-        raise RequestError(404, f"the model '{model}' does not exist; this server has '{model_name}'",
-                           param="model", code="model_not_found")
+        raise RequestError(
+            404,
+            f"the model '{model}' does not exist; this server has '{model_name}'",
+            param="model",
+            code="model_not_found",
+        )
     texts = payload.get("input")
     if isinstance(texts, str):
         texts = [texts]
@@ -89,37 +101,54 @@ def parse_request(body: bytes, *, model_name: str, prompt_types: set[str], dimen
     if not texts:
         raise RequestError(400, "'input' is an empty list: send at least one text", param="input")
     if len(texts) > limits.max_texts:
-        raise RequestError(413, f"'input' has {len(texts)} texts; at most {limits.max_texts} a request",
-                           param="input", code="too_many_inputs")
+        raise RequestError(
+            413,
+            f"'input' has {len(texts)} texts; at most {limits.max_texts} a request",
+            param="input",
+            code="too_many_inputs",
+        )
     for index, text in enumerate(texts):
         if isinstance(text, (int, list)) and not isinstance(text, bool):
-            raise RequestError(400, f"input[{index}] is a token array: this server embeds text, send strings",
-                               param="input")
+            raise RequestError(
+                400, f"input[{index}] is a token array: this server embeds text, send strings", param="input"
+            )
         problem = text_problem(text)
         if problem is not None:
             raise RequestError(400, f"input[{index}] {problem}", param="input")
         if len(text) > limits.max_chars:
-            raise RequestError(413, f"input[{index}] has {len(text)} characters; at most {limits.max_chars} a text",
-                               param="input", code="input_too_long")
+            raise RequestError(
+                413,
+                f"input[{index}] has {len(text)} characters; at most {limits.max_chars} a text",
+                param="input",
+                code="input_too_long",
+            )
     encoding = payload.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
-        raise RequestError(400, f"'encoding_format' must be 'float' or 'base64', not {encoding!r}",
-                           param="encoding_format")
+        raise RequestError(
+            400, f"'encoding_format' must be 'float' or 'base64', not {encoding!r}", param="encoding_format"
+        )
     dimensions = payload.get("dimensions")
     if dimensions is not None and (
         not isinstance(dimensions, int) or isinstance(dimensions, bool) or not 1 <= dimensions <= dimension
     ):
-        raise RequestError(400, f"'dimensions' must be an integer from 1 to {dimension}, not {dimensions!r}",
-                           param="dimensions")
+        raise RequestError(
+            400, f"'dimensions' must be an integer from 1 to {dimension}, not {dimensions!r}", param="dimensions"
+        )
     prompt_type = payload.get("input_type") or "default"
     if not isinstance(prompt_type, str) or prompt_type not in prompt_types:
-        raise RequestError(400, f"'input_type' must be one of {sorted(prompt_types)}, not {prompt_type!r}",
-                           param="input_type")
+        raise RequestError(
+            400, f"'input_type' must be one of {sorted(prompt_types)}, not {prompt_type!r}", param="input_type"
+        )
     return_rationale = payload.get("return_rationale", False)
     if not isinstance(return_rationale, bool):
         raise RequestError(400, "'return_rationale' must be true or false", param="return_rationale")
-    return {"texts": texts, "encoding": encoding, "dimensions": dimensions, "prompt_type": prompt_type,
-            "return_rationale": return_rationale}
+    return {
+        "texts": texts,
+        "encoding": encoding,
+        "dimensions": dimensions,
+        "prompt_type": prompt_type,
+        "return_rationale": return_rationale,
+    }
 
 
 def _embedding_item(index: int, vector: np.ndarray, encoding: str, rationale: str | None) -> dict:
@@ -146,21 +175,30 @@ def create_app(
 
     limits = limits or Limits()
     registry = CollectorRegistry()
-    requests_total = Counter("grace_st_requests", "HTTP requests by route and status", ["route", "status"],
-                             registry=registry)
+    requests_total = Counter(
+        "grace_st_requests", "HTTP requests by route and status", ["route", "status"], registry=registry
+    )
     texts_total = Counter("grace_st_texts", "texts embedded", registry=registry)
     buckets = (1, 2, 4, 8, 16, 32, 64, 128)
-    rows_per_step = Histogram("grace_st_rows_per_step", "rows fed a decoding step (all requests together)",
-                              buckets=buckets, registry=registry)
-    rows_per_prompt_pass = Histogram("grace_st_rows_per_prompt_pass",
-                                     "rows of a prompt pass for texts that do not think (budget 0; all requests)",
-                                     buckets=buckets, registry=registry)
+    rows_per_step = Histogram(
+        "grace_st_rows_per_step", "rows fed a decoding step (all requests together)", buckets=buckets, registry=registry
+    )
+    rows_per_prompt_pass = Histogram(
+        "grace_st_rows_per_prompt_pass",
+        "rows of a prompt pass for texts that do not think (budget 0; all requests)",
+        buckets=buckets,
+        registry=registry,
+    )
 
     def on_step(rows: int, prompt_pass: bool = False) -> None:
         (rows_per_prompt_pass if prompt_pass else rows_per_step).observe(rows)
 
-    latency = Histogram("grace_st_request_seconds", "time to answer an embeddings request",
-                        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=registry)
+    latency = Histogram(
+        "grace_st_request_seconds",
+        "time to answer an embeddings request",
+        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        registry=registry,
+    )
     scheduler = Scheduler(model, max_slots=max_slots, max_queued_texts=max_queued_texts, on_step=on_step)
     Gauge("grace_st_queued_texts", "texts waiting or decoding", registry=registry).set_function(
         lambda: scheduler.queued_texts
@@ -196,8 +234,9 @@ def create_app(
             given = request.headers.get("authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
                 requests_total.labels(route, "401").inc()
-                return error_response(RequestError(401, "a valid API key is required (Authorization: Bearer KEY)",
-                                                   code="invalid_api_key"))
+                return error_response(
+                    RequestError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+                )
         response = await call_next(request)
         requests_total.labels(route, str(response.status_code)).inc()
         return response
@@ -237,16 +276,30 @@ def create_app(
     async def embeddings(request: Request):
         start = time.perf_counter()
         try:
-            asked = parse_request(await read_body(request), model_name=model_name, prompt_types=prompt_types,
-                                  dimension=dimension, limits=limits)
+            asked = parse_request(
+                await read_body(request),
+                model_name=model_name,
+                prompt_types=prompt_types,
+                dimension=dimension,
+                limits=limits,
+            )
             if len(asked["texts"]) > max_queued_texts:  # would wait forever: not a matter of retrying
-                raise RequestError(413, f"'input' has {len(asked['texts'])} texts; the server holds "
-                                   f"{max_queued_texts} at once", param="input", code="too_many_inputs")
+                raise RequestError(
+                    413,
+                    f"'input' has {len(asked['texts'])} texts; the server holds {max_queued_texts} at once",
+                    param="input",
+                    code="too_many_inputs",
+                )
             try:
                 future = scheduler.submit(asked["texts"], asked["prompt_type"], asked["return_rationale"])
             except QueueFull as error:
-                raise RequestError(429, f"the server is busy: {error}; retry shortly", kind="rate_limit_error",
-                                   code="queue_full", headers={"Retry-After": "1"}) from None
+                raise RequestError(
+                    429,
+                    f"the server is busy: {error}; retry shortly",
+                    kind="rate_limit_error",
+                    code="queue_full",
+                    headers={"Retry-After": "1"},
+                ) from None
             except ShuttingDown as error:
                 raise RequestError(503, str(error), kind="server_error", headers={"Retry-After": "5"}) from None
             try:
@@ -255,7 +308,7 @@ def create_app(
                 raise RequestError(400, str(error), param="input") from None
         except RequestError as error:
             return error_response(error)
-        except Exception as error:  # never the server's end: this request fails, the others go on
+        except Exception as error:  # noqa: BLE001 (this request fails, the others go on)
             return error_response(RequestError(500, f"{type(error).__name__}: {error}", kind="server_error"))
         if result is None:
             return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
@@ -265,13 +318,19 @@ def create_app(
         rationales = result.rationales or [None] * len(vectors)
         texts_total.inc(len(vectors))
         latency.observe(time.perf_counter() - start)
-        return JSONResponse({
-            "object": "list",
-            "data": [_embedding_item(i, v, asked["encoding"], r) for i, (v, r) in enumerate(zip(vectors, rationales))],
-            "model": model_name,
-            "usage": {"prompt_tokens": result.text_tokens,
-                      "total_tokens": result.text_tokens + result.rationale_tokens},
-        })
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    _embedding_item(i, v, asked["encoding"], r) for i, (v, r) in enumerate(zip(vectors, rationales))
+                ],
+                "model": model_name,
+                "usage": {
+                    "prompt_tokens": result.text_tokens,
+                    "total_tokens": result.text_tokens + result.rationale_tokens,
+                },
+            }
+        )
 
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": created, "owned_by": "grace-st"}
@@ -298,13 +357,28 @@ def create_app(
     return app
 
 
-def serve(model, *, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          limits: Limits | None = None, max_queued_texts: int = 1024, max_slots: int = 32,
-          log_level: str = "info") -> None:
+def serve(
+    model,
+    *,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    api_key: str | None = None,
+    limits: Limits | None = None,
+    max_queued_texts: int = 1024,
+    max_slots: int = 32,
+    log_level: str = "info",
+) -> None:
     """Serve ``model`` until interrupted; on SIGINT/SIGTERM the requests in flight are finished first."""
     import uvicorn
 
     api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
-    app = create_app(model, model_name=model_name, api_key=api_key, limits=limits,
-                     max_queued_texts=max_queued_texts, max_slots=max_slots)
+    app = create_app(
+        model,
+        model_name=model_name,
+        api_key=api_key,
+        limits=limits,
+        max_queued_texts=max_queued_texts,
+        max_slots=max_slots,
+    )
     uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=60)

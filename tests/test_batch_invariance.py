@@ -87,8 +87,13 @@ def test_a_stream_that_grows_its_slots_mid_decode_gives_each_row_its_bits(model)
     rows, span = encoder.prompt_token_ids(TEXTS)
     engine = encoder.engine
     with torch.no_grad(), incremental_decoder(encoder.model) as decoder:
-        stream = RolloutStream(decoder, slots=lambda waiting: min(8, waiting), eos_token_ids=engine.eos_token_ids,
-                               pad_token_id=engine.pad_token_id, repetition_penalty=encoder.repetition_penalty)
+        stream = RolloutStream(
+            decoder,
+            slots=lambda waiting: min(8, waiting),
+            eos_token_ids=engine.eos_token_ids,
+            pad_token_id=engine.pad_token_id,
+            repetition_penalty=encoder.repetition_penalty,
+        )
         finished = {}
         stream.add(streamed_row(0, rows[0], span, 6))
         for step in range(40):
@@ -98,7 +103,9 @@ def test_a_stream_that_grows_its_slots_mid_decode_gives_each_row_its_bits(model)
             for row in stream.step():
                 finished[row.key] = row
         assert len(stream.done) >= 3 and not stream.busy
-    pooled = {key: masked_mean(row.token_embeddings()[None], row.pooling_mask()[None])[0] for key, row in finished.items()}
+    pooled = {
+        key: masked_mean(row.token_embeddings()[None], row.pooling_mask()[None])[0] for key, row in finished.items()
+    }
     for key in sorted(pooled):
         expected = encoder.embed(encoder.preprocess([TEXTS[key]]))["sentence_embedding"][0]
         assert torch.equal(pooled[key], expected), key

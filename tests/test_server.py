@@ -68,8 +68,11 @@ def model():
 
 @pytest.fixture(scope="module")
 def server(model):
-    running = Running(create_app(model, model_name="tiny", api_key=KEY, limits=Limits(max_texts=8, max_chars=200,
-                                                                                    max_body_bytes=4096)))
+    running = Running(
+        create_app(
+            model, model_name="tiny", api_key=KEY, limits=Limits(max_texts=8, max_chars=200, max_body_bytes=4096)
+        )
+    )
     yield running
     running.stop()
 
@@ -92,8 +95,13 @@ def test_the_openai_client_gets_encode_s_embeddings_bit_for_bit(server, model, k
     extra = {} if kind == "default" else {"input_type": kind}
     response = client.embeddings.create(input=TEXTS, model="tiny", encoding_format=encoding, extra_body=extra)
     # asked for explicitly, base64 comes back as the string (the client decodes it only when it chose base64)
-    got = np.array([np.frombuffer(base64.b64decode(item.embedding), "<f4") if encoding == "base64" else item.embedding
-                    for item in response.data], dtype=np.float32)
+    got = np.array(
+        [
+            np.frombuffer(base64.b64decode(item.embedding), "<f4") if encoding == "base64" else item.embedding
+            for item in response.data
+        ],
+        dtype=np.float32,
+    )
     assert [item.index for item in response.data] == list(range(len(TEXTS)))
     assert np.array_equal(got, expected(model, TEXTS, kind))
     assert response.model == "tiny" and 0 < response.usage.prompt_tokens <= response.usage.total_tokens
@@ -106,8 +114,9 @@ def test_langchain_s_openai_embeddings_get_encode_s_embeddings(server, model):
     from langchain_openai import OpenAIEmbeddings
 
     # check_embedding_ctx_length=False: send text, not tiktoken ids (tiktoken's tables are a download)
-    embeddings = OpenAIEmbeddings(model="tiny", base_url=f"{server.url}/v1", api_key=KEY,
-                                  check_embedding_ctx_length=False, max_retries=0)
+    embeddings = OpenAIEmbeddings(
+        model="tiny", base_url=f"{server.url}/v1", api_key=KEY, check_embedding_ctx_length=False, max_retries=0
+    )
     assert np.array_equal(np.array(embeddings.embed_documents(TEXTS), dtype=np.float32), model.encode(TEXTS))
     assert np.array_equal(np.array(embeddings.embed_query(TEXTS[2]), dtype=np.float32), model.encode(TEXTS[2:3])[0])
 
@@ -120,7 +129,10 @@ def test_dimensions_rationales_models_health_and_metrics(server, model):
         assert np.array_equal(np.array(item["embedding"], dtype=np.float32), text_out["sentence_embedding"][:8].numpy())
         ids = text_out["rationale_token_ids"][0]
         assert item["rationale"] == model[0].decode_rationales(ids[None])[0]
-    assert httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"] == "tiny"
+    assert (
+        httpx.get(f"{server.url}/v1/models", headers={"Authorization": f"Bearer {KEY}"}).json()["data"][0]["id"]
+        == "tiny"
+    )
     assert httpx.get(f"{server.url}/health").status_code == 200  # no key needed
     metrics = httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
     assert 'grace_st_requests_total{route="/v1/embeddings",status="200"}' in metrics
@@ -187,7 +199,7 @@ def test_concurrent_clients_mixing_good_and_bad_requests_all_get_their_own_answe
 
     with ThreadPoolExecutor(32) as pool:
         assert all(pool.map(client, range(192)))
-    assert "status=\"5" not in httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    assert 'status="5' not in httpx.get(f"{server.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
 
 
 def test_a_full_queue_answers_429_with_retry_after(model):
@@ -243,7 +255,9 @@ def test_a_client_that_disconnects_has_its_rows_dropped(monkeypatch):
         assert scheduler.queued_texts == 0 and len(steps) < 150  # dropped, not decoded to the end
         monkeypatch.setattr(RolloutStream, "_decode", decode)
         after = running.post({"model": "tiny", "input": "cats"}, key=None, timeout=60)
-        assert np.array_equal(np.array(after.json()["data"][0]["embedding"], dtype=np.float32), slow.encode(["cats"])[0])
+        assert np.array_equal(
+            np.array(after.json()["data"][0]["embedding"], dtype=np.float32), slow.encode(["cats"])[0]
+        )
     finally:
         running.stop()
 
@@ -276,8 +290,19 @@ def test_the_cli_serves_on_loopback(tmp_path):
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     process = subprocess.Popen(
-        [sys.executable, "-m", "grace_st.cli", "serve", str(tmp_path / "model"), "--port", str(port),
-         "--model-name", "tiny", "--log-level", "warning"],
+        [
+            sys.executable,
+            "-m",
+            "grace_st.cli",
+            "serve",
+            str(tmp_path / "model"),
+            "--port",
+            str(port),
+            "--model-name",
+            "tiny",
+            "--log-level",
+            "warning",
+        ],
         env={**os.environ, "GRACE_ST_API_KEY": KEY},
     )
     try:
@@ -291,8 +316,12 @@ def test_the_cli_serves_on_loopback(tmp_path):
                 time.sleep(0.2)
         assert health.json()["model"] == "tiny"
         assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401  # the key from the environment
-        response = httpx.post(f"http://127.0.0.1:{port}/v1/embeddings", json={"model": "tiny", "input": "cats"},
-                              headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
+        response = httpx.post(
+            f"http://127.0.0.1:{port}/v1/embeddings",
+            json={"model": "tiny", "input": "cats"},
+            headers={"Authorization": f"Bearer {KEY}"},
+            timeout=60,
+        )
         assert len(response.json()["data"][0]["embedding"]) == 64
     finally:
         process.terminate()
