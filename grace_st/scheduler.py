@@ -117,6 +117,11 @@ class Scheduler:
         """Texts submitted and not yet answered."""
         return self._queued_texts
 
+    @property
+    def alive(self) -> bool:
+        """The thread runs (False before :meth:`start` and after :meth:`stop`)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self) -> Scheduler:
         self._thread = threading.Thread(target=self._run, name="grace-st-scheduler", daemon=True)
         self._thread.start()

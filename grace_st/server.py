@@ -347,6 +347,8 @@ def create_app(
 
     @app.get("/health")
     async def health():
+        if not scheduler.alive:  # nothing would answer an embeddings request
+            return JSONResponse({"status": "unavailable", "model": model_name}, status_code=503)
         return {"status": "ok", "model": model_name}
 
     @app.get("/metrics")

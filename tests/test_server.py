@@ -213,6 +213,7 @@ def test_a_full_queue_answers_429_with_retry_after(model):
     assert response.json()["error"]["code"] == "queue_full"
     too_many = client.post("/v1/embeddings", json={"model": "tiny", "input": ["c"] * 4})
     assert too_many.status_code == 413  # more than the queue ever holds: retrying would not help
+    assert client.get("/health").status_code == 503  # no scheduler thread: nothing would answer
 
 
 def test_the_scheduler_refuses_past_its_bound_and_drops_a_cancelled_request_s_rows(model):
