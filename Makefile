@@ -32,14 +32,14 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -qq $(TORCH)
-	$(PY) -m pip install -qq -e ".[dev,serve,mteb,langchain,llamaindex,bench,training]"
+	$(PY) -m pip install -qq -e ".[dev,server,mteb,langchain,llamaindex,bench,training]"
 	touch $@
 
 venv-st5: $(VENV_ST5)/.installed
 $(VENV_ST5)/.installed: pyproject.toml Makefile
 	test -x $(PY_ST5) || $(PYTHON) -m venv $(VENV_ST5)
 	$(PY_ST5) -m pip install -qq $(TORCH)
-	$(PY_ST5) -m pip install -qq -e ".[dev,serve,training]" "$(ST5)"
+	$(PY_ST5) -m pip install -qq -e ".[dev,server,training]" "$(ST5)"
 	touch $@
 
 # Builds the embedded default model under $GRACE_ST_HOME (default ~/.cache/grace_st) once.

@@ -189,7 +189,7 @@ def build_parser() -> argparse.ArgumentParser:
     _encoder_options(evaluate)
 
     serve = commands.add_parser(
-        "serve", help="an OpenAI-compatible embedding server (POST /v1/embeddings); needs grace-st[serve]"
+        "serve", help="an OpenAI-compatible embedding server (POST /v1/embeddings); needs grace-st[server]"
     )
     serve.add_argument("model", nargs="?", help="GRACE model directory or Hub id (default: the embedded default model)")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -393,7 +393,7 @@ def run_serve(args: argparse.Namespace) -> int:
     try:
         from .server import Limits, serve
     except ImportError as error:
-        raise SystemExit(f"grace-st serve: {error.name} is missing: pip install 'grace-st[serve]'") from None
+        raise SystemExit(f"grace-st serve: {error.name} is missing: pip install 'grace-st[server]'") from None
     from . import default_model_path
 
     if args.weight_quantization:
