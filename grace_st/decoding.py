@@ -369,8 +369,10 @@ class IncrementalDecoder:
             "position_ids": torch.arange(shared, device=input_ids.device)[None, :],
         }
         # Natively where the rest runs natively: every token then has the bits a prompt prefilled whole gets.
-        prefix_cache = preallocated_cache(self.model, shared)
-        fed = self._native_prefill(False, cache=prefix_cache, **prefix)
+        fed = None
+        if self._native_model() is not None:
+            prefix_cache = preallocated_cache(self.model, shared)
+            fed = self._native_prefill(False, cache=prefix_cache, **prefix)
         if fed is None:
             prefix_cache = DynamicCache(config=self.model.config)
             fed = self._forward(False, prefix_cache, **prefix)

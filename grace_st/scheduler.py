@@ -36,7 +36,6 @@ import torch
 
 from .cache import CacheEntry
 from .decoding import continuous_batching, incremental_decoder
-from .engine import RationaleEngine
 from .generation import RolloutStream, StreamedRow, pad_rationales, streamed_row
 from .pooling import masked_mean
 
@@ -54,11 +53,12 @@ class ShuttingDown(RuntimeError):
 @dataclass
 class Embedded:
     """A request's answer: an embedding a text (n, dim) float32, each text's rationale (its first) when
-    asked, and the tokens counted: the texts' own, and the rationale tokens written for them."""
+    asked, and the tokens counted: the prompts' (template and instruction included), and the rationale
+    tokens written for them."""
 
     embeddings: np.ndarray
     rationales: list[str] | None
-    text_tokens: int
+    prompt_tokens: int
     rationale_tokens: int
 
 
@@ -155,7 +155,7 @@ class Scheduler:
     def _streams(self) -> bool:
         engine = self.encoder.engine
         return (
-            type(engine) is RationaleEngine
+            engine.ragged  # the engine's own word: its rows end at different steps (not GIRCSE's soft tokens)
             and engine.generator is None
             and continuous_batching(self.encoder.model, self.encoder.decode_options)
         )
@@ -277,20 +277,15 @@ class Scheduler:
                     entry = CacheEntry(
                         rationale_ids=[r.rationale_ids for r in rows],
                         truncated=[r.truncated for r in rows],
-                        embedding=means.view(1, repeats, -1).mean(1)[0],
+                        embedding=means.view(1, repeats, -1).mean(1)[0].float().cpu().numpy(),
                     )
                     if "cache_keys" in features:
                         fresh[features["cache_keys"][index]] = entry
-                pooled.append(torch.as_tensor(entry.embedding))
+                pooled.append(torch.from_numpy(entry.embedding))
                 rationales.append(entry.rationale_ids)
                 truncated.append(entry.truncated)
             if fresh:
-                encoder._rationale_cache.connection().put_many(
-                    {
-                        key: CacheEntry(e.rationale_ids, e.truncated, e.embedding.float().cpu().numpy())
-                        for key, e in fresh.items()
-                    }
-                )
+                encoder._rationale_cache.connection().put_many(fresh)
             out = encoder.outputs(
                 features, torch.stack(pooled), pad_rationales(rationales, repeats), torch.tensor(truncated)
             )
@@ -327,7 +322,7 @@ class Scheduler:
             Embedded(
                 embeddings=out["sentence_embedding"].detach().float().cpu().numpy(),
                 rationales=rationales,
-                text_tokens=int(job.features["attention_mask"].sum())
+                prompt_tokens=int(job.features["attention_mask"].sum())
                 // max(1, self.encoder.batch_plan(job.features)[1]),
                 rationale_tokens=int((ids[:, 0] >= 0).sum()),
             )

@@ -326,8 +326,8 @@ def create_app(
                 ],
                 "model": model_name,
                 "usage": {
-                    "prompt_tokens": result.text_tokens,
-                    "total_tokens": result.text_tokens + result.rationale_tokens,
+                    "prompt_tokens": result.prompt_tokens,
+                    "total_tokens": result.prompt_tokens + result.rationale_tokens,
                 },
             }
         )
