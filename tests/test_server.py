@@ -264,10 +264,16 @@ def test_a_client_that_disconnects_has_its_rows_dropped(monkeypatch):
 
 
 def test_shutdown_finishes_the_requests_in_flight(model):
-    running = Running(create_app(model, model_name="tiny"))
+    app = create_app(model, model_name="tiny")
+    count_step = app.state.scheduler.on_step
+    app.state.scheduler.on_step = lambda *args, **kwargs: (time.sleep(0.05), count_step(*args, **kwargs))
+    running = Running(app)
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(running.post, {"model": "tiny", "input": TEXTS * 2}, None, timeout=60)
-        time.sleep(0.05)
+        deadline = time.monotonic() + 30
+        while app.state.scheduler.queued_texts == 0:  # stop only once the request is in flight
+            assert time.monotonic() < deadline and not pending.done(), "the request never reached the scheduler"
+            time.sleep(0.005)
         running.stop()
         response = pending.result()
     assert response.status_code == 200 and len(response.json()["data"]) == 2 * len(TEXTS)
