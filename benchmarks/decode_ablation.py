@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 import grace_st
+from grace_st.batch import masked_mean
 from grace_st.decoding import DecodeOptions
 from grace_st.packed_linear import matmul_peak_flops
-from grace_st.pooling import masked_mean
 from grace_st.scoreboard import sentences
 
 

@@ -17,8 +17,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .batch import pad_rationales
 from .cache import CacheEntry, RationaleCache, entry_key
-from .generation import pad_rationales
 
 _opening = threading.Lock()
 

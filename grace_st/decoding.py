@@ -41,6 +41,7 @@ from torch import Tensor
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .batch import position_ids_from_mask
 from .native_step import NativeStep
 from .packed_linear import packed_linears
 from .transformers_compat import cache_kwargs
@@ -206,11 +207,6 @@ def continuous_batching(model, options: DecodeOptions) -> bool:
         options.decode_rows is not None and options.preallocated_cache
         and _every_layer_preallocated(preallocated_cache(model, 1))
     )
-
-
-def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
-    """Positions for a left-padded batch: 0 at each row's first real token."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def decoder_states(decoder, hidden_layer: int, cache=None, **inputs) -> Tensor:

@@ -32,11 +32,11 @@ from torch import Tensor
 
 from . import mteb_identity, quantization
 from .adapter import adapter_base, copy_adapter, is_adapter_dir, is_peft_model, load_base_and_adapter, save_adapter
+from .batch import RolloutRequest, left_pad, pad_rationales
 from .cache import REQUIRED_SETTINGS, RationaleCache, is_deterministic
 from .cache_binding import CacheBinding
 from .decoding import DecodeOptions
-from .engine import ENGINES, RationaleEngine, RolloutRequest
-from .generation import left_pad, pad_rationales
+from .engine import ENGINES, RationaleEngine
 from .prompts import (
     PromptTemplate,
     build_prompt_template,

@@ -29,53 +29,24 @@ nothing that calls ``generate``/``embed`` changes.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from .decoding import DecodeOptions, continuous_batching, decoder_states, packed_linears_for, position_ids_from_mask
-from .generation import Rationales, Rollouts, generate_rollouts, left_pad, per_row, prompt_pooling_mask, stream_rollouts
-from .pooling import masked_mean
+from .batch import (
+    Rationales,
+    RolloutRequest,
+    Rollouts,
+    Thoughts,
+    left_pad,
+    masked_mean,
+    position_ids_from_mask,
+    prompt_pooling_mask,
+)
+from .decoding import DecodeOptions, continuous_batching, decoder_states, packed_linears_for
+from .generation import generate_rollouts, stream_rollouts
 from .second_pass import pooled_embeddings
 from .soft_tokens import soft_token_rollouts, soft_token_states
-
-
-@dataclass
-class RolloutRequest:
-    """Rows to think about: prompts ``P(x)`` (token ids, unpadded) and their L_sys, one temperature for
-    every row or one a row (0: greedy), a sampling seed a row (None: torch's global generator), and
-    the shared top-p and rationale budget (0: the prompt alone is pooled), and the repetition penalty
-    over each rationale's own tokens (1: none; :func:`~grace_st.generation.penalise_repeats`)."""
-
-    prompt_ids: list[list[int]]
-    instruction_lengths: list[int]
-    temperatures: float | Sequence[float]
-    top_p: float
-    max_new_tokens: int
-    seeds: list[int] | None = None
-    repetition_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        self.temperatures = per_row(self.temperatures, len(self.prompt_ids))
-
-
-@dataclass
-class Thoughts:
-    """What :meth:`RationaleEngine.generate` returns, row by row as requested: the rationales and, from a
-    backend that has them, the hidden states they were decoded with (``chunks``: the rows of each
-    generating pass and its :class:`~grace_st.generation.Rollouts`), which :meth:`RationaleEngine.embed`
-    pools instead of running a second pass."""
-
-    rationales: Rationales
-    chunks: list[tuple[list[int], Rollouts]] = field(default_factory=list)
-
-    def single_pass(self) -> Rollouts | None:
-        """The states of all rows in request order when one pass made them (``encode``'s batches),
-        for the per-token outputs; else None."""
-        if len(self.chunks) == 1 and self.chunks[0][0] == list(range(len(self.rationales.rationale_ids))):
-            return self.chunks[0][1]
-        return None
 
 
 def length_buckets(lengths: Sequence[int], batch_size: int, ratio: float | None = 1.5, min_rows: int = 8) -> list[list[int]]:

@@ -18,82 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from .batch import Rollouts, left_pad, per_row, prompt_pooling_mask
 from .decoding import DecodeOptions, IncrementalDecoder, incremental_decoder
-
-
-class Rationales(NamedTuple):
-    """The rationale contract: what every generator gives, one row a prompt, in order. The HF
-    one-pass rollout (:meth:`Rollouts.rationales`) and vLLM
-    (:meth:`grace_st.vllm_backend.VLLMRationaleGenerator.generate`) both return it, and encode and
-    training read it the same way whichever made it."""
-
-    rationale_ids: list[list[int]]  # the rationale r (Eq. 1), its EOS excluded
-    stop_ids: list[int]  # the EOS id that ended it (part of the action scored in Eq. 11); -1 if none
-    truncated: list[bool]  # hit the length limit without an EOS (Eq. 28)
-
-
-@dataclass
-class Rollouts:
-    """Generated rationales with the hidden states of ``P(x) ⊕ r``.
-
-    The prompt part is left-padded, the rationale part right-padded: column ``N + k`` holds
-    rationale token ``k`` of every row.
-    """
-
-    attention_mask: Tensor  # (B, N + G) 1 on real tokens, EOS excluded
-    pooling_mask: Tensor  # (B, N + G) 1 where Eq. 3 pools: t > L_sys, before EOS, not padding
-    token_embeddings: Tensor  # (B, N + G, H) hidden states of the chosen layer
-    rationale_ids: Tensor  # (B, G) rationale token ids, -1 after the rationale ends
-    truncated: Tensor  # (B,) hit the length limit without EOS (Eq. 28's length penalty)
-    stop_ids: Tensor  # (B,) the EOS token that ended each rationale, -1 where none did
-
-    def rationales(self) -> Rationales:
-        """The rationales alone, in the contract every generator meets."""
-        ids = [[t for t in row if t >= 0] for row in self.rationale_ids.tolist()]
-        return Rationales(ids, [int(t) for t in self.stop_ids.tolist()], [bool(t) for t in self.truncated.tolist()])
-
-
-def left_pad(rows: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
-    width = max((len(row) for row in rows), default=0)
-    input_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, row in enumerate(rows):
-        if row:
-            input_ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-            attention_mask[i, width - len(row) :] = 1
-    return input_ids, attention_mask
-
-
-def pad_rationales(groups: list[list[list[int]]], repeats: int) -> Tensor:
-    """(texts, repeats, longest) rationale ids, -1 after each rationale's end."""
-    width = max((len(ids) for group in groups for ids in group), default=0)
-    padded = torch.full((len(groups), repeats, width), -1, dtype=torch.long)
-    for i, group in enumerate(groups):
-        for k, ids in enumerate(group):
-            padded[i, k, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-    return padded
-
-
-def prompt_pooling_mask(attention_mask: Tensor, instruction_lengths: Tensor) -> Tensor:
-    """Positions t > L_sys of each left-padded prompt (Eq. 3)."""
-    width = attention_mask.shape[1]
-    first_pooled = (width - attention_mask.sum(1)) + instruction_lengths
-    return torch.arange(width, device=attention_mask.device)[None, :] >= first_pooled[:, None]
-
-
-def per_row(value: float | Sequence[float], rows: int, name: str = "temperatures") -> list[float]:
-    """One value for every row, or one a row (checked: as many as rows, each >= 0)."""
-    values = [float(value)] * rows if isinstance(value, (int, float)) else [float(v) for v in value]
-    if len(values) != rows:
-        raise ValueError(f"{len(values)} {name} for {rows} prompts")
-    if any(not v >= 0 for v in values):
-        raise ValueError(f"{name} must be >= 0, got {values}")
-    return values
 
 
 def inverse_cdf_draw(probs: Tensor, uniforms: Tensor) -> Tensor:

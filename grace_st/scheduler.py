@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .batch import masked_mean, pad_rationales
 from .cache import CacheEntry
 from .decoding import continuous_batching, incremental_decoder
-from .generation import RolloutStream, StreamedRow, pad_rationales, streamed_row
-from .pooling import masked_mean
+from .generation import RolloutStream, StreamedRow, streamed_row
 
 logger = logging.getLogger(__name__)
 

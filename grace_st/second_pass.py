@@ -14,10 +14,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from .batch import left_pad, masked_mean, right_pad
 from .decoding import decoder_states
-from .generation import left_pad
 from .packed_linear import packed_linears as packed_linears_block
-from .pooling import masked_mean
 
 
 @torch.no_grad()
@@ -116,16 +115,9 @@ def pooled_embeddings(
 
 
 def right_padded_states(model, rows: Sequence[Sequence[int]], pad_token_id: int, hidden_layer: int) -> Tensor:
-    """Layer ``hidden_layer``'s hidden states of token rows of different lengths in one right-padded pass,
-    (rows, longest, hidden). Right padding: causal attention means a real token never sees the padding after it,
-    and positions start at 0 as in an unpadded pass, so a row's states are those of its own pass."""
-    device = model.device
-    width = max(len(row) for row in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long, device=device)
-    mask = torch.zeros((len(rows), width), dtype=torch.long, device=device)
-    for i, row in enumerate(rows):
-        ids[i, : len(row)] = torch.as_tensor(row, dtype=torch.long, device=device)
-        mask[i, : len(row)] = 1
+    """Layer ``hidden_layer``'s hidden states of token rows of different lengths in one right-padded pass
+    (:func:`~grace_st.batch.right_pad`), (rows, longest, hidden): a row's states are those of its own pass."""
+    ids, mask = right_pad(rows, pad_token_id, device=model.device)
     return decoder_states(model.get_decoder(), hidden_layer, input_ids=ids, attention_mask=mask)
 
 

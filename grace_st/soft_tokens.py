@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from .decoding import position_ids_from_mask
-from .generation import Rollouts, prompt_pooling_mask
+from .batch import Rollouts, position_ids_from_mask, prompt_pooling_mask
 from .transformers_compat import cache_kwargs
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from .generation import Rationales, per_row
+from .batch import Rationales, per_row
 from .second_pass import pooled_embeddings
 
 __all__ = ["INSTALL_HINT", "VLLMRationaleGenerator", "pooled_embeddings"]

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grace_st.generation import left_pad
+from grace_st.batch import left_pad
 from grace_st.settings import for_prompt_type
 
 from .data import Triplet

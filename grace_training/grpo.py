@@ -20,9 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grace_st.decoding import position_ids_from_mask
-from grace_st.generation import prompt_pooling_mask
-from grace_st.pooling import masked_mean
+from grace_st.batch import masked_mean, position_ids_from_mask, prompt_pooling_mask
 from grace_st.transformers_compat import cache_kwargs, output_cache
 
 

@@ -29,8 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grace_st.engine import RolloutRequest, Thoughts
-from grace_st.generation import Rationales
+from grace_st.batch import Rationales, RolloutRequest, Thoughts
 from grace_st.settings import for_prompt_type
 
 from .data import Triplet

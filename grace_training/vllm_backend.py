@@ -29,7 +29,7 @@ from pathlib import Path
 
 from torch import Tensor
 
-from grace_st.generation import Rationales
+from grace_st.batch import Rationales
 
 from .rollout import Generated, RolloutRequest, embed_rollouts
 

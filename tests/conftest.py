@@ -135,7 +135,8 @@ def make_prompts(template: str = "chatml"):
 
 def one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, eos=None, **kwargs):
     """``generate_rollouts`` over left-padded prompt rows, EOS the tokenizer's unless given."""
-    from grace_st.generation import generate_rollouts, left_pad
+    from grace_st.batch import left_pad
+    from grace_st.generation import generate_rollouts
 
     input_ids, attention_mask = left_pad(rows, tokenizer.pad_token_id)
     return generate_rollouts(

@@ -61,7 +61,7 @@ def test_continuous_batching_gives_each_text_the_bits_of_a_batch(model):
 
 
 def test_the_pooled_mean_does_not_depend_on_padding():
-    from grace_st.pooling import masked_mean
+    from grace_st.batch import masked_mean
 
     torch.manual_seed(0)
     states, mask = torch.randn(1, 40, 64), torch.ones(1, 40)
@@ -79,9 +79,9 @@ def test_the_pooled_mean_does_not_depend_on_padding():
 def test_a_stream_that_grows_its_slots_mid_decode_gives_each_row_its_bits(model):
     """Rows arriving while others decode: the cache gains rows (a copy into larger buffers) and every row,
     old or new, gets the rollout it gets alone."""
+    from grace_st.batch import masked_mean
     from grace_st.decoding import incremental_decoder
     from grace_st.generation import RolloutStream, streamed_row
-    from grace_st.pooling import masked_mean
 
     encoder = model[0]
     rows, span = encoder.prompt_token_ids(TEXTS)

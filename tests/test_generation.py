@@ -4,8 +4,8 @@ import pytest
 import torch
 from conftest import PROMPT_TEXTS, make_prompts, one_pass_rollouts
 
+from grace_st.batch import masked_mean
 from grace_st.decoding import DecodeOptions
-from grace_st.pooling import masked_mean
 from grace_st.second_pass import two_pass_reference
 
 TEXTS = PROMPT_TEXTS
@@ -152,8 +152,8 @@ def test_dropping_finished_rows_changes_nothing(do_sample):
 
 
 def test_shared_prefix_length_stops_at_the_first_difference_and_at_its_caps():
+    from grace_st.batch import left_pad
     from grace_st.decoding import shared_prefix_length
-    from grace_st.generation import left_pad
 
     ids, mask = left_pad([[5, 6, 7, 8, 9], [5, 6, 7, 1], [5, 6, 2, 3, 4, 4]], 0)
     assert shared_prefix_length(ids, mask, torch.tensor([4, 4, 4])) == 2  # rows part after 5, 6
@@ -172,8 +172,8 @@ def test_shared_prefix_length_stops_at_the_first_difference_and_at_its_caps():
 @pytest.mark.parametrize("hidden_layer", [-1, 1])
 @pytest.mark.parametrize("mixed", [False, True], ids=["one_instruction", "two_instructions"])
 def test_a_shared_instruction_prefix_computed_once_changes_nothing(max_new_tokens, hidden_layer, mixed):
+    from grace_st.batch import left_pad
     from grace_st.decoding import shared_prefix_length
-    from grace_st.generation import left_pad
     from grace_st.prompts import build_prompt_template, tokenize_texts
 
     tokenizer, model, rows, spans = make_prompts()

@@ -15,7 +15,7 @@ from test_training_quality import saved_base
 from test_training_trainer import DATA, config
 
 import grace_st
-from grace_st.generation import left_pad
+from grace_st.batch import left_pad
 from grace_st.soft_tokens import soft_token_states
 from grace_training.data import Triplet
 from grace_training.gircse import refinement_loss, stepwise_cosent, stepwise_infonce

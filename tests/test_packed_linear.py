@@ -8,8 +8,8 @@ import torch
 from conftest import make_prompts, one_pass_rollouts
 
 from grace_st import packed_linear
+from grace_st.batch import left_pad
 from grace_st.decoding import DecodeOptions, preallocated_cache
-from grace_st.generation import left_pad
 from grace_st.packed_linear import packed_linears, packing_enabled
 from grace_st.transformers_compat import cache_kwargs
 

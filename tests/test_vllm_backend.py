@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import PROMPT_TEXTS, make_model, make_prompts, make_tokenizer, one_pass_rollouts
 
-from grace_st.generation import Rationales, generate_rollouts
+from grace_st.batch import Rationales
+from grace_st.generation import generate_rollouts
 from grace_st.second_pass import two_pass_reference
 from grace_st.vllm_backend import INSTALL_HINT, VLLMRationaleGenerator, pooled_embeddings
 
