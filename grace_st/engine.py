@@ -44,7 +44,7 @@ from .batch import (
     prompt_pooling_mask,
 )
 from .decoding import DecodeOptions, continuous_batching, decoder_states, packed_linears_for
-from .generation import generate_rollouts, stream_rollouts
+from .generation import RolloutSettings, generate_rollouts, stream_rollouts
 from .second_pass import pooled_embeddings
 from .soft_tokens import soft_token_rollouts, soft_token_states
 
@@ -189,6 +189,19 @@ class RationaleEngine:
 
     # -- the HF one-pass rollout -----------------------------------------------------------------
 
+    def rollout_settings(self, request: RolloutRequest, temperatures: Sequence[float]) -> RolloutSettings:
+        """What the rows of ``request`` share as they are decoded; sampling is on when any of
+        ``temperatures`` (the rows decoded together) is above 0."""
+        return RolloutSettings(
+            eos_token_ids=tuple(self.eos_token_ids),
+            pad_token_id=self.pad_token_id,
+            do_sample=any(t > 0 for t in temperatures),
+            top_p=request.top_p,
+            repetition_penalty=request.repetition_penalty,
+            hidden_layer=self.hidden_layer,
+            options=self.options,
+        )
+
     # Rationales end at different lengths: a call over more rows than ``options.decode_rows``
     # streams them through that many (continuous batching). Soft tokens all run K steps: they do not.
     ragged = True
@@ -207,17 +220,11 @@ class RationaleEngine:
             self.model,
             request.prompt_ids,
             request.instruction_lengths,
+            self.rollout_settings(request, request.temperatures),
             slots=self.options.decode_rows,
             max_new_tokens=request.max_new_tokens,
-            eos_token_ids=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            do_sample=any(t > 0 for t in request.temperatures),
             temperature=request.temperatures,
-            top_p=request.top_p,
             seeds=request.seeds,
-            repetition_penalty=request.repetition_penalty,
-            hidden_layer=self.hidden_layer,
-            options=self.options,
             device=next(self.model.parameters()).device,
         )
         return rollouts.rationales(), [(list(range(len(request.prompt_ids))), rollouts)]
@@ -231,16 +238,10 @@ class RationaleEngine:
             input_ids.to(device),
             attention_mask.to(device),
             torch.tensor([request.instruction_lengths[i] for i in chunk], device=device),
+            self.rollout_settings(request, temperatures),
             max_new_tokens=request.max_new_tokens,
-            eos_token_ids=self.eos_token_ids,
-            pad_token_id=self.pad_token_id,
-            do_sample=any(t > 0 for t in temperatures),
             temperature=temperatures,
-            top_p=request.top_p,
             seeds=None if request.seeds is None else [request.seeds[i] for i in chunk],
-            repetition_penalty=request.repetition_penalty,
-            hidden_layer=self.hidden_layer,
-            options=self.options,
         )
 
 

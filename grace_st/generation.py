@@ -102,13 +102,33 @@ def _written(rows: int, logits: Tensor | None, penalty: float) -> Tensor | None:
     return torch.zeros((rows, logits.shape[-1]), dtype=torch.bool, device=logits.device)
 
 
-def _sampling(eos_token_ids, temperature, rows: int, do_sample: bool, seeds, device):
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What every row of a rollout shares: the ids that end a rationale (Eq. 1 stops at any), the pad id,
+    whether tokens are sampled and with which top-p, the repetition penalty over each rationale's own
+    tokens (1: none; :func:`penalise_repeats`), the layer whose states are kept (-1: the decoder's final,
+    normed states) and how the model is fed (:class:`~grace_st.decoding.DecodeOptions`: speed only).
+    What differs a row (its prompt, budget, temperature and seed) travels with the row."""
+
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+    do_sample: bool = False
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    hidden_layer: int = -1
+    options: DecodeOptions | None = None
+
+    def stop_ids(self, device) -> Tensor:
+        return torch.tensor(sorted(set(self.eos_token_ids)), device=device)
+
+
+def _sampling(settings: RolloutSettings, temperature, rows: int, seeds, device):
     """What Eq. 1's draws need, a row at a time: the stop ids, each row's temperature, and one
     generator a row when seeded (so a row's rationale does not depend on its batch)."""
-    eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
     temperatures = torch.tensor(per_row(temperature, rows), dtype=torch.float32, device=device)
-    generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if do_sample and seeds is not None else None
-    return eos, temperatures, generators
+    seeded = settings.do_sample and seeds is not None
+    generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if seeded else None
+    return settings.stop_ids(device), temperatures, generators
 
 
 @torch.no_grad()
@@ -117,33 +137,26 @@ def generate_rollouts(
     input_ids: Tensor,
     attention_mask: Tensor,
     instruction_lengths: Tensor,
+    settings: RolloutSettings,
     *,
     max_new_tokens: int,
-    eos_token_ids: Sequence[int],
-    pad_token_id: int,
-    do_sample: bool = False,
     temperature: float | Sequence[float] = 1.0,
-    top_p: float = 1.0,
     seeds: Sequence[int] | None = None,
-    repetition_penalty: float = 1.0,
-    hidden_layer: int = -1,
-    options: DecodeOptions | None = None,
 ) -> Rollouts:
     """A rationale for each left-padded prompt, its hidden states (Eqs. 1–2) and the positions Eq. 3 pools.
 
-    Greedy unless ``do_sample``; ``temperature`` is one for every row or one a row (0: greedy), so a
-    training step's queries, negatives and positives share one call; ``seeds`` (one a row) make
-    sampling reproducible per text; ``repetition_penalty`` (1: none) makes a token the row's
-    rationale already holds less likely (:func:`penalise_repeats`). ``options``: the decoding optimisations
-    (:class:`grace_st.decoding.DecodeOptions`, all on by default; they change only rounding)."""
+    Greedy unless ``settings.do_sample``; ``temperature`` is one for every row or one a row (0: greedy), so
+    a training step's queries, negatives and positives share one call; ``seeds`` (one a row) make
+    sampling reproducible per text."""
     device, batch = input_ids.device, input_ids.shape[0]
-    eos, temperatures, generators = _sampling(eos_token_ids, temperature, batch, do_sample, seeds, device)
+    eos, temperatures, generators = _sampling(settings, temperature, batch, seeds, device)
+    do_sample, top_p, repetition_penalty = settings.do_sample, settings.top_p, settings.repetition_penalty
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
     stop_ids = torch.full((batch,), -1, dtype=torch.long, device=device)
     tokens: list[Tensor] = []  # one (B,) column a step: the rationale token, -1 once the row's rationale ended
     pooled = [prompt_pooling_mask(attention_mask, instruction_lengths.to(device))]  # Eq. 3: t > L_sys
 
-    with incremental_decoder(model, hidden_layer, options) as decoder:
+    with incremental_decoder(model, settings.hidden_layer, settings.options) as decoder:
         states, logits = decoder.prefill(input_ids, attention_mask, instruction_lengths, max_new_tokens)
         inverse_cdf = decoder.options.inverse_cdf_sampling
         written = _written(batch, logits, repetition_penalty)
@@ -164,7 +177,7 @@ def generate_rollouts(
             if written is not None:
                 written[rows[alive], token[alive]] = True
             tokens.append(step_tokens)
-            states, logits = decoder.step(token, alive, pad_token_id)
+            states, logits = decoder.step(token, alive, settings.pad_token_id)
             all_states.append(states)  # Eq. 2 over r_k, pooled where the rationale goes on
             pooled.append((step_tokens >= 0)[:, None])
 
@@ -227,20 +240,15 @@ class RolloutStream:
     def __init__(
         self,
         decoder: IncrementalDecoder,
+        settings: RolloutSettings,
         *,
         slots,
-        eos_token_ids: Sequence[int],
-        pad_token_id: int,
-        do_sample: bool = False,
-        top_p: float = 1.0,
-        repetition_penalty: float = 1.0,
         device: torch.device | str = "cpu",
     ):
-        self.root, self.decoder = decoder, None
+        self.root, self.decoder, self.settings = decoder, None, settings
         self.slot_policy = slots if callable(slots) else (lambda waiting, n=slots: min(n, waiting))
-        self.eos = torch.tensor(sorted(set(eos_token_ids)), device=device)
-        self.pad_token_id, self.do_sample, self.top_p = pad_token_id, do_sample, top_p
-        self.repetition_penalty, self.device = repetition_penalty, device
+        self.eos = settings.stop_ids(device)
+        self.device = device
         self.waiting: list[StreamedRow] = []
         self.slot_rows: list[StreamedRow | None] = []
         self.done = torch.ones(0, dtype=torch.bool, device=device)
@@ -291,7 +299,7 @@ class RolloutStream:
         taken = {id(row) for row in rows}
         self.waiting = [row for row in self.waiting if id(row) not in taken]
         self.rows_prefilled = len(rows)
-        input_ids, attention_mask = left_pad([row.prompt_ids for row in rows], self.pad_token_id)
+        input_ids, attention_mask = left_pad([row.prompt_ids for row in rows], self.settings.pad_token_id)
         spans = torch.tensor([row.instruction_length for row in rows], device=self.device)
         states, _ = self.root.fresh().prefill(input_ids.to(self.device), attention_mask.to(self.device), spans, 0)
         width = states.shape[1]
@@ -334,7 +342,7 @@ class RolloutStream:
         if not rows:
             return
         slots = torch.tensor(free[: len(rows)], dtype=torch.long, device=self.device)
-        input_ids, attention_mask = left_pad([row.prompt_ids for row in rows], self.pad_token_id)
+        input_ids, attention_mask = left_pad([row.prompt_ids for row in rows], self.settings.pad_token_id)
         states, new_logits = self.decoder.admit(
             slots, input_ids.to(self.device), attention_mask.to(self.device),
             torch.tensor([row.instruction_length for row in rows], device=self.device), len(self.done),
@@ -349,7 +357,7 @@ class RolloutStream:
             self.logits = new_logits.new_zeros((len(self.done), new_logits.shape[-1]))
         self.logits = self.logits.index_copy(0, slots, new_logits)
         if self.written is None:
-            self.written = _written(len(self.done), self.logits, self.repetition_penalty)
+            self.written = _written(len(self.done), self.logits, self.settings.repetition_penalty)
         elif self.written is not None:
             self.written.index_fill_(0, slots, False)
 
@@ -357,7 +365,7 @@ class RolloutStream:
         slot_rows = self.decoder.rows  # the slots fed; logits are theirs
         logits = self.logits
         if self.written is not None:
-            logits = penalise_repeats(logits, self.written[slot_rows], self.repetition_penalty)
+            logits = penalise_repeats(logits, self.written[slot_rows], self.settings.repetition_penalty)
         token = self._choose(logits, slot_rows)  # Eq. 1
         live = ~self.done[slot_rows]
         stopping = live & torch.isin(token, self.eos)
@@ -369,7 +377,7 @@ class RolloutStream:
         if not alive.any():
             return ended
         # finished slots stay in the cache (keep_rows): a later prompt takes them
-        states, self.logits = self.decoder.step(token, alive, self.pad_token_id, keep_rows=True)
+        states, self.logits = self.decoder.step(token, alive, self.settings.pad_token_id, keep_rows=True)
         self.rows_stepped = int(alive.sum())
         fed_slots, fed_tokens = slot_rows[alive], token[alive]
         if self.written is not None:
@@ -384,14 +392,14 @@ class RolloutStream:
         return ended
 
     def _choose(self, logits: Tensor, slot_rows: Tensor) -> Tensor:
-        if not self.do_sample:
+        if not self.settings.do_sample:
             return logits.argmax(-1)
         rows = [self.slot_rows[slot] for slot in slot_rows.tolist()]
         temperatures = torch.tensor([row.temperature if row else 0.0 for row in rows], device=self.device)
         generators = None
         if all(row.generator is not None for row in rows if row is not None):  # seeded: each row draws from its own
             generators = [row.generator if row else torch.Generator() for row in rows]
-        return _sample(logits, temperatures, self.top_p, generators, self.root.options.inverse_cdf_sampling)
+        return _sample(logits, temperatures, self.settings.top_p, generators, self.root.options.inverse_cdf_sampling)
 
     def _finish(self, slot: int) -> StreamedRow:
         self.done[slot] = True
@@ -411,18 +419,12 @@ def stream_rollouts(
     model,
     prompt_ids: Sequence[Sequence[int]],
     instruction_lengths: Sequence[int],
+    settings: RolloutSettings,
     *,
     slots: int,
     max_new_tokens: int,
-    eos_token_ids: Sequence[int],
-    pad_token_id: int,
-    do_sample: bool = False,
     temperature: float | Sequence[float] = 1.0,
-    top_p: float = 1.0,
     seeds: Sequence[int] | None = None,
-    repetition_penalty: float = 1.0,
-    hidden_layer: int = -1,
-    options: DecodeOptions | None = None,
     device: torch.device | str = "cpu",
 ) -> Rollouts:
     """:func:`generate_rollouts` for many prompts through ``slots`` rows decoded at once (a
@@ -434,17 +436,14 @@ def stream_rollouts(
     Prompts enter longest first: a later prompt then always fits the columns the cache already has.
     """
     rows = len(prompt_ids)
-    temperatures = per_row(temperature if do_sample else 0.0, rows)
+    temperatures = per_row(temperature if settings.do_sample else 0.0, rows)
     entries = [
         streamed_row(i, prompt_ids[i], instruction_lengths[i], max_new_tokens, temperatures[i],
                      None if seeds is None else seeds[i])
         for i in range(rows)
     ]
-    with incremental_decoder(model, hidden_layer, options) as decoder:
-        stream = RolloutStream(
-            decoder, slots=slots, eos_token_ids=eos_token_ids, pad_token_id=pad_token_id, do_sample=do_sample,
-            top_p=top_p, repetition_penalty=repetition_penalty, device=device,
-        )
+    with incremental_decoder(model, settings.hidden_layer, settings.options) as decoder:
+        stream = RolloutStream(decoder, settings, slots=slots, device=device)
         for entry in sorted(entries, key=lambda e: len(e.prompt_ids), reverse=True):
             stream.add(entry)
         while stream.busy:

@@ -81,19 +81,16 @@ def test_a_stream_that_grows_its_slots_mid_decode_gives_each_row_its_bits(model)
     old or new, gets the rollout it gets alone."""
     from grace_st.batch import masked_mean
     from grace_st.decoding import incremental_decoder
-    from grace_st.generation import RolloutStream, streamed_row
+    from grace_st.generation import RolloutSettings, RolloutStream, streamed_row
 
     encoder = model[0]
     rows, span = encoder.prompt_token_ids(TEXTS)
     engine = encoder.engine
     with torch.no_grad(), incremental_decoder(encoder.model) as decoder:
-        stream = RolloutStream(
-            decoder,
-            slots=lambda waiting: min(8, waiting),
-            eos_token_ids=engine.eos_token_ids,
-            pad_token_id=engine.pad_token_id,
-            repetition_penalty=encoder.repetition_penalty,
+        settings = RolloutSettings(
+            tuple(engine.eos_token_ids), engine.pad_token_id, repetition_penalty=encoder.repetition_penalty
         )
+        stream = RolloutStream(decoder, settings, slots=lambda waiting: min(8, waiting))
         finished = {}
         stream.add(streamed_row(0, rows[0], span, 6))
         for step in range(40):

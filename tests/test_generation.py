@@ -250,12 +250,12 @@ def _many_prompts(extra: int = 9):
 
 
 def _stream(model, tokenizer, rows, spans, max_new_tokens, eos, slots, **kwargs):
+    from conftest import rollout_settings
+
     from grace_st.generation import stream_rollouts
 
-    return stream_rollouts(
-        model, rows, spans, slots=slots, max_new_tokens=max_new_tokens, eos_token_ids=eos,
-        pad_token_id=tokenizer.pad_token_id, **kwargs,
-    )
+    settings, per_row = rollout_settings(tokenizer, eos, **kwargs)
+    return stream_rollouts(model, rows, spans, settings, slots=slots, max_new_tokens=max_new_tokens, **per_row)
 
 
 def _assert_same_rollouts(streamed, one_pass):

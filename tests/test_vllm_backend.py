@@ -11,7 +11,7 @@ import torch
 from conftest import PROMPT_TEXTS, make_model, make_prompts, make_tokenizer, one_pass_rollouts
 
 from grace_st.batch import Rationales
-from grace_st.generation import generate_rollouts
+from grace_st.generation import RolloutSettings, generate_rollouts
 from grace_st.second_pass import two_pass_reference
 from grace_st.vllm_backend import INSTALL_HINT, VLLMRationaleGenerator, pooled_embeddings
 
@@ -252,9 +252,8 @@ def test_vllm_matches_the_hf_backend_on_gpu(tmp_path, monkeypatch):
         features["input_ids"].cuda(),
         features["attention_mask"].cuda(),
         features["instruction_lengths"].cuda(),
+        RolloutSettings(tuple(eos), encoder.pad_token_id),
         max_new_tokens=12,
-        eos_token_ids=eos,
-        pad_token_id=encoder.pad_token_id,
     )
     rationales, truncated = generator.generate(prompts, max_new_tokens=12, eos_token_ids=eos)
     assert rationales == [[t for t in row if t >= 0] for row in rollouts.rationale_ids.tolist()]
