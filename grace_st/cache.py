@@ -13,10 +13,13 @@ raises :class:`CacheError`. Nothing is ever overwritten to "repair" it.
 Only stdlib ``sqlite3`` and numpy. A key covers the weights through their fingerprint
 (:func:`grace_st.weights.weights_fingerprint`).
 
-Why one file of ~530 lines: the file format is one unit (what a key covers, how an entry is encoded,
+The cache is storage only: :class:`CacheFile` looks entries up and stores them by key, one
+connection a process; the encoder decides what to embed (the misses) and how
+(``GenerativeEncoder.set_rationale_cache``).
+
+Why one file of ~600 lines: the file format is one unit (what a key covers, how an entry is encoded,
 how a foreign or damaged file is recognised, and the SQLite access that relies on both); split, a
-format change would have to be made in several places at once. How an encoder uses the cache is
-:mod:`grace_st.cache_binding`.
+format change would have to be made in several places at once.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import re
 import sqlite3
 import threading
 import urllib.parse
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -573,3 +576,51 @@ class RationaleCache:
     def __repr__(self) -> str:
         state = "closed" if self._conn is None else "open"
         return f"RationaleCache({self.path!r}, {state})"
+
+
+_opening = threading.Lock()
+
+
+class CacheFile:
+    """One cache file as a model uses it: a :class:`RationaleCache` connection a process (a sqlite
+    connection must not cross a fork or a pickle), shared by the process's threads (the cache
+    serialises their calls). A corrupt or foreign file is refused on construction."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        self._open: tuple[int, RationaleCache] | None = None  # (process id, connection)
+        self.connection()
+
+    def connection(self) -> RationaleCache:
+        # the lock makes it one connection for the process, not one a thread
+        with _opening:
+            if self._open is None or self._open[0] != os.getpid():
+                self._open = (os.getpid(), RationaleCache(self.path))
+            return self._open[1]
+
+    def lookup(self, keys: Iterable[str]) -> dict[str, CacheEntry]:
+        """The stored entries among ``keys`` that carry an embedding (what answers a text alone)."""
+        found = self.connection().get_many(keys)
+        return {key: entry for key, entry in found.items() if entry.embedding is not None}
+
+    def store(self, entries: Mapping[str, CacheEntry]) -> None:
+        self.connection().put_many(entries)
+
+    @staticmethod
+    def keys(
+        weights: str, instruction: str, texts: Sequence[str], rows: Sequence[Sequence[int]], settings: Mapping[str, Any]
+    ) -> list[str]:
+        """Each text's entry key: the weights, the instruction, the text, the prompt's token ids
+        (tokenizer, template and truncation included) and every generation setting."""
+        return [
+            entry_key(weights, instruction, text, {**settings, "prompt_token_ids": row})
+            for text, row in zip(texts, rows)
+        ]
+
+    def close(self) -> None:
+        if self._open is not None and self._open[0] == os.getpid():
+            self._open[1].close()
+        self._open = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_open": None}

@@ -13,8 +13,8 @@ forward with one output builder, save/load), and its docstrings carry the user-f
 What is not the module's own job has a file of its own: the model as it thinks and embeds, which
 training's rollouts share (:mod:`grace_st.engine`), the method's decoding loop
 (:mod:`grace_st.generation`) and its speed-ups (:mod:`grace_st.decoding`), the second pass for
-vLLM's rationales (:mod:`grace_st.second_pass`), the rationale cache's wiring
-(:mod:`grace_st.cache_binding`), the mteb name and revision (:mod:`grace_st.mteb_identity`),
+vLLM's rationales (:mod:`grace_st.second_pass`), the rationale cache's storage
+(:mod:`grace_st.cache`), the mteb name and revision (:mod:`grace_st.mteb_identity`),
 adapters (:mod:`grace_st.adapter`), settings and their checks (:mod:`grace_st.settings`), prompts
 (:mod:`grace_st.prompts`).
 """
@@ -27,14 +27,14 @@ import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from . import mteb_identity, quantization
 from .adapter import adapter_base, copy_adapter, is_adapter_dir, is_peft_model, load_base_and_adapter, save_adapter
 from .batch import RolloutRequest, left_pad, pad_rationales
-from .cache import REQUIRED_SETTINGS, RationaleCache, is_deterministic
-from .cache_binding import CacheBinding
+from .cache import REQUIRED_SETTINGS, CacheEntry, CacheFile, is_deterministic
 from .decoding import DecodeOptions
 from .engine import ENGINES, RationaleEngine
 from .prompts import (
@@ -213,7 +213,7 @@ class GenerativeEncoder(InputModule):
         name = model_name_or_path or getattr(self.model, "name_or_path", "") or "grace-model"
         self.model_id = mteb_identity.model_id(name)
         self._described: tuple[str | None, str | None] = (None, None)
-        self._rationale_cache: CacheBinding | None = None
+        self._rationale_cache: CacheFile | None = None
         self._fingerprint: tuple[tuple, str] | None = None  # (parameter versions, weights fingerprint)
         self._source_path = model_name_or_path if model_name_or_path and os.path.isdir(model_name_or_path) else None
         self._vllm = None
@@ -357,13 +357,15 @@ class GenerativeEncoder(InputModule):
             self._rationale_cache = None
         if path is not None:
             # a corrupt or foreign file is refused now, not at the first encode
-            self._rationale_cache = CacheBinding(path)
+            self._rationale_cache = CacheFile(path)
 
-    def _open_cache(self) -> RationaleCache:
-        return self._rationale_cache.connection()
+    @property
+    def rationale_cache(self) -> CacheFile | None:
+        """The rationale cache in use (:meth:`set_rationale_cache`), or None."""
+        return self._rationale_cache
 
     def __getstate__(self) -> dict:
-        # A GPU engine does not travel to another process (nor does a cache connection: CacheBinding).
+        # A GPU engine does not travel to another process (nor does a cache connection: CacheFile).
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
         return {**state, "_vllm": None}
 
@@ -424,7 +426,7 @@ class GenerativeEncoder(InputModule):
         cache_keys = None
         settings = self.generation_settings(kind)
         if self._rationale_cache is not None and is_deterministic(settings):
-            cache_keys = CacheBinding.keys(self.weights_key(), instruction, texts, rows, settings)
+            cache_keys = CacheFile.keys(self.weights_key(), instruction, texts, rows, settings)
         repeats = settings["num_rationales"]
         rows = [row for row in rows for _ in range(repeats)]
         input_ids, attention_mask = left_pad(rows, self.pad_token_id)
@@ -490,8 +492,47 @@ class GenerativeEncoder(InputModule):
         each step's five most probable tokens (not for texts answered from the rationale cache).
         """
         if "cache_keys" in features:
-            return self._rationale_cache.forward(self, features)
+            return self._embed_through_cache(features)
         return self.embed(features)
+
+    def _embed_through_cache(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
+        """:meth:`embed` for the texts the rationale cache lacks, stored; every text answered from its entry
+        (hits carry no per-token states). From several threads at once: reads and writes take turns on the
+        one connection, generation does not wait for them; two threads missing the same text both generate
+        it (the same entry, stored twice)."""
+        keys = features["cache_keys"]
+        budget, repeats = self.batch_plan(features)
+        found = self._rationale_cache.lookup(keys)
+        missing = [i for i, key in enumerate(keys) if key not in found]
+        if missing:
+            rows = torch.tensor(
+                [i * repeats + k for i in missing for k in range(repeats)], device=features["input_ids"].device
+            )
+            names = ("input_ids", "attention_mask", "instruction_lengths", "rationale_seeds")
+            subset = {name: features[name][rows] for name in names if name in features}
+            subset.update(rationale_budget=budget, num_rationales=repeats)
+            fresh = dict(zip((keys[i] for i in missing), self.cache_entries(self.embed(subset))))
+            self._rationale_cache.store(fresh)
+            found.update(fresh)
+        entries = [found[key] for key in keys]
+        return self.outputs(
+            features,
+            torch.from_numpy(np.stack([entry.embedding for entry in entries])),
+            pad_rationales([entry.rationale_ids for entry in entries], repeats),
+            torch.tensor([entry.truncated for entry in entries]),
+        )
+
+    @staticmethod
+    def cache_entries(out: dict[str, Tensor]) -> list[CacheEntry]:
+        """Each text of :meth:`embed`'s output as the rationale cache stores it."""
+        return [
+            CacheEntry(
+                rationale_ids=[[t for t in row if t >= 0] for row in out["rationale_token_ids"][j].tolist()],
+                truncated=[bool(t) for t in out["rationale_truncated"][j].tolist()],
+                embedding=out["sentence_embedding"][j].float().cpu().numpy(),
+            )
+            for j in range(len(out["sentence_embedding"]))
+        ]
 
     def embed(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
         """Rationales and pooled embeddings for preprocessed prompts, through :attr:`engine` (the HF

@@ -234,9 +234,9 @@ class Scheduler:
             repeats = self.encoder.batch_plan(features)[1]
             missing = range(len(job.texts))
             if "cache_keys" in features:
-                found = self.encoder._rationale_cache.connection().get_many(features["cache_keys"])
+                found = self.encoder.rationale_cache.lookup(features["cache_keys"])
                 for index, key in enumerate(features["cache_keys"]):
-                    if key in found and found[key].embedding is not None:
+                    if key in found:
                         job.cached[index] = found[key]
                 missing = [i for i in missing if i not in job.cached]
             rows = [i * repeats + k for i in missing for k in range(repeats)]
@@ -290,7 +290,7 @@ class Scheduler:
                 rationales.append(entry.rationale_ids)
                 truncated.append(entry.truncated)
             if fresh:
-                encoder._rationale_cache.connection().put_many(fresh)
+                encoder.rationale_cache.store(fresh)
             out = encoder.outputs(
                 features, torch.stack(pooled), pad_rationales(rationales, repeats), torch.tensor(truncated)
             )

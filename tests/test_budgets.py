@@ -77,7 +77,7 @@ def test_the_rationale_cache_keys_the_budget_each_type_got(model, tmp_path):
     encoder.set_rationale_cache(tmp_path / "cache.sqlite")
     try:
         query, document = model.encode_query(TEXTS), model.encode_document(TEXTS)
-        cache = encoder._open_cache()
+        cache = encoder.rationale_cache.connection()
         assert len(cache) == 4  # the same texts, two budgets: four entries
         np.testing.assert_array_equal(model.encode_query(TEXTS), query)
         np.testing.assert_array_equal(model.encode_document(TEXTS), document)
