@@ -63,8 +63,12 @@ def _encoder_options(parser: argparse.ArgumentParser) -> None:
                 cli_flag(name),
                 type=_CLI_TYPES[setting.cli],
                 metavar="N|TYPE=N,..." if per_type else None,
-                help=setting.help + ("; TYPE=N,... (e.g. query=64,document=0) sets those types, others keep the model's"
-                                     if per_type else ""),
+                help=setting.help
+                + (
+                    "; TYPE=N,... (e.g. query=64,document=0) sets those types, others keep the model's"
+                    if per_type
+                    else ""
+                ),
             )
     group.add_argument("--instruction", help="the default instruction")
     group.add_argument("--query-instruction")
@@ -94,7 +98,9 @@ def _load_model(path: str, args: argparse.Namespace):
     from .loading import load
 
     model = load(
-        path, device=args.device, trust_remote_code=args.trust_remote_code,
+        path,
+        device=args.device,
+        trust_remote_code=args.trust_remote_code,
         model_kwargs=getattr(args, "model_kwargs", None),
     )
     encoder = model[0]
@@ -124,7 +130,15 @@ TRUST_HELP = (
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grace-st", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_encode_command(commands)
+    _add_build_command(commands)
+    _add_eval_command(commands)
+    _add_serve_command(commands)
+    return parser
 
+
+def _add_encode_command(commands) -> None:
+    """``grace-st encode``: texts in, rationales and embeddings (and their similarities) out."""
     encode = commands.add_parser(
         "encode",
         help=f"print each text's rationale, then the cosine similarity matrix (up to {SIMILARITY_MAX_TEXTS} texts, "
@@ -137,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--batch-size", type=_positive_int, default=16)
     encode.add_argument("--device", help="torch device, e.g. cpu or cuda")
     encode.add_argument(
-        "--json", action="store_true",
+        "--json",
+        action="store_true",
         help="print JSON: texts, rationales, embeddings, and the similarities when they are shown",
     )
     encode.add_argument(
@@ -151,6 +166,9 @@ def build_parser() -> argparse.ArgumentParser:
     encode.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     _encoder_options(encode)
 
+
+def _add_build_command(commands) -> None:
+    """``grace-st build``: a causal LM wrapped and saved as a GRACE model."""
     build = commands.add_parser("build", help="wrap a chat causal LM as a GRACE sentence-transformers model")
     build.add_argument("--base", required=True, help="causal LM directory or Hub id")
     build.add_argument("--out", required=True, help="output directory")
@@ -158,6 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     build.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     _encoder_options(build)
 
+
+def _add_eval_command(commands) -> None:
+    """``grace-st eval``: local task files and registered MTEB tasks, scored into a table."""
     evaluate = commands.add_parser(
         "eval", help="run mteb on local task files (and registered MTEB tasks when online); print a table"
     )
@@ -188,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     _encoder_options(evaluate)
 
+
+def _add_serve_command(commands) -> None:
+    """``grace-st serve``: the OpenAI-compatible embedding server and its limits."""
     serve = commands.add_parser(
         "serve", help="an OpenAI-compatible embedding server (POST /v1/embeddings); needs grace-st[server]"
     )
@@ -195,14 +219,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
-        "--api-key", help="require 'Authorization: Bearer KEY' on every route but /health "
-        "(default: $GRACE_ST_API_KEY; none when unset)"
+        "--api-key",
+        help="require 'Authorization: Bearer KEY' on every route but /health "
+        "(default: $GRACE_ST_API_KEY; none when unset)",
     )
-    serve.add_argument("--model-name", help="the model's name in the API (default: MODEL as given, or grace-st-default)")
+    serve.add_argument(
+        "--model-name", help="the model's name in the API (default: MODEL as given, or grace-st-default)"
+    )
     serve.add_argument("--max-texts", type=_positive_int, default=2048, help="texts a request at most (413 over)")
     serve.add_argument("--max-chars", type=_positive_int, default=32_768, help="characters a text at most (413 over)")
     serve.add_argument(
-        "--max-queue", type=_positive_int, default=1024,
+        "--max-queue",
+        type=_positive_int,
+        default=1024,
         help="texts waiting or decoding at most; a request over it gets 429 with Retry-After",
     )
     serve.add_argument("--slots", type=_positive_int, default=32, help="rows decoded together at most")
@@ -212,7 +241,6 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     serve.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
     _encoder_options(serve)
-    return parser
 
 
 def _stdin_lines() -> list[str]:
@@ -288,7 +316,8 @@ def run_encode(args: argparse.Namespace) -> int:
     for index, item in enumerate(items):
         cut = ", cut at the limit" if item["truncated"] else ""
         print(
-            f"[{index}] {item['text']}\n    rationale ({item['rationale_budget']} tokens max{cut}): {item['rationale'].strip()}\n"
+            f"[{index}] {item['text']}\n"
+            f"    rationale ({item['rationale_budget']} tokens max{cut}): {item['rationale'].strip()}\n"
         )
     if not shown:
         print(f"({len(texts)} texts: no similarity matrix over {SIMILARITY_MAX_TEXTS} texts; --similarity prints it)")

@@ -45,7 +45,7 @@ from .batch import (
 )
 from .decoding import DecodeOptions, continuous_batching, decoder_states, packed_linears_for
 from .generation import RolloutSettings, generate_rollouts, stream_rollouts
-from .second_pass import pooled_embeddings
+from .second_pass import pooled_embeddings, right_padded_states  # noqa: F401 (training reaches it here)
 from .soft_tokens import soft_token_rollouts, soft_token_states
 
 

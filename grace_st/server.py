@@ -75,6 +75,20 @@ class Limits:
 
 def parse_request(body: bytes, *, model_name: str, prompt_types: set[str], dimension: int, limits: Limits) -> dict:
     """The embeddings request in ``body``, checked: every problem is a :class:`RequestError` naming it."""
+    payload = _json_object(body)
+    # checked in this order, so a request with several problems is always refused for the same one
+    _check_model(payload, model_name)
+    return {
+        "texts": _input_texts(payload, limits),
+        "encoding": _encoding_format(payload),
+        "dimensions": _dimensions(payload, dimension),
+        "prompt_type": _input_type(payload, prompt_types),
+        "return_rationale": _return_rationale(payload),
+    }
+
+
+def _json_object(body: bytes) -> dict:
+    """The body as a JSON object; invalid UTF-8, invalid JSON and other JSON values are refused."""
     try:
         payload = json.loads(body)
     except UnicodeDecodeError as error:
@@ -83,6 +97,11 @@ def parse_request(body: bytes, *, model_name: str, prompt_types: set[str], dimen
         raise RequestError(400, f"the body is not valid JSON: {error}") from None
     if not isinstance(payload, dict):
         raise RequestError(400, f"the body must be a JSON object, not {type(payload).__name__}")
+    return payload
+
+
+def _check_model(payload: dict, model_name: str) -> None:
+    """``model`` must be given and name this server's model (404 otherwise, as OpenAI answers)."""
     model = payload.get("model")
     if not isinstance(model, str):
         raise RequestError(400, "'model' is required: a string naming the model", param="model")
@@ -93,6 +112,10 @@ def parse_request(body: bytes, *, model_name: str, prompt_types: set[str], dimen
             param="model",
             code="model_not_found",
         )
+
+
+def _input_texts(payload: dict, limits: Limits) -> list[str]:
+    """``input`` as a list of texts: a string or a non-empty list of strings, within the count and length limits."""
     texts = payload.get("input")
     if isinstance(texts, str):
         texts = [texts]
@@ -108,25 +131,40 @@ def parse_request(body: bytes, *, model_name: str, prompt_types: set[str], dimen
             code="too_many_inputs",
         )
     for index, text in enumerate(texts):
-        if isinstance(text, (int, list)) and not isinstance(text, bool):
-            raise RequestError(
-                400, f"input[{index}] is a token array: this server embeds text, send strings", param="input"
-            )
-        problem = text_problem(text)
-        if problem is not None:
-            raise RequestError(400, f"input[{index}] {problem}", param="input")
-        if len(text) > limits.max_chars:
-            raise RequestError(
-                413,
-                f"input[{index}] has {len(text)} characters; at most {limits.max_chars} a text",
-                param="input",
-                code="input_too_long",
-            )
+        _check_text(index, text, limits)
+    return texts
+
+
+def _check_text(index: int, text, limits: Limits) -> None:
+    """One text of ``input``: a valid string (not a token array) of at most ``limits.max_chars`` characters."""
+    if isinstance(text, (int, list)) and not isinstance(text, bool):
+        raise RequestError(
+            400, f"input[{index}] is a token array: this server embeds text, send strings", param="input"
+        )
+    problem = text_problem(text)
+    if problem is not None:
+        raise RequestError(400, f"input[{index}] {problem}", param="input")
+    if len(text) > limits.max_chars:
+        raise RequestError(
+            413,
+            f"input[{index}] has {len(text)} characters; at most {limits.max_chars} a text",
+            param="input",
+            code="input_too_long",
+        )
+
+
+def _encoding_format(payload: dict) -> str:
+    """``encoding_format``: ``float`` (the default) or ``base64``."""
     encoding = payload.get("encoding_format") or "float"
     if encoding not in ("float", "base64"):
         raise RequestError(
             400, f"'encoding_format' must be 'float' or 'base64', not {encoding!r}", param="encoding_format"
         )
+    return encoding
+
+
+def _dimensions(payload: dict, dimension: int) -> int | None:
+    """``dimensions``: None (every value), or how many leading values to keep, from 1 to the model's dimension."""
     dimensions = payload.get("dimensions")
     if dimensions is not None and (
         not isinstance(dimensions, int) or isinstance(dimensions, bool) or not 1 <= dimensions <= dimension
@@ -134,21 +172,25 @@ def parse_request(body: bytes, *, model_name: str, prompt_types: set[str], dimen
         raise RequestError(
             400, f"'dimensions' must be an integer from 1 to {dimension}, not {dimensions!r}", param="dimensions"
         )
+    return dimensions
+
+
+def _input_type(payload: dict, prompt_types: set[str]) -> str:
+    """``input_type``: one of the model's prompt types, ``default`` when not given."""
     prompt_type = payload.get("input_type") or "default"
     if not isinstance(prompt_type, str) or prompt_type not in prompt_types:
         raise RequestError(
             400, f"'input_type' must be one of {sorted(prompt_types)}, not {prompt_type!r}", param="input_type"
         )
+    return prompt_type
+
+
+def _return_rationale(payload: dict) -> bool:
+    """``return_rationale``: a boolean, false when not given."""
     return_rationale = payload.get("return_rationale", False)
     if not isinstance(return_rationale, bool):
         raise RequestError(400, "'return_rationale' must be true or false", param="return_rationale")
-    return {
-        "texts": texts,
-        "encoding": encoding,
-        "dimensions": dimensions,
-        "prompt_type": prompt_type,
-        "return_rationale": return_rationale,
-    }
+    return return_rationale
 
 
 def _embedding_item(index: int, vector: np.ndarray, encoding: str, rationale: str | None) -> dict:
@@ -158,6 +200,230 @@ def _embedding_item(index: int, vector: np.ndarray, encoding: str, rationale: st
     if rationale is not None:
         item["rationale"] = rationale
     return item
+
+
+def _error_response(error: RequestError) -> JSONResponse:
+    """A refusal in OpenAI's error-object shape, with its status and headers."""
+    return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+
+def _route_label(path: str) -> str:
+    """The ``route`` label a request is counted under."""
+    if path.startswith("/v1/models/"):
+        return "/v1/models/{id}"
+    # any other path one label: a label a path would make the metric grow with every URL a scanner tries
+    return path if path in ("/v1/embeddings", "/v1/models", "/health", "/metrics") else "other"
+
+
+async def _read_body(request: Request, limits: Limits) -> bytes:
+    """The request's body, refused (413) as soon as it is known to be over ``limits.max_body_bytes``."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
+        raise RequestError(413, f"the body has {length} bytes; at most {limits.max_body_bytes}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limits.max_body_bytes:
+            raise RequestError(413, f"the body is over {limits.max_body_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns when the client disconnects."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _answer(request: Request, future):
+    """The scheduler's answer, or None when the client left first (its rows are then dropped)."""
+    waiter = asyncio.wrap_future(future)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if waiter in done:
+        return waiter.result()
+    future.cancel()
+    waiter.cancel()
+    return None
+
+
+class _Metrics:
+    """The server's Prometheus series, in a registry of the app's own."""
+
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "grace_st_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        )
+        self.texts = Counter("grace_st_texts", "texts embedded", registry=self.registry)
+        buckets = (1, 2, 4, 8, 16, 32, 64, 128)
+        self.rows_per_step = Histogram(
+            "grace_st_rows_per_step",
+            "rows fed a decoding step (all requests together)",
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self.rows_per_prompt_pass = Histogram(
+            "grace_st_rows_per_prompt_pass",
+            "rows of a prompt pass for texts that do not think (budget 0; all requests)",
+            buckets=buckets,
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "grace_st_request_seconds",
+            "time to answer an embeddings request",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+            registry=self.registry,
+        )
+
+    def on_step(self, rows: int, prompt_pass: bool = False) -> None:
+        """The scheduler's report of each decoding step or prompt pass."""
+        (self.rows_per_prompt_pass if prompt_pass else self.rows_per_step).observe(rows)
+
+    def watch_queue(self, scheduler: Scheduler) -> None:
+        """A gauge of ``scheduler``'s texts, read when the metrics are scraped."""
+        from prometheus_client import Gauge
+
+        Gauge("grace_st_queued_texts", "texts waiting or decoding", registry=self.registry).set_function(
+            lambda: scheduler.queued_texts
+        )
+
+    def exposition(self) -> Response:
+        """Every series in Prometheus' text format."""
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE_LATEST)
+
+
+class _EmbeddingService:
+    """What the routes of :func:`create_app` do: one model, its scheduler and metrics, the API key and limits."""
+
+    def __init__(
+        self, model, *, model_name: str, api_key: str | None, limits: Limits, max_queued_texts: int, max_slots: int
+    ):
+        self.model_name, self.api_key = model_name, api_key
+        self.limits, self.max_queued_texts = limits, max_queued_texts
+        self.metrics = _Metrics()
+        self.scheduler = Scheduler(
+            model, max_slots=max_slots, max_queued_texts=max_queued_texts, on_step=self.metrics.on_step
+        )
+        self.metrics.watch_queue(self.scheduler)
+        encoder = model[0]
+        self.prompt_types = set(encoder.instructions) | set(model.prompts) | {"default"}
+        # sentence-transformers 6 renamed it
+        dimension = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
+        self.dimension = dimension()
+        self.created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app):
+        """The scheduler runs while the app does."""
+        self.scheduler.start()
+        yield
+        await asyncio.to_thread(self.scheduler.stop)  # what was submitted is finished first
+
+    async def count_and_authorise(self, request: Request, call_next):
+        """Count every request by route and status; with an API key, refuse (401) one without it."""
+        route = _route_label(request.url.path)
+        if self.api_key is not None and request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
+                self.metrics.requests.labels(route, "401").inc()
+                return _error_response(
+                    RequestError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
+                )
+        response = await call_next(request)
+        self.metrics.requests.labels(route, str(response.status_code)).inc()
+        return response
+
+    async def embeddings(self, request: Request) -> Response:
+        """``POST /v1/embeddings``: refusals in OpenAI's error shape, 499 when the client left first."""
+        start = time.perf_counter()
+        try:
+            asked = parse_request(
+                await _read_body(request, self.limits),
+                model_name=self.model_name,
+                prompt_types=self.prompt_types,
+                dimension=self.dimension,
+                limits=self.limits,
+            )
+            future = self._submit(asked)
+            try:
+                result = await _answer(request, future)
+            except ValueError as error:  # the model refused the input: the request's fault
+                raise RequestError(400, str(error), param="input") from None
+        except RequestError as error:
+            return _error_response(error)
+        except Exception as error:  # noqa: BLE001 (this request fails, the others go on)
+            return _error_response(RequestError(500, f"{type(error).__name__}: {error}", kind="server_error"))
+        if result is None:
+            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+        return self._embeddings_response(asked, result, start)
+
+    def _submit(self, asked: dict):
+        """The request's texts handed to the scheduler; a full queue or a shutdown is the request's refusal."""
+        if len(asked["texts"]) > self.max_queued_texts:  # would wait forever: not a matter of retrying
+            raise RequestError(
+                413,
+                f"'input' has {len(asked['texts'])} texts; the server holds {self.max_queued_texts} at once",
+                param="input",
+                code="too_many_inputs",
+            )
+        try:
+            return self.scheduler.submit(asked["texts"], asked["prompt_type"], asked["return_rationale"])
+        except QueueFull as error:
+            raise RequestError(
+                429,
+                f"the server is busy: {error}; retry shortly",
+                kind="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            ) from None
+        except ShuttingDown as error:
+            raise RequestError(503, str(error), kind="server_error", headers={"Retry-After": "5"}) from None
+
+    def _embeddings_response(self, asked: dict, result, start: float) -> JSONResponse:
+        """The scheduler's result in OpenAI's shape, counted and timed from ``start``."""
+        vectors = result.embeddings
+        if asked["dimensions"] is not None:
+            vectors = vectors[:, : asked["dimensions"]]
+        rationales = result.rationales or [None] * len(vectors)
+        self.metrics.texts.inc(len(vectors))
+        self.metrics.latency.observe(time.perf_counter() - start)
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    _embedding_item(i, v, asked["encoding"], r) for i, (v, r) in enumerate(zip(vectors, rationales))
+                ],
+                "model": self.model_name,
+                "usage": {
+                    "prompt_tokens": result.prompt_tokens,
+                    "total_tokens": result.prompt_tokens + result.rationale_tokens,
+                },
+            }
+        )
+
+    def model_card(self) -> dict:
+        """The model as ``/v1/models`` lists it."""
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "grace-st"}
+
+    def one_model(self, name: str):
+        """``GET /v1/models/{name}``: this server's model, or 404."""
+        if name != self.model_name:
+            return _error_response(RequestError(404, f"the model '{name}' does not exist", code="model_not_found"))
+        return self.model_card()
+
+    def health(self):
+        """``GET /health``: 503 once the scheduler is dead, since nothing would answer an embeddings request."""
+        if not self.scheduler.alive:
+            return JSONResponse({"status": "unavailable", "model": self.model_name}, status_code=503)
+        return {"status": "ok", "model": self.model_name}
 
 
 def create_app(
@@ -171,191 +437,41 @@ def create_app(
 ):
     """The FastAPI app serving ``model`` (a GRACE SentenceTransformer) as ``model_name``; its scheduler
     starts and stops with the app's lifespan."""
-    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-    limits = limits or Limits()
-    registry = CollectorRegistry()
-    requests_total = Counter(
-        "grace_st_requests", "HTTP requests by route and status", ["route", "status"], registry=registry
+    service = _EmbeddingService(
+        model,
+        model_name=model_name,
+        api_key=api_key,
+        limits=limits or Limits(),
+        max_queued_texts=max_queued_texts,
+        max_slots=max_slots,
     )
-    texts_total = Counter("grace_st_texts", "texts embedded", registry=registry)
-    buckets = (1, 2, 4, 8, 16, 32, 64, 128)
-    rows_per_step = Histogram(
-        "grace_st_rows_per_step", "rows fed a decoding step (all requests together)", buckets=buckets, registry=registry
-    )
-    rows_per_prompt_pass = Histogram(
-        "grace_st_rows_per_prompt_pass",
-        "rows of a prompt pass for texts that do not think (budget 0; all requests)",
-        buckets=buckets,
-        registry=registry,
-    )
-
-    def on_step(rows: int, prompt_pass: bool = False) -> None:
-        (rows_per_prompt_pass if prompt_pass else rows_per_step).observe(rows)
-
-    latency = Histogram(
-        "grace_st_request_seconds",
-        "time to answer an embeddings request",
-        buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
-        registry=registry,
-    )
-    scheduler = Scheduler(model, max_slots=max_slots, max_queued_texts=max_queued_texts, on_step=on_step)
-    Gauge("grace_st_queued_texts", "texts waiting or decoding", registry=registry).set_function(
-        lambda: scheduler.queued_texts
-    )
-    encoder = model[0]
-    prompt_types = set(encoder.instructions) | set(model.prompts) | {"default"}
-    # sentence-transformers 6 renamed it
-    dimension = getattr(model, "get_embedding_dimension", None) or model.get_sentence_embedding_dimension
-    dimension = dimension()
-    created = int(time.time())
-
-    @contextlib.asynccontextmanager
-    async def lifespan(app):
-        scheduler.start()
-        yield
-        await asyncio.to_thread(scheduler.stop)  # what was submitted is finished first
-
-    app = FastAPI(title="grace-st", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
-
-    def error_response(error: RequestError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
-
-    def route_label(path: str) -> str:
-        if path.startswith("/v1/models/"):
-            return "/v1/models/{id}"
-        # any other path one label: a label a path would make the metric grow with every URL a scanner tries
-        return path if path in ("/v1/embeddings", "/v1/models", "/health", "/metrics") else "other"
+    app = FastAPI(title="grace-st", lifespan=service.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
     @app.middleware("http")
     async def count_and_authorise(request: Request, call_next):
-        route = route_label(request.url.path)
-        if api_key is not None and request.url.path != "/health":
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-                requests_total.labels(route, "401").inc()
-                return error_response(
-                    RequestError(401, "a valid API key is required (Authorization: Bearer KEY)", code="invalid_api_key")
-                )
-        response = await call_next(request)
-        requests_total.labels(route, str(response.status_code)).inc()
-        return response
-
-    async def read_body(request: Request) -> bytes:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > limits.max_body_bytes:
-            raise RequestError(413, f"the body has {length} bytes; at most {limits.max_body_bytes}")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limits.max_body_bytes:
-                raise RequestError(413, f"the body is over {limits.max_body_bytes} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
-
-    async def answer(request: Request, future):
-        """The scheduler's answer, or None when the client left first (its rows are then dropped)."""
-        waiter = asyncio.wrap_future(future)
-
-        async def disconnected():
-            while (await request.receive())["type"] != "http.disconnect":
-                pass
-
-        watcher = asyncio.ensure_future(disconnected())
-        try:
-            done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            watcher.cancel()
-        if waiter in done:
-            return waiter.result()
-        future.cancel()
-        waiter.cancel()
-        return None
+        return await service.count_and_authorise(request, call_next)
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
-        start = time.perf_counter()
-        try:
-            asked = parse_request(
-                await read_body(request),
-                model_name=model_name,
-                prompt_types=prompt_types,
-                dimension=dimension,
-                limits=limits,
-            )
-            if len(asked["texts"]) > max_queued_texts:  # would wait forever: not a matter of retrying
-                raise RequestError(
-                    413,
-                    f"'input' has {len(asked['texts'])} texts; the server holds {max_queued_texts} at once",
-                    param="input",
-                    code="too_many_inputs",
-                )
-            try:
-                future = scheduler.submit(asked["texts"], asked["prompt_type"], asked["return_rationale"])
-            except QueueFull as error:
-                raise RequestError(
-                    429,
-                    f"the server is busy: {error}; retry shortly",
-                    kind="rate_limit_error",
-                    code="queue_full",
-                    headers={"Retry-After": "1"},
-                ) from None
-            except ShuttingDown as error:
-                raise RequestError(503, str(error), kind="server_error", headers={"Retry-After": "5"}) from None
-            try:
-                result = await answer(request, future)
-            except ValueError as error:  # the model refused the input: the request's fault
-                raise RequestError(400, str(error), param="input") from None
-        except RequestError as error:
-            return error_response(error)
-        except Exception as error:  # noqa: BLE001 (this request fails, the others go on)
-            return error_response(RequestError(500, f"{type(error).__name__}: {error}", kind="server_error"))
-        if result is None:
-            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
-        vectors = result.embeddings
-        if asked["dimensions"] is not None:
-            vectors = vectors[:, : asked["dimensions"]]
-        rationales = result.rationales or [None] * len(vectors)
-        texts_total.inc(len(vectors))
-        latency.observe(time.perf_counter() - start)
-        return JSONResponse(
-            {
-                "object": "list",
-                "data": [
-                    _embedding_item(i, v, asked["encoding"], r) for i, (v, r) in enumerate(zip(vectors, rationales))
-                ],
-                "model": model_name,
-                "usage": {
-                    "prompt_tokens": result.prompt_tokens,
-                    "total_tokens": result.prompt_tokens + result.rationale_tokens,
-                },
-            }
-        )
-
-    def model_card() -> dict:
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "grace-st"}
+        return await service.embeddings(request)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
+        return {"object": "list", "data": [service.model_card()]}
 
     @app.get("/v1/models/{name:path}")
     async def one_model(name: str):
-        if name != model_name:
-            return error_response(RequestError(404, f"the model '{name}' does not exist", code="model_not_found"))
-        return model_card()
+        return service.one_model(name)
 
     @app.get("/health")
     async def health():
-        if not scheduler.alive:  # nothing would answer an embeddings request
-            return JSONResponse({"status": "unavailable", "model": model_name}, status_code=503)
-        return {"status": "ok", "model": model_name}
+        return service.health()
 
     @app.get("/metrics")
     async def metrics():
-        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+        return service.metrics.exposition()
 
-    app.state.scheduler = scheduler
+    app.state.scheduler = service.scheduler
     return app
 
 

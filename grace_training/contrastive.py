@@ -128,7 +128,9 @@ def step_cost_callback(metrics: MetricsLogger, max_minutes: float | None = None,
 
         def on_log(self, args, state, control, logs=None, **kwargs):
             if self.pending is not None and self.pending["step"] == state.global_step:
-                self.pending.update({k: v for k, v in (logs or {}).items() if k in ("loss", "grad_norm", "learning_rate")})
+                self.pending.update(
+                    {k: v for k, v in (logs or {}).items() if k in ("loss", "grad_norm", "learning_rate")}
+                )
                 self.flush()
 
         def on_train_end(self, args, state, control, **kwargs):
@@ -190,30 +192,53 @@ def train_infonce(
     ``max_minutes``: stop at the first step past that wall time (:func:`step_cost_callback`), with a
     checkpoint there; ``stop_at_step``: stop at that step, with a checkpoint (``final`` holds the model where a run
     stops, whichever way). ``resume``: go on from the newest checkpoint under ``<output_dir>/trainer``, or from
-    the checkpoint directory given (sentence-transformers' Trainer restores the weights, AdamW's moments, the RNG states and the data
-    position: the run goes on as if it had not stopped), so the yardstick can run for as many CPU hours
-    as a GRACE run, one chunk at a time. The Trainer's optimizer and RNG files are ``torch.save``
+    the checkpoint directory given (sentence-transformers' Trainer restores the weights, AdamW's moments, the RNG
+    states and the data position: the run goes on as if it had not stopped), so the yardstick can run for as many
+    CPU hours as a GRACE run, one chunk at a time. The Trainer's optimizer and RNG files are ``torch.save``
     files; it reads them back with ``weights_only=True`` (tensors and plain containers, no code)."""
-    from sentence_transformers import (
-        SentenceTransformer,
-        SentenceTransformerTrainer,
-        SentenceTransformerTrainingArguments,
-    )
-
-    try:
-        from sentence_transformers.base.modules import Normalize
-        from sentence_transformers.sentence_transformer.losses import CoSENTLoss, MultipleNegativesRankingLoss
-    except ImportError:  # sentence-transformers 5.x
-        from sentence_transformers.losses import CoSENTLoss, MultipleNegativesRankingLoss
-        from sentence_transformers.models import Normalize
+    from sentence_transformers import SentenceTransformerTrainingArguments
 
     if model is None:
         model = load_grace_model(config, "cuda" if torch.cuda.is_available() else "cpu")
     encoder = model[0]
     if train_data is None:
         train_data, _ = load_data(config.train_data, **config.data_settings())
+    st = _prompt_pooling_model(encoder, config)
+    output = Path(config.output_dir)
+    arguments = _trainer_arguments(config, output)
+    dataset, arguments["router_mapping"] = infonce_datasets(
+        train_data, config, arguments["per_device_train_batch_size"]
+    )
+    loss = _infonce_loss(st, dataset, config)
+    known = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
+    args = SentenceTransformerTrainingArguments(**{k: v for k, v in arguments.items() if k in known})
+    checkpoint = resume_checkpoint(output, resume)
+    if checkpoint and stop_at_step is not None and checkpoint[1] >= stop_at_step:
+        logger.info("InfoNCE baseline: the checkpoint at step %d is already at --stop-at-step", checkpoint[1])
+        return output / "final"
+    steps = _run_trainer(st, args, dataset, loss, config, checkpoint, max_minutes, stop_at_step)
+
+    encoder.model.eval()
+    encoder.max_input_tokens = config.max_input_tokens
+    # saved to encode as it was trained, from the prompt alone: a rationale it never saw costs it 0.08 on the
+    # dev scoreboard's mean (lab/training_recipe.md §5)
+    encoder.max_rationale_tokens = 0
+    final = _save_final(model, config, output, args.per_device_train_batch_size, steps)
+    logger.info("InfoNCE baseline: %d steps, saved to %s", steps, final)
+    return final
+
+
+def _prompt_pooling_model(encoder: GenerativeEncoder, config: GRPOConfig):
+    """The SentenceTransformer InfoNCE trains: a :class:`PromptPoolingEncoder` with ``encoder``'s settings over the
+    very LM object of ``encoder`` (training it trains the model that is saved), then normalisation."""
+    from sentence_transformers import SentenceTransformer
+
+    try:
+        from sentence_transformers.base.modules import Normalize
+    except ImportError:  # sentence-transformers 5.x
+        from sentence_transformers.models import Normalize
+
     settings = {key: getattr(encoder, key) for key in ("instructions", "hidden_layer")}
-    # Shares the LM object with `model`: training it trains the model that is saved below.
     trainable = PromptPoolingEncoder(
         model=encoder.model,
         tokenizer=encoder.tokenizer,
@@ -221,25 +246,40 @@ def train_infonce(
         max_input_tokens=config.max_input_tokens,
         **settings,
     )
-    st = SentenceTransformer(modules=[trainable, Normalize()], device=str(next(encoder.model.parameters()).device))
-    output = Path(config.output_dir)
-    arguments = _trainer_arguments(config, output)
-    dataset, arguments["router_mapping"] = infonce_datasets(
-        train_data, config, arguments["per_device_train_batch_size"]
-    )
+    return SentenceTransformer(modules=[trainable, Normalize()], device=str(next(encoder.model.parameters()).device))
+
+
+def _infonce_loss(st, dataset, config: GRPOConfig):
+    """MNRL at the configured temperature; with one dataset a source (a ``DatasetDict``), a loss by dataset: CoSENT
+    for the graded ones (a ``score`` column), MNRL for the rest."""
+    try:
+        from sentence_transformers.sentence_transformer.losses import CoSENTLoss, MultipleNegativesRankingLoss
+    except ImportError:  # sentence-transformers 5.x
+        from sentence_transformers.losses import CoSENTLoss, MultipleNegativesRankingLoss
+
     infonce = MultipleNegativesRankingLoss(st, scale=1.0 / config.infonce_temperature)
-    loss = infonce
-    if hasattr(dataset, "items"):  # one dataset a source: CoSENT for the graded ones
-        graded = CoSENTLoss(st, scale=config.graded_scale)
-        loss = {name: graded if "score" in part.column_names else infonce for name, part in dataset.items()}
-    known = {f.name for f in dataclasses.fields(SentenceTransformerTrainingArguments)}
-    args = SentenceTransformerTrainingArguments(**{k: v for k, v in arguments.items() if k in known})
-    checkpoint = resume_checkpoint(output, resume)
-    if checkpoint and stop_at_step is not None and checkpoint[1] >= stop_at_step:
-        logger.info("InfoNCE baseline: the checkpoint at step %d is already at --stop-at-step", checkpoint[1])
-        return output / "final"
+    if not hasattr(dataset, "items"):
+        return infonce
+    graded = CoSENTLoss(st, scale=config.graded_scale)
+    return {name: graded if "score" in part.column_names else infonce for name, part in dataset.items()}
+
+
+def _run_trainer(
+    st,
+    args,
+    dataset,
+    loss,
+    config: GRPOConfig,
+    checkpoint: tuple[Path, int] | None,
+    max_minutes: float | None,
+    stop_at_step: int | None,
+) -> int:
+    """Run sentence-transformers' Trainer (from ``checkpoint`` when there is one), each step's cost in
+    ``metrics.jsonl``; returns the step it stopped at."""
+    from sentence_transformers import SentenceTransformerTrainer
+
     metrics = MetricsLogger(
-        output,
+        Path(config.output_dir),
         config.report_to,
         enabled=int(os.environ.get("RANK", "0")) == 0,
         resume_step=checkpoint[1] if checkpoint else None,
@@ -255,15 +295,7 @@ def train_infonce(
         logger.info("InfoNCE baseline: resuming from %s (step %d)", checkpoint[0], checkpoint[1])
     trainer.train(resume_from_checkpoint=str(checkpoint[0]) if checkpoint else None)
     metrics.close()
-
-    encoder.model.eval()
-    encoder.max_input_tokens = config.max_input_tokens
-    # saved to encode as it was trained, from the prompt alone: a rationale it never saw costs it 0.08 on the
-    # dev scoreboard's mean (lab/training_recipe.md §5)
-    encoder.max_rationale_tokens = 0
-    final = _save_final(model, config, output, args.per_device_train_batch_size, trainer.state.global_step)
-    logger.info("InfoNCE baseline: %d steps, saved to %s", trainer.state.global_step, final)
-    return final
+    return trainer.state.global_step
 
 
 def _trainer_arguments(config: GRPOConfig, output: Path) -> dict:

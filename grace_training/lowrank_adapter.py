@@ -66,7 +66,8 @@ def lowrank_factors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A, B)`` with ``B @ A`` the rank-``rank`` cut of ``delta`` (:func:`delta_spectrum`). Each term's row of A and
     column of B get one norm, so neither factor is far larger than the other: the input-fitted ``right`` rows are
-    not unit vectors, and factors of very different scales would train badly under one learning rate (:func:`distill`)."""
+    not unit vectors, and factors of very different scales would train badly under one learning rate
+    (:func:`distill`)."""
     u, s, right = delta_spectrum(delta, gram)
     u, s, right = u[:, :rank], s[:rank], right[:rank]
     # u's columns are unit vectors: B's column norm is `norm`, A's row norm s ‖right‖ / norm, equal by this choice
@@ -169,7 +170,7 @@ def calibration_grams(model, names: list[str], config: Path, count: int, seed: i
 def _pooled_states(lm, hidden_layer: int, sequences: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
     """The hidden states ``encode`` pools (Eq. 3: layer ``hidden_layer``, positions after L_sys) of each sequence, run
     as one right-padded batch."""
-    from grace_st.second_pass import right_padded_states
+    from grace_st.engine import right_padded_states
 
     states = right_padded_states(lm, [ids for ids, _ in sequences], 0, hidden_layer)
     return [states[row, span : len(ids)] for row, (ids, span) in enumerate(sequences)]
@@ -201,32 +202,79 @@ def distill(
     model's rationale as input: those states are the embedding's terms, and (through the tied LM head) the logits
     that choose the rationale's next token, so the rationale the adapter writes follows the tuned model's too.
     """
-    from tqdm.auto import tqdm
-
+    # one generator for the split and the batches drawn: the run is the seed's alone
     generator = torch.Generator().manual_seed(seed)
-    order = torch.randperm(len(sequences), generator=generator).tolist()
-    cut = max(1, round(held_out * len(sequences)))
-    held, train = [sequences[i] for i in order[:cut]], [sequences[i] for i in order[cut:]]
+    held, train = _held_out_split(sequences, held_out, generator)
     if not train:
         raise SystemExit(f"--distill-steps needs more than {len(sequences)} calibration sequences")
-
-    def batches(rows):  # by length, so short sequences do not pad to a long abstract
-        rows = sorted(rows, key=lambda pair: len(pair[0]))
-        return [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
-
-    train_batches, held_batches = batches(train), batches(held)
+    train_batches, held_batches = _length_batches(train, batch_size), _length_batches(held, batch_size)
     with torch.no_grad():
         targets = {id(b): _pooled_states(tuned, hidden_layer, b) for b in train_batches + held_batches}
+    before, after, kept_step, curve = _train_keeping_best(
+        student,
+        hidden_layer,
+        train_batches,
+        held_batches,
+        targets,
+        steps=steps,
+        learning_rate=learning_rate,
+        generator=generator,
+    )
+    return {
+        "steps": steps,
+        "learning_rate": learning_rate,
+        "batch_size": batch_size,
+        "sequences": len(train),
+        "held_out_sequences": len(held),
+        "kept_step": kept_step,
+        "held_out_error_before": before,
+        "held_out_error_after": after,
+        "curve": curve,
+    }
 
-    def held_out_error() -> float:
-        with torch.no_grad():
-            states = [state for b in held_batches for state in _pooled_states(student, hidden_layer, b)]
-            return float(_relative_error(states, [t for b in held_batches for t in targets[id(b)]]))
+
+def _held_out_split(
+    sequences: list[tuple[torch.Tensor, int]], held_out: float, generator: torch.Generator
+) -> tuple[list, list]:
+    """A random ``held_out`` share of ``sequences`` (at least one) and the rest, for training."""
+    order = torch.randperm(len(sequences), generator=generator).tolist()
+    cut = max(1, round(held_out * len(sequences)))
+    return [sequences[i] for i in order[:cut]], [sequences[i] for i in order[cut:]]
+
+
+def _length_batches(rows: list[tuple[torch.Tensor, int]], batch_size: int) -> list[list[tuple[torch.Tensor, int]]]:
+    """``rows`` in batches of similar length, so short sequences do not pad to a long abstract."""
+    rows = sorted(rows, key=lambda pair: len(pair[0]))
+    return [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
+
+
+def _held_out_error(student, hidden_layer: int, held_batches: list, targets: dict) -> float:
+    """The student's relative error over every held-out batch (:func:`_relative_error`), without gradient."""
+    with torch.no_grad():
+        states = [state for b in held_batches for state in _pooled_states(student, hidden_layer, b)]
+        return float(_relative_error(states, [t for b in held_batches for t in targets[id(b)]]))
+
+
+def _train_keeping_best(
+    student,
+    hidden_layer: int,
+    train_batches: list,
+    held_batches: list,
+    targets: dict,
+    *,
+    steps: int,
+    learning_rate: float,
+    generator: torch.Generator,
+) -> tuple[float, float, int, list[dict]]:
+    """AdamW on the student's LoRA factors (cosine decay to 0), a random training batch a step, the held-out error
+    checked every eighth of the run; the factors are left at the checked step with the lowest error (step 0, the
+    cut itself, included). Returns the error before and after, that step, and the checks' curve."""
+    from tqdm.auto import tqdm
 
     factors = [p for name, p in student.named_parameters() if "lora_" in name]
     optimizer = torch.optim.AdamW(factors, lr=learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
-    before = held_out_error()
+    before = _held_out_error(student, hidden_layer, held_batches, targets)
     best = (before, 0, [p.detach().clone() for p in factors])
     curve = [{"step": 0, "held_out_error": before}]
     check_every = max(1, steps // 8)
@@ -241,24 +289,14 @@ def distill(
         optimizer.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.4g}")
         if step % check_every == 0 or step == steps:
-            error = held_out_error()
+            error = _held_out_error(student, hidden_layer, held_batches, targets)
             curve.append({"step": step, "train_batch_error": float(loss), "held_out_error": error})
             if error < best[0]:
                 best = (error, step, [p.detach().clone() for p in factors])
     with torch.no_grad():
         for p, kept in zip(factors, best[2]):
             p.copy_(kept)
-    return {
-        "steps": steps,
-        "learning_rate": learning_rate,
-        "batch_size": batch_size,
-        "sequences": len(train),
-        "held_out_sequences": len(held),
-        "kept_step": best[1],
-        "held_out_error_before": before,
-        "held_out_error_after": best[0],
-        "curve": curve,
-    }
+    return before, best[0], best[1], curve
 
 
 @torch.no_grad()
@@ -276,13 +314,54 @@ def lowrank_adapter(
 ) -> dict:
     """Write ``tuned``'s delta from ``base`` as a rank-``rank`` LoRA adapter model into ``out``, refined by
     ``distill_steps`` steps of :func:`distill` on the calibration sequences; return the summary."""
-    from peft import LoraConfig, get_peft_model
-
     from grace_st import default_model_path
-    from grace_st.loading import load
 
-    from .interpolate_weights import check_one_architecture, distinct_weights
+    _check_arguments(rank, out, config, calibration, distill_steps, distill_learning_rate)
+    base = base or Path(default_model_path(trained=False))
+    tuned_model, model, tuned_weights, base_weights = _load_models(tuned, base)
+    tuned_lm, lm = tuned_model[0].model, model[0].model
+    names = _target_layers(lm, base)
 
+    sequences = encoded_sequences(tuned_model, calibration_texts(config, calibration, seed)) if calibration else []
+    grams = input_grams(tuned_lm, names, sequences) if calibration else {}
+
+    peft_model = _lora_model(lm, rank)
+    kept = _write_cuts(peft_model, names, tuned_weights, base_weights, rank, grams)
+
+    distillation = None
+    if distill_steps:
+        distillation = distill(
+            lm,
+            tuned_lm,
+            sequences,
+            steps=distill_steps,
+            learning_rate=distill_learning_rate,
+            hidden_layer=tuned_model[0].hidden_layer,
+            seed=seed,
+        )
+
+    outside, inside = _delta_energy(tuned_weights, base_weights, names)
+    _save_adapter_model(model, tuned_model, peft_model, tuned, out)
+    summary = {
+        "tuned": str(tuned),
+        **_trained_from(tuned),
+        "base": str(base),
+        "rank": rank,
+        "calibration": _calibration_summary(calibration, sequences, config, seed),
+        # share of the delta's energy (‖ΔW‖²) not in the decoder's linear layers: embeddings and norms, not carried
+        "delta_share_not_carried": outside / (outside + inside),
+        "kept_by_layer": _kept_by_layer(kept),
+        # kept_by_layer describes the cut; the saved factors are the cut refined by this
+        "distillation": distillation,
+    }
+    (out / LOWRANK_FROM).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    return summary
+
+
+def _check_arguments(
+    rank: int, out: Path, config: Path | None, calibration: int, distill_steps: int, distill_learning_rate: float
+) -> None:
+    """Refuse arguments :func:`lowrank_adapter` cannot use before any model is loaded."""
     if rank < 1:
         raise SystemExit(f"--rank {rank}: give a rank of at least 1")
     if out.exists():
@@ -296,11 +375,23 @@ def lowrank_adapter(
         )
     if distill_steps and not calibration:
         raise SystemExit("--distill-steps needs --calibration > 0: it trains on the calibration sequences")
-    base = base or Path(default_model_path(trained=False))
+
+
+def _load_models(tuned: Path, base: Path) -> tuple:
+    """The tuned and the base model on the CPU and their LMs' weights; refused unless the two share one
+    architecture."""
+    from grace_st.loading import load
+
+    from .interpolate_weights import check_one_architecture
+
     tuned_model, model = load(str(tuned), device="cpu"), load(str(base), device="cpu")
-    tuned_lm, lm = tuned_model[0].model, model[0].model
-    tuned_weights, base_weights = tuned_lm.state_dict(), lm.state_dict()
+    tuned_weights, base_weights = tuned_model[0].model.state_dict(), model[0].model.state_dict()
     check_one_architecture(tuned_weights, base_weights, tuned, base)
+    return tuned_model, model, tuned_weights, base_weights
+
+
+def _target_layers(lm: torch.nn.Module, base: Path) -> list[str]:
+    """The names of ``lm``'s linear layers of the kinds in :data:`TARGET_MODULES`: the layers the adapter carries."""
     names = [
         name
         for name, module in lm.named_modules()
@@ -308,9 +399,13 @@ def lowrank_adapter(
     ]
     if not names:
         raise SystemExit(f"{base}: no linear layer named {', '.join(TARGET_MODULES)}")
+    return names
 
-    sequences = encoded_sequences(tuned_model, calibration_texts(config, calibration, seed)) if calibration else []
-    grams = input_grams(tuned_lm, names, sequences) if calibration else {}
+
+def _lora_model(lm: torch.nn.Module, rank: int):
+    """``lm`` with rank-``rank`` PEFT LoRA layers on every target module; ``lora_alpha = rank``, so the scaling is 1
+    and ``lora_B @ lora_A`` is the delta itself."""
+    from peft import LoraConfig, get_peft_model
 
     lora = LoraConfig(
         r=rank,
@@ -320,7 +415,12 @@ def lowrank_adapter(
         bias="none",
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(lm, lora)
+    return get_peft_model(lm, lora)
+
+
+def _write_cuts(peft_model, names: list[str], tuned_weights: dict, base_weights: dict, rank: int, grams: dict) -> dict:
+    """Each named layer's delta cut to rank ``rank`` (:func:`lowrank_factors`) into its LoRA factors; returns, by kind
+    of layer, the squared error and the squared delta in the weights and in the outputs on the calibration inputs."""
     layers = dict(peft_model.base_model.model.named_modules())
     kept: dict[str, list[float]] = {}
     for name in names:
@@ -337,23 +437,23 @@ def lowrank_adapter(
         if gram is not None:
             kind[2] += float(((error.double() @ gram) * error.double()).sum())
             kind[3] += float(((delta.double() @ gram) * delta.double()).sum())
+    return kept
 
-    distillation = None
-    if distill_steps:
-        distillation = distill(
-            lm,
-            tuned_lm,
-            sequences,
-            steps=distill_steps,
-            learning_rate=distill_learning_rate,
-            hidden_layer=tuned_model[0].hidden_layer,
-            seed=seed,
-        )
+
+def _delta_energy(tuned_weights: dict, base_weights: dict, names: list[str]) -> tuple[float, float]:
+    """‖ΔW‖² outside the named layers (embeddings and norms, which the adapter does not carry) and inside them."""
+    from .interpolate_weights import distinct_weights
 
     carried = {f"{name}.weight" for name in names}
     untied = [k for k in distinct_weights(tuned_weights) if k not in carried]
     outside = sum(float((tuned_weights[k] - base_weights[k]).pow(2).sum()) for k in untied)
     inside = sum(float((tuned_weights[k] - base_weights[k]).pow(2).sum()) for k in carried)
+    return outside, inside
+
+
+def _save_adapter_model(model, tuned_model, peft_model, tuned: Path, out: Path) -> None:
+    """The base model with the adapter and the tuned model's encoder settings, saved into ``out`` with the tuned
+    model's training state."""
     encoder, tuned_encoder = model[0], tuned_model[0]
     for key in encoder.config_keys:
         if key != "weights_revision":
@@ -361,33 +461,30 @@ def lowrank_adapter(
     encoder.model = peft_model
     model.save(str(out))
     _copy_training_state(tuned, out)
-    summary = {
-        "tuned": str(tuned),
-        **_trained_from(tuned),
-        "base": str(base),
-        "rank": rank,
-        "calibration": {
-            "instances": calibration,
-            "tokens": sum(len(ids) for ids, _ in sequences),
-            "config": str(config),
-            "seed": seed,
-        }
-        if calibration
-        else None,
-        # share of the delta's energy (‖ΔW‖²) not in the decoder's linear layers: embeddings and norms, not carried
-        "delta_share_not_carried": outside / (outside + inside),
-        "kept_by_layer": {
-            kind: {
-                "weights": 1 - e / d,
-                **({"outputs_on_calibration": 1 - ge / gd} if gd else {}),
-            }
-            for kind, (e, d, ge, gd) in kept.items()
-        },
-        # kept_by_layer describes the cut; the saved factors are the cut refined by this
-        "distillation": distillation,
+
+
+def _calibration_summary(calibration: int, sequences: list, config: Path | None, seed: int) -> dict | None:
+    """What the calibration ran on, for the summary; None for the plain SVD."""
+    if not calibration:
+        return None
+    return {
+        "instances": calibration,
+        "tokens": sum(len(ids) for ids, _ in sequences),
+        "config": str(config),
+        "seed": seed,
     }
-    (out / LOWRANK_FROM).write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
-    return summary
+
+
+def _kept_by_layer(kept: dict[str, list[float]]) -> dict:
+    """By kind of layer, the share of the delta's energy the cut kept: in the weights, and in the outputs on the
+    calibration inputs when there were any."""
+    return {
+        kind: {
+            "weights": 1 - e / d,
+            **({"outputs_on_calibration": 1 - ge / gd} if gd else {}),
+        }
+        for kind, (e, d, ge, gd) in kept.items()
+    }
 
 
 def _trained_from(tuned: Path) -> dict:
