@@ -69,7 +69,7 @@ train-default: $(VENV)/.installed model
 	for chunk in 1 2 3 4; do \
 		[ -f $(YARDSTICK_RUN)/trainer/checkpoint-$(YARDSTICK_STEP)/trainer_state.json ] && break; \
 		resume=$$(ls -d $(YARDSTICK_RUN)/trainer/checkpoint-* >/dev/null 2>&1 && echo --resume); \
-		$(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml --method infonce \
+		$(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml --algorithm infonce \
 			output_dir=$(YARDSTICK_RUN) finetune=full infonce_learning_rate=1e-5 save_steps=$(YARDSTICK_STEP) \
 			save_total_limit=2 --stop-at-step $(YARDSTICK_STEP) $$resume --max-minutes 55 || exit 1; \
 	done

@@ -8,7 +8,7 @@ The model is the test suite's tiny random Llama (``tests/conftest.py``: nothing 
 for a few steps with LoRA: GRPO with its hybrid InfoNCE term and a text KL term (method.md §2), and GIRCSE's
 iterative contrastive refinement (gircse.md §3). Each run's metrics per step and the sha256 of its final
 LoRA weights are recorded; ``--compare`` checks every loss to 1e-6 and every weight digest for equality.
-The runs use keys every version understands (``method: gircse`` names the ICR run).
+The runs use keys every version reads (``method: gircse``, the old name of ``algorithm: icr``, names the ICR run).
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ def run(name: str, settings: dict, out: Path) -> dict:
     base[0].model.save_pretrained(out / "base")
     base[0].tokenizer.save_pretrained(out / "base")
     model = grace_st.from_causal_lm(str(out / "base"), max_rationale_tokens=8, device="cpu")
-    config = GRPOConfig(**COMMON, **settings, output_dir=str(out / name))
+    config = GRPOConfig.from_dict({**COMMON, **settings, "output_dir": str(out / name)})
     started = time.perf_counter()
     GRPOTrainer(config, model=model, train_data=DATA).train()
     seconds = time.perf_counter() - started

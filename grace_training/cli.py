@@ -1,4 +1,4 @@
-"""``grace-train``: GRPO training (GIRCSE's soft tokens, or the InfoNCE baseline) from a YAML config.
+"""``grace-train``: training from a YAML config: GRACE's GRPO, GIRCSE's ICR on soft tokens, or the InfoNCE baseline.
 
 grace-train --config grace_training/configs/cpu_smollm2.yaml                 # train
 grace-train --config FILE max_steps=10 output_dir=runs/x              # key=value overrides
@@ -8,9 +8,9 @@ grace-train --config FILE --stop-at-step 100                          # a point 
 grace-train --config FILE --resume --allow-config-change num_rollouts=4  # change what a resumed run trains
 grace-train --config FILE --overwrite-output-dir                      # start over where an earlier run is
 grace-train --config FILE --dry-run                                   # validate, print the plan
-grace-train --config FILE --method infonce output_dir=runs/infonce    # the "w/ CL" baseline
-grace-train --config FILE --method infonce output_dir=runs/infonce --resume --max-minutes 55  # its next chunk
-grace-train --config grace_training/configs/gircse_smollm2.yaml      # GIRCSE (method: gircse)
+grace-train --config FILE --algorithm infonce output_dir=runs/infonce    # the "w/ CL" baseline
+grace-train --config FILE --algorithm infonce output_dir=runs/infonce --resume --max-minutes 55  # its next chunk
+grace-train --config grace_training/configs/gircse_smollm2.yaml         # GIRCSE (algorithm: icr)
 """
 
 from __future__ import annotations
@@ -25,7 +25,16 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import CheckpointError
-from .config import ConfigError, GRPOConfig, LaunchError, check_batches, check_environment, check_launch, locate
+from .config import (
+    ALGORITHMS,
+    ConfigError,
+    GRPOConfig,
+    LaunchError,
+    check_batches,
+    check_environment,
+    check_launch,
+    locate,
+)
 from .data import cap_per_source, load_data
 from .policy import ModelLoadError, check_model_source
 from .run_dir import ConfigChangeError, OutputDirError, claim_output_dir, inspect_output_dir
@@ -79,11 +88,14 @@ def build_parser() -> argparse.ArgumentParser:
         "1000 steps); --resume continues it",
     )
     parser.add_argument(
-        "--method",
-        choices=("grpo", "gircse", "infonce"),
+        "--algorithm",
+        choices=ALGORITHMS,
         default=None,
-        help="grpo (GRACE), gircse (GIRCSE's soft tokens: the config's `method: gircse`) or infonce (the "
-        "sentence-transformers MNRL baseline); default: the config's method",
+        help="grpo (GRACE), icr (GIRCSE's soft tokens) or infonce (the sentence-transformers MNRL baseline); "
+        "default: the config's algorithm",
+    )
+    parser.add_argument(
+        "--method", choices=("grpo", "gircse", "infonce"), default=None, help="the old name of --algorithm (gircse: icr)"
     )
     return parser
 
@@ -166,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         overrides = list(args.overrides)
-        if args.method in ("grpo", "gircse"):
-            overrides.append(f"method={args.method}")
+        algorithm = _algorithm(args)
+        if algorithm is not None:
+            overrides.append(f"algorithm={algorithm}")
         config = GRPOConfig.from_yaml(args.config, overrides)
         check_environment(config)
         check_launch()
@@ -175,8 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(f"bad config: {locate(error, args.config, args.overrides)}")
     except LaunchError as error:
         return _refuse(str(error))
-    method = "infonce" if args.method == "infonce" else config.method
-    directory = {"method": method, "resume": bool(args.resume), "overwrite": args.overwrite_output_dir}
+    directory = {"algorithm": config.algorithm, "resume": bool(args.resume), "overwrite": args.overwrite_output_dir}
     if args.dry_run:
         try:
             summary = plan(config)
@@ -189,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             return _refuse(str(error))
         print(json.dumps({"config": config.to_dict(), "plan": summary}, indent=2))
         return 0
-    if method == "infonce":
+    if config.algorithm == "infonce":
         return _train_infonce(config, directory, args.max_minutes, args.resume, args.stop_at_step)
     from .trainer import GRPOTrainer
 
@@ -210,6 +222,17 @@ def main(argv: list[str] | None = None) -> int:
         return _refuse(str(error))
     print(json.dumps({"step": result["step"], "scores": result["scores"]}, indent=2))
     return 0
+
+
+def _algorithm(args: argparse.Namespace) -> str | None:
+    """``--algorithm``, or the old ``--method`` (with a warning); None: the config's."""
+    if args.method is None:
+        return args.algorithm
+    algorithm = {"gircse": "icr"}.get(args.method, args.method)
+    if args.algorithm not in (None, algorithm):
+        raise ConfigError(f"--method {args.method} (the old name of --algorithm) and --algorithm {args.algorithm} disagree")
+    logging.getLogger(__name__).warning("--method is now called --algorithm (--algorithm %s)", algorithm)
+    return algorithm
 
 
 def _train_infonce(

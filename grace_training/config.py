@@ -39,7 +39,10 @@ BACKENDS = ("hf", "vllm")
 LENGTH_PENALTY_MODES = ("add", "replace", "off")
 LENGTH_PENALTY_UNITS = ("scaled", "reward")
 REWARD_SCALING = ("none", "group")
-METHODS = ("grpo", "gircse")  # GRACE, or GIRCSE's soft tokens (grace_training.gircse)
+# The training algorithms (grace_training.steps.ALGORITHMS, and the InfoNCE yardstick of grace_training.contrastive),
+# and the method (how the trained model thinks: grace_st.settings.METHODS) each one trains.
+ALGORITHMS = ("grpo", "icr", "infonce")
+TRAINED_METHOD = {"grpo": "grace", "icr": "gircse", "infonce": "grace"}
 FINETUNE_MODES = ("full", "lora")
 CONTRASTIVE_ANCHORS = ("detached", "recompute", "recompute_prompts")
 BAD_ROWS = ("skip", "error")
@@ -69,7 +72,9 @@ BUDGETS = Rule(
     " (GRPO needs a rationale)",
 )
 # Old names of keys, still read from YAML files, overrides and saved configs (with a warning).
-ALIASES = {"max_prompt_tokens": "max_input_tokens", "max_response_tokens": "max_rationale_tokens"}
+ALIASES = {"max_prompt_tokens": "max_input_tokens", "max_response_tokens": "max_rationale_tokens", "method": "algorithm"}
+# Old values under an old key name: the training config's `method` named the algorithm, and GIRCSE's was `gircse`.
+OLD_VALUES = {"method": {"gircse": "icr"}}
 
 
 def key(default: Any = MISSING, doc: str = "", *rules: Rule, resume: str, card: bool = False, factory=MISSING):
@@ -220,16 +225,17 @@ class GRPOConfig:
     )
 
     # -- GIRCSE: soft tokens trained end to end (gircse.md, Eqs. 7–8) ---------------------------
-    method: str = key(
-        "grpo", "`grpo`: GRACE (rollouts, rewards, Eq. 11, the hybrid terms). `gircse`: K soft tokens "
-        "(K = `max_rationale_tokens` by prompt type) trained end to end by Iterative Contrastive Refinement, "
-        "Eq. 7's InfoNCE at every step (CoSENT for an `sts` source) + λ · Eq. 8; the saved model encodes with "
-        "`method: gircse`. The rollout, reward and hybrid keys do not apply to it",
-        one_of(METHODS), resume=FIXED, card=True,
+    algorithm: str = key(
+        "grpo", "`grpo`: GRACE (rollouts, rewards, Eq. 11, the hybrid terms); the model thinks in a written rationale "
+        "(`method: grace`). `icr`: GIRCSE's K soft tokens (K = `max_rationale_tokens` by prompt type) trained end to "
+        "end by Iterative Contrastive Refinement, Eq. 7's InfoNCE at every step (CoSENT for an `sts` source) + λ · "
+        "Eq. 8; the saved model thinks in soft tokens (`method: gircse`), and the rollout, reward and hybrid keys do "
+        "not apply. `infonce`: the yardstick, InfoNCE on the prompt's pooled states (budget 0)",
+        one_of(ALGORITHMS), resume=FIXED, card=True,
     )
-    icr_temperature: float = key(0.02, "τ of Eq. 7's InfoNCE (gircse; the paper's 0.02)", POSITIVE, resume=APPLIED, card=True)
+    icr_temperature: float = key(0.02, "τ of Eq. 7's InfoNCE (icr; the paper's 0.02)", POSITIVE, resume=APPLIED, card=True)
     icr_lambda: float = key(
-        1.0, "λ of Eq. 8 (gircse): the weight of the penalty on a step whose loss is above the step before's",
+        1.0, "λ of Eq. 8 (icr): the weight of the penalty on a step whose loss is above the step before's",
         NON_NEGATIVE, resume=APPLIED, card=True,
     )
 
@@ -393,6 +399,11 @@ class GRPOConfig:
 
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False), encoding="utf-8")
 
+    @property
+    def method(self) -> str:
+        """How the trained model thinks (``grace_st.settings.METHODS``): what :attr:`algorithm` trains."""
+        return TRAINED_METHOD[self.algorithm]
+
     def data_settings(self) -> dict[str, Any]:
         """The keyword arguments of :func:`grace_training.data.load_data` this config sets."""
         return {name: getattr(self, name) for name in ("bad_rows", "data_dir", "num_negatives", "seed")}
@@ -443,7 +454,7 @@ def canonical_keys(values: Mapping[str, Any], warn: bool = True) -> dict[str, An
                 raise ConfigError(f"{name} is the old name of {current}; give one of them", key=current)
             if warn:
                 logger.warning("config key %s is now called %s (the old name still works)", name, current)
-        renamed[current] = value
+        renamed[current] = OLD_VALUES.get(name, {}).get(value, value) if isinstance(value, str) else value
     return renamed
 
 
@@ -494,10 +505,10 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
         ),
         (
             not graded
-            or (config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or config.method == "gircse")),
+            or (config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or config.algorithm == "icr")),
             "train_data",
             "train_data: an 'sts' source (graded pairs) trains β · CoSENT on batches of its own: it needs "
-            + "batch_sampling: by_source and contrastive_beta > 0 (or method: gircse)",
+            + "batch_sampling: by_source and contrastive_beta > 0 (or algorithm: icr)",
         ),
         (
             config.temperature_positive > 0 or config.num_rollouts == 1,
@@ -506,15 +517,15 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
         ),
         (not config.push_to_hub or bool(config.hub_model_id), "hub_model_id", "push_to_hub needs hub_model_id"),
         (
-            config.method != "gircse" or (config.rollout_backend == "hf" and config.gradient_accumulation_steps == 1),
-            "method",
-            "method: gircse makes soft tokens with the HF model in one pass a step: it needs rollout_backend: hf "
+            config.algorithm != "icr" or (config.rollout_backend == "hf" and config.gradient_accumulation_steps == 1),
+            "algorithm",
+            "algorithm: icr makes soft tokens with the HF model in one pass a step: it needs rollout_backend: hf "
             + "and gradient_accumulation_steps: 1",
         ),
         (
-            config.method != "gircse" or not _grpo_only_keys_set(config),
-            "method",
-            "method: gircse has no rollouts, rewards or policy term; these keys would be ignored: "
+            config.algorithm != "icr" or not _grpo_only_keys_set(config),
+            "algorithm",
+            "algorithm: icr has no rollouts, rewards or policy term; these keys would be ignored: "
             + ", ".join(_grpo_only_keys_set(config)),
         ),
     ]

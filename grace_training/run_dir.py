@@ -2,7 +2,7 @@
 
 ``<output_dir>/grace_run.json`` names the run that owns the directory::
 
-    {"format": 1, "trainer": "grace-train", "method": "grpo", "run_id": "5d0c1e2a9f3b",
+    {"format": 1, "trainer": "grace-train", "algorithm": "grpo", "run_id": "5d0c1e2a9f3b",
      "started": "2025-06-01T11:12:03+00:00", "adopted_checkpoints": []}
 
 Starting a run (:func:`claim_output_dir`) in a directory that is
@@ -60,13 +60,13 @@ MARKER = "grace_run.json"
 TRAINER = "grace-train"
 CONFIG_FILE = "config.yaml"
 CHANGES_FILE = "config_changes.jsonl"
-# What a run writes in its directory besides checkpoints, by method: deleted with the run it
+# What a run writes in its directory besides checkpoints, by algorithm: deleted with the run it
 # belongs to (--overwrite-output-dir on an earlier run), replaced when a new run shares a directory.
 RUN_FILES = {
     "grpo": (CONFIG_FILE, CHANGES_FILE, "metrics.jsonl", "tensorboard", "hub_queue.json", "initial-model"),
     "infonce": ("final", "trainer", ".tmp-final"),
 }
-RUN_FILES["gircse"] = RUN_FILES["grpo"]  # the same trainer, another step
+RUN_FILES["icr"] = RUN_FILES["grpo"]  # the same loop, another step
 
 class OutputDirError(RuntimeError):
     """An output directory the run may not take; the message names it and what is in it."""
@@ -104,11 +104,21 @@ def read_family(output_dir: str | Path) -> RunFamily | None:
     return family_of(read_marker(output_dir))
 
 
-def _write_marker(root: Path, method: str, adopted: list[str]) -> RunFamily:
+def marker_algorithm(marker: Mapping[str, Any] | None) -> str:
+    """The algorithm a marker's run trains; markers of earlier versions name it ``method`` (``gircse`` for ICR)."""
+    if marker is None:
+        return "grpo"
+    if "algorithm" in marker:
+        return marker["algorithm"]
+    old = marker.get("method", "grpo")
+    return {"gircse": "icr"}.get(old, old)
+
+
+def _write_marker(root: Path, algorithm: str, adopted: list[str]) -> RunFamily:
     marker = {
         "format": 1,
         "trainer": TRAINER,
-        "method": method,
+        "algorithm": algorithm,
         "run_id": uuid.uuid4().hex[:12],
         "started": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "adopted_checkpoints": adopted,
@@ -138,7 +148,7 @@ def _older_run(root: Path) -> bool:
 
 
 def inspect_output_dir(
-    output_dir: str | Path, *, method: str = "grpo", resume: bool = False, overwrite: bool = False,
+    output_dir: str | Path, *, algorithm: str = "grpo", resume: bool = False, overwrite: bool = False,
     last_step: int | None = None,
 ) -> str:
     """What starting a run in ``output_dir`` does, without doing it: ``"new"``, ``"continue"``
@@ -154,15 +164,15 @@ def inspect_output_dir(
         return "new"
     marker = read_marker(root)
     earlier = marker is not None or _older_run(root)
-    other_method = marker is not None and marker.get("method") != method
-    if earlier and resume and not other_method:
+    other_algorithm = marker is not None and marker_algorithm(marker) != algorithm
+    if earlier and resume and not other_algorithm:
         return "continue" if marker is not None else "adopt"
     if earlier and overwrite:
         return "replace"
     if earlier and resume:
         raise OutputDirError(
-            f"{root} holds a grace-train {marker.get('method')} run ({_describe(root, marker)}), which --resume "
-            f"cannot continue with --method {method}; choose another output_dir"
+            f"{root} holds a grace-train {marker_algorithm(marker)} run ({_describe(root, marker)}), which --resume "
+            f"cannot continue with --algorithm {algorithm}; choose another output_dir"
         )
     if earlier:
         raise OutputDirError(
@@ -174,7 +184,7 @@ def inspect_output_dir(
         raise OutputDirError(
             f"{root} is not empty and is not a grace-train run (it holds {_listing(entries)}); choose a new "
             "or empty output_dir, or pass --overwrite-output-dir to write beside what is there (files named "
-            f"as the run's own, {', '.join(RUN_FILES[method])}, are replaced; nothing else is deleted)"
+            f"as the run's own, {', '.join(RUN_FILES[algorithm])}, are replaced; nothing else is deleted)"
         )
     in_the_way = _foreign_checkpoints(root, last_step)
     if in_the_way:
@@ -186,33 +196,33 @@ def inspect_output_dir(
 
 
 def claim_output_dir(
-    output_dir: str | Path, *, method: str = "grpo", resume: bool = False, overwrite: bool = False,
+    output_dir: str | Path, *, algorithm: str = "grpo", resume: bool = False, overwrite: bool = False,
     last_step: int | None = None,
 ) -> RunFamily:
     """Take ``output_dir`` for a run (:func:`inspect_output_dir` says how) and return the run's
     family. One process calls this; the others read the marker it leaves (:func:`read_family`)."""
     root = Path(output_dir)
-    action = inspect_output_dir(root, method=method, resume=resume, overwrite=overwrite, last_step=last_step)
+    action = inspect_output_dir(root, algorithm=algorithm, resume=resume, overwrite=overwrite, last_step=last_step)
     if action == "continue":
         return read_family(root)
     if action == "adopt":
-        return _adopt(root, method)
+        return _adopt(root, algorithm)
     if action == "replace":
         _delete_earlier_run(root)
     elif action == "share":
-        _clear_run_files(root, method)
-    family = _write_marker(root, method, [])
+        _clear_run_files(root, algorithm)
+    family = _write_marker(root, algorithm, [])
     how = "new" if action == "new" else f"{action}, --overwrite-output-dir"
     logger.info("%s: run %s (%s)", root, family.run_id, how)
     return family
 
 
-def _adopt(root: Path, method: str) -> RunFamily:
+def _adopt(root: Path, algorithm: str) -> RunFamily:
     """A run written before markers, resumed: what its crashes left is settled as the older code
     would have, then its checkpoints are named in the new marker as the run's."""
     remove_incomplete(root)
     adopted = [path.name for _, path in list_checkpoints(root)]
-    family = _write_marker(root, method, adopted)
+    family = _write_marker(root, algorithm, adopted)
     logger.info("%s: adopted a run from before run markers as run %s (%d checkpoints)", root, family.run_id,
                 len(adopted))
     return family
@@ -227,14 +237,13 @@ def _delete_earlier_run(root: Path) -> None:
     for _, path in list_checkpoints(root, family):
         remove_path(path)
         deleted.append(path.name)
-    method = marker.get("method", "grpo") if marker is not None else "grpo"
-    deleted += _clear_run_files(root, method)
+    deleted += _clear_run_files(root, marker_algorithm(marker))
     remove_path(root / MARKER)
     logger.warning("--overwrite-output-dir: deleted the earlier run in %s: %s", root, ", ".join(deleted) or "no files")
 
 
-def _clear_run_files(root: Path, method: str) -> list[str]:
-    found = [name for name in (*RUN_FILES[method], MARKER) if (root / name).exists() or (root / name).is_symlink()]
+def _clear_run_files(root: Path, algorithm: str) -> list[str]:
+    found = [name for name in (*RUN_FILES[algorithm], MARKER) if (root / name).exists() or (root / name).is_symlink()]
     for name in found:
         remove_path(root / name)
     return found
@@ -254,7 +263,7 @@ def _foreign_checkpoints(root: Path, last_step: int | None) -> list[str]:
 def _describe(root: Path, marker: Mapping[str, Any] | None) -> str:
     steps = [step for step, _ in list_checkpoints(root, family_of(marker))]
     saved = f"checkpoints at steps {', '.join(map(str, steps))}" if steps else "no checkpoint yet"
-    who = f"run {marker['run_id']}, {marker.get('method', 'grpo')}" if marker else "written before run markers"
+    who = f"run {marker['run_id']}, {marker_algorithm(marker)}" if marker else "written before run markers"
     return f"{who}, {saved}"
 
 

@@ -1,38 +1,25 @@
-"""The GRACE GRPO loop (method.md §2): rollout → embed → reward → advantage → update.
+"""The training loop: one run of ``grace-train``, whatever the algorithm.
 
-Read :meth:`GRPOTrainer.train` top to bottom; each stage is a method a test can call alone:
+Read :meth:`GRPOTrainer.train` top to bottom: claim ``output_dir`` (a marker, only the run's own
+checkpoints rotated; :mod:`.run_dir`), resume (the checkpoint's config compared with the one given),
+then for each step take the step's B triplets (:meth:`~GRPOTrainer.batch_for_step`: a function of the
+step number, so a resumed run sees the batches a straight run would), run the algorithm's step, log,
+evaluate, checkpoint (:meth:`~GRPOTrainer.save_checkpoint`, pushed to the Hub when asked), and stop at
+the last step, at ``--stop-at-step`` or when a chunk's time is up.
 
-- :meth:`~GRPOTrainer.batch_for_step`: the step's B triplets (:mod:`.sampling`: a function of the
-  step number, so a resumed run sees the batches a straight run would);
-- :meth:`~GRPOTrainer.rollout`: Eq. 4 with embeddings by Eq. 3 (no gradient);
-- :meth:`~GRPOTrainer.compute_rewards`: Eqs. 5–9, 13, 28;
-- :func:`grace_training.grpo.group_advantages`: Eq. 10;
-- :meth:`~GRPOTrainer.update`: Eq. 11, one optimiser step (or ``ppo_epochs`` clipped ones), plus
-  β · :func:`grace_training.grpo.pooled_contrastive_loss` on the same pass's pooled states when
-  ``contrastive_beta`` > 0 (the hybrid objective; β = 0 is the paper's GRACE);
-- :meth:`~GRPOTrainer.save_checkpoint` / :meth:`~GRPOTrainer.resume`; the run owns its
-  ``output_dir`` (a marker, only its own checkpoints rotated) and a resume compares the checkpoint's
-  config with the one given (:mod:`.run_dir`).
-
-Why one file of ~750 lines: the class owns the run's state (accelerator, policy, optimizer, data
-order, checkpoints), and its stages are methods so that a test can call each one alone. What needs
-none of that state lives beside it: Eq. 11 and the log-probs in :mod:`.grpo`, the rewards in
-:mod:`.rewards`, the hybrid term in :mod:`.hybrid`, rollouts in :mod:`.rollout`, gathering over
-processes in :mod:`.processes`, the step's metrics in :mod:`.metrics`, the checkpoint format in
-:mod:`.checkpoint` (with the choice of which checkpoint a resume takes), the run's directory and
-what a resume may change in :mod:`.run_dir`.
+What a step does is the algorithm's (:mod:`.steps`; :data:`ALGORITHMS`): GRACE's GRPO with its hybrid
+term (:mod:`.grpo_step`) or GIRCSE's ICR (:mod:`.icr_step`). The loop owns what every algorithm shares:
+the data order, the policy (with its LoRA adapter and KL reference), the optimiser and schedule, the
+checkpoints and the metrics.
 
 Processes: ``accelerate`` runs it as one process, several CPU processes over gloo (DDP, tested
 equal to one process), or several GPUs (DDP or FSDP2); see docs/training.md. The global batch is
-split evenly across processes; the in-batch terms (Eq. 7, the hybrid InfoNCE) see every process's
-rollouts through a gather, and Eq. 11's token count is the global batch's.
+split evenly across processes.
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import functools
 import logging
 import time
 from pathlib import Path
@@ -52,26 +39,14 @@ from .checkpoint import (
     save_model_dir,
     write_checkpoint,
 )
-from .config import GRPOConfig, check_batches, check_environment, check_launch
+from .config import ConfigError, GRPOConfig, check_batches, check_environment, check_launch
 from .data import Triplet, cap_per_source, load_data, source_weights
 from .evaluation import evaluate
-from .gircse import icr_batch_loss
-from .grpo import (
-    build_policy_batch,
-    completion_log_probs,
-    group_advantages,
-    grpo_loss,
-    policy_pass,
-    text_kl,
-    text_log_probs,
-)
-from .hybrid import graded_pairs_loss, hybrid_candidates, hybrid_contrastive_loss, pooled_with_grad
-from .metrics import MetricsLogger, step_metrics
+from .grpo_step import GRPOStep
+from .icr_step import ICRStep
+from .metrics import MetricsLogger
 from .policy import add_lora_adapter, card_base_model, load_grace_model
-from .processes import check_sharding, gather, processes_without_a_gpu, reduce_metrics, sum_over_processes
-from .rewards import compute_rewards
-from .rollout import TripletRollouts, asymmetric_rollouts, hf_generate
-from .rollout_batch import RolloutBatch
+from .processes import check_sharding, processes_without_a_gpu, sum_over_processes
 from .run_dir import (
     CONFIG_FILE,
     check_config_changes,
@@ -83,9 +58,12 @@ from .run_dir import (
     saved_config,
 )
 from .sampling import BatchSchedule
-from .vllm_backend import build_rollout_engine
+from .steps import TrainingStep
 
 logger = logging.getLogger(__name__)
+
+# The training step of each algorithm (grace_training.steps): the one place a new algorithm is registered.
+ALGORITHMS: dict[str, type[TrainingStep]] = {"grpo": GRPOStep, "icr": ICRStep}
 
 # Settings the optimizer and the schedule hold in their state, restored from a checkpoint over the config's.
 OPTIMIZER_KEYS = frozenset(
@@ -95,7 +73,7 @@ OPTIMIZER_KEYS = frozenset(
 
 
 class GRPOTrainer:
-    """GRPO with contrastive rewards over a GRACE SentenceTransformer's causal LM.
+    """The training loop over a GRACE SentenceTransformer's causal LM; each step is ``config.algorithm``'s (:data:`ALGORITHMS`).
 
     Args:
         config: the run's settings (paper defaults).
@@ -126,6 +104,12 @@ class GRPOTrainer:
         from accelerate.utils import set_seed
 
         config.validate()
+        if config.algorithm not in ALGORITHMS:
+            raise ConfigError(
+                f"algorithm: {config.algorithm} trains through sentence-transformers' trainer "
+                "(grace_training.contrastive.train_infonce, which grace-train runs), not this loop",
+                key="algorithm",
+            )
         check_environment(config)
         check_launch()
         self.config = config
@@ -151,14 +135,7 @@ class GRPOTrainer:
         self._load_policy(model)
         self._build_optimisation()
 
-        # -- rollout backend ----------------------------------------------------------------
-        self.engine = None
-        self.generate = functools.partial(
-            hf_generate, self.encoder, batch_size=config.rollout_batch_size, bucket_ratio=config.rollout_bucket_ratio
-        )
-        if config.rollout_backend == "vllm":
-            self.engine = build_rollout_engine(self.encoder, self.st_model, config, self.accelerator)
-            self.generate = self.engine.generate
+        self.algorithm = ALGORITHMS[config.algorithm](self)  # what a step does (and its rollout backend)
 
         self.hub_api = hub_api
         self.overwrite_output_dir = overwrite_output_dir
@@ -181,7 +158,7 @@ class GRPOTrainer:
         # The saved model encodes with the prompt and rationale budget it was trained with.
         self.encoder.max_input_tokens = config.max_input_tokens
         self.encoder.max_rationale_tokens = config.max_rationale_tokens
-        self.encoder.method = "gircse" if config.method == "gircse" else "grace"  # what the saved model encodes with
+        self.encoder.method = config.method  # how the saved model thinks: what the algorithm trains
         if self.encoder.repetition_penalty != 1.0:
             # Rollouts are draws from the policy itself: GRPO's ratios and KL are taken against its own
             # distribution, which a decoding-time penalty would bend. Trained without, saved without.
@@ -219,12 +196,12 @@ class GRPOTrainer:
         if eval_data is None and config.eval_data:
             eval_data, _ = load_data(config.eval_data, **config.data_settings())
         train_data = list(train_data)
-        graded_ready = config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or config.method == "gircse")
+        graded_ready = config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or config.algorithm == "icr")
         if not graded_ready and any(row.score is not None for row in train_data):
             # a scored pair trained as a positive would pull a pair scored 0 together
             raise ValueError(
                 "train_data: scored pairs (graded) train β · CoSENT on batches of their own: "
-                "they need batch_sampling: by_source and contrastive_beta > 0 (or method: gircse)"
+                "they need batch_sampling: by_source and contrastive_beta > 0 (or algorithm: icr)"
             )
         return train_data, cap_per_source(eval_data or [], config.eval_max_examples, config.eval_seed)
 
@@ -264,11 +241,11 @@ class GRPOTrainer:
             cfg.output_dir, cfg.report_to, enabled=main, resume_step=self.step if resume else None
         )
         if cfg.push_to_hub and main:
-            self.pusher = self._hub_pusher()
+            self.pusher = hub_pusher(cfg, self.hub_api)
         if self.step == 0 and self.eval_data:
             self.last_scores = self.evaluate()
             self.metrics.log(0, self.last_scores)
-        progress = _progress_bar(cfg.method, self.total_steps, self.step, disable=not main)
+        progress = _progress_bar(self.algorithm.label, self.total_steps, self.step, disable=not main)
         saved_at = None
         while self.step < self.total_steps:
             batch = self.batch_for_step(self.step)
@@ -295,7 +272,7 @@ class GRPOTrainer:
         """Take ``output_dir`` for this run (:func:`~grace_training.run_dir.claim_output_dir`): every
         process checks, so a refusal stops them all; the main one acts, the others read its marker."""
         settings = {
-            "method": self.config.method,
+            "algorithm": self.config.algorithm,
             "resume": resume,
             "overwrite": self.overwrite_output_dir,
             "last_step": self.total_steps,
@@ -321,7 +298,7 @@ class GRPOTrainer:
         if not done:
             logger.info("chunk done at step %d of %d; --resume continues", self.step, self.total_steps)
         if self.pusher is not None:
-            self._close_pusher()
+            close_pusher(self.pusher, self.config.hub_final_wait_s)
         self.metrics.close()
         return {"step": self.step, "metrics": self.last_metrics, "scores": self.last_scores}
 
@@ -330,110 +307,9 @@ class GRPOTrainer:
         (late,) = sum_over_processes(self.accelerator, float(time.monotonic() >= deadline))
         return late > 0
 
-    def _hub_pusher(self):
-        from .hub import HubPusher
-
-        cfg = self.config
-        return HubPusher(
-            cfg.hub_model_id,
-            cfg.output_dir,
-            api=self.hub_api,
-            private=cfg.hub_private,
-            initial_backoff=cfg.hub_retry_backoff_s,
-        )
-
-    def _close_pusher(self) -> None:
-        """Wait (``hub_final_wait_s``) for pushes in flight; say what was not pushed and where it is kept."""
-        if self.pusher.close(timeout=self.config.hub_final_wait_s):
-            return
-        if self.pusher.disabled:
-            logger.error(
-                "Hub pushes were disabled (%s); %s lists what was not pushed", self.pusher.disabled, self.pusher.journal
-            )
-        else:
-            logger.warning("Hub pushes still pending; %s keeps them for the next run", self.pusher.journal)
-
     def training_step(self, batch: list[Triplet], step: int) -> dict[str, float]:
-        """One GRPO step: Eq. 4 rollouts, Eqs. 5–9/13/28 rewards, Eq. 10 advantages, Eq. 11 update
-        (with ``method: gircse``, one :meth:`soft_token_step` instead)."""
-        if self.config.method == "gircse":
-            return self.soft_token_step(batch, step)
-        start, cpu_start = time.perf_counter(), time.process_time()
-        scores = self.graded_scores(step)
-        rollouts = self.rollout(batch, step)
-        rolled = time.perf_counter()
-        rewards = self.compute_rewards(rollouts)
-        advantages = group_advantages(rewards["final"], self.config.scale_rewards)
-        rewarded = time.perf_counter()
-        update = self.update(rollouts, advantages.reshape(-1), scores)
-        updated = time.perf_counter()
-        self.last_example = {
-            "text": batch[0].positive[:1000],
-            "rationale": self.encoder.tokenizer.decode(rollouts.positives.rationale_ids[0], skip_special_tokens=False),
-        }
-        timings = {
-            "rollout": rolled - start,
-            "reward": rewarded - rolled,
-            "update": updated - rewarded,
-            "step": updated - start,
-            "cpu": time.process_time() - cpu_start,  # CPU seconds of this process: the cost, whatever else ran
-        }
-        # Reward and advantage statistics over the global batch, the same on every process.
-        rewards = {name: gather(self.accelerator, value) for name, value in rewards.items()}
-        truncated = gather(self.accelerator, rollouts.positives.truncated.view(advantages.shape))
-        metrics = step_metrics(
-            rollouts, rewards, gather(self.accelerator, advantages), truncated, update, timings,
-            config=self.config, epoch=(step + 1) / self.steps_per_epoch, accelerator=self.accelerator,
-        )
-        return reduce_metrics(self.accelerator, metrics)
-
-    def soft_token_step(self, batch: list[Triplet], step: int) -> dict[str, float]:
-        """One GIRCSE step (gircse.md): the batch's soft-token embeddings z_1..z_K with gradient, Eq. 7's
-        stepwise InfoNCE (CoSENT for scored pairs) + λ · Eq. 8 (:func:`grace_training.gircse.icr_batch_loss`),
-        one optimiser step. No rollouts, no rewards."""
-        cfg = self.config
-        start, cpu_start = time.perf_counter(), time.process_time()
-        lr = self.scheduler.get_last_lr()[0]
-        accelerator = self.accelerator
-        self.policy_wrapped.train()
-        self.optimizer.zero_grad(set_to_none=True)
-        # The soft steps call the decoder and the LM head one at a time, not the wrapped model once, so
-        # DDP's own all-reduce is kept out and the gradients are averaged over processes here.
-        separate = accelerator.no_sync(self.policy_wrapped) if accelerator.num_processes > 1 else contextlib.nullcontext()
-        with separate:
-            with accelerator.autocast():
-                parts = icr_batch_loss(
-                    self.encoder, batch, cfg, self.graded_scores(step), accelerator.device, accelerator
-                )
-            forwarded = time.perf_counter()
-            accelerator.backward(parts["loss"])
-        if accelerator.num_processes > 1:
-            for parameter in self.trainable_parameters():
-                if parameter.grad is not None:
-                    parameter.grad = accelerator.reduce(parameter.grad, reduction="mean")
-        backwarded = time.perf_counter()
-        max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-        grad_norm = self.accelerator.clip_grad_norm_(self.trainable_parameters(), max_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.policy_wrapped.eval()
-        done = time.perf_counter()
-        self.last_example = None  # a soft token has no text; explain() shows its trace
-        return {
-            "loss": parts["loss"].item(),
-            "loss/contrastive": parts["contrastive"].item(),
-            "loss/refinement": parts["refinement"].item(),
-            **{f"loss/step_{k + 1}": float(v) for k, v in enumerate(parts["step_losses"].tolist())},
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "epoch": (step + 1) / self.steps_per_epoch,
-            "time/update_forward_s": forwarded - start,
-            "time/update_backward_s": backwarded - forwarded,
-            "time/update_optimizer_s": done - backwarded,
-            "time/step_s": done - start,
-            # the step's CPU cost over every process, as a GRPO step's (the losses are global already)
-            "time/step_cpu_s": sum_over_processes(accelerator, time.process_time() - cpu_start)[0],
-        }
+        """One step of the run's algorithm (:data:`ALGORITHMS`): its metrics, after one optimiser step."""
+        return self.algorithm(batch, step)
 
     # ------------------------------------------------------------------------------------------
     # stages
@@ -452,245 +328,6 @@ class GRPOTrainer:
         if any(row.score is None for row in rows):
             return None
         return torch.tensor([row.score for row in rows], dtype=torch.float32)
-
-    def rollout(self, batch: list[Triplet], step: int) -> TripletRollouts:
-        """Eq. 4 (one rationale per query and negative, K per positive), embeddings by Eq. 3; one greedy
-        rationale a text in a warm-start step or a step of scored pairs (:meth:`graded_scores`)."""
-        cfg = self.config
-        self.policy.eval()
-        with self.accelerator.autocast():
-            return asymmetric_rollouts(
-                self.encoder,
-                batch,
-                step=step,
-                generate=self.generate,
-                instance_offset=self.accelerator.process_index * self.local_batch_size,
-                **cfg.rollout_settings(step, graded=self.graded_scores(step) is not None),
-            )
-
-    def compute_rewards(self, rollouts: TripletRollouts) -> dict[str, torch.Tensor]:
-        """Eqs. 5–9 (or 13 unsupervised) and 28 for every positive rollout, each (B, K)."""
-        cfg = self.config
-        query, positives, negatives, mask, truncated = rollouts.grouped(cfg.num_negatives)
-        all_queries, all_positives, own = query, positives, None
-        if self.accelerator.num_processes > 1:
-            all_queries, all_positives = gather(self.accelerator, query), gather(self.accelerator, positives)
-            own = torch.arange(len(query)) + self.accelerator.process_index * self.local_batch_size
-        return compute_rewards(
-            query,
-            positives,
-            negatives,
-            mask,
-            truncated,
-            all_queries=all_queries,
-            all_positives=all_positives,
-            own_index=own,
-            **cfg.reward_settings(),
-        )
-
-    def update(
-        self, rollouts: TripletRollouts, advantages: torch.Tensor, scores: torch.Tensor | None = None
-    ) -> dict[str, float]:
-        """Eq. 11 on the positive rollouts: ``ppo_epochs`` optimiser steps, each accumulating
-        ``gradient_accumulation_steps`` chunks; token-level aggregation over the whole batch.
-
-        With ``contrastive_beta`` β > 0 the same pass pools the positives' hidden states (Eq. 3)
-        and adds β · InfoNCE (:mod:`grace_training.hybrid`). Queries and negatives are the
-        rollouts' embeddings (``contrastive_anchors: detached``) or recomputed with gradient
-        (``recompute``). Within a chunk, the positives of other chunks act as in-batch negatives
-        through their rollout embeddings (no gradient); one chunk is exact. A batch of scored pairs
-        (``scores``) takes β · CoSENT instead (:func:`grace_training.hybrid.graded_pairs_loss`).
-        """
-        cfg, accelerator = self.config, self.accelerator
-        lr = self.scheduler.get_last_lr()[0]  # the rate this step's update uses
-        self.policy_wrapped.train()
-        chunks, batches = self.policy_batches(rollouts.positives)
-        # T of Eq. 11 counts the tokens of the global batch.
-        (num_tokens,) = sum_over_processes(accelerator, float(sum(b["completion_mask"].sum() for b in batches)))
-        hybrid = cfg.contrastive_beta > 0
-        candidates = hybrid_candidates(rollouts, cfg.num_negatives, accelerator) if hybrid else None  # every chunk's
-        advantages = advantages.to(accelerator.device)
-        old_log_probs, ref_log_probs = self.fixed_log_probs(batches, rollouts.positives.temperature)
-        ref_text, num_text = [None] * len(batches), 0.0
-        if cfg.text_kl_coef > 0:
-            ref_text = self.reference_text_log_probs(batches)
-            (num_text,) = sum_over_processes(
-                accelerator, float(sum(b["text_mask"][b["text_rows"]].sum() for b in batches))
-            )
-
-        totals = dict.fromkeys(("loss", "clip_fraction", "kl", "text_kl", "policy_loss", "contrastive_loss"), 0.0)
-        seconds = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)  # the step profile's parts
-        grad_norm = torch.tensor(0.0)
-        for _ in range(cfg.ppo_epochs):
-            self.optimizer.zero_grad(set_to_none=True)
-            for i, (batch, chunk) in enumerate(zip(batches, chunks)):
-                last = i == len(batches) - 1
-                sync = contextlib.nullcontext() if last else accelerator.no_sync(self.policy_wrapped)
-                with sync, accelerator.autocast():
-                    started = time.perf_counter()
-                    loss, terms = self.chunk_loss(
-                        rollouts, batch, chunk, advantages[chunk], old_log_probs[i], ref_log_probs[i], num_tokens,
-                        candidates, scores, ref_text[i], num_text,
-                    )
-                    forwarded = time.perf_counter()
-                    # DDP and FSDP average gradients over processes: scaled by their number, that
-                    # average is the gradient of one process holding the whole batch.
-                    accelerator.backward(loss * accelerator.num_processes)
-                    seconds["forward"] += forwarded - started
-                    seconds["backward"] += time.perf_counter() - forwarded
-                share = batch["completion_mask"].sum().item() / max(num_tokens, 1.0)
-                for name, value in terms.items():
-                    totals[name] += value * (share if name in ("clip_fraction", "kl") else 1.0) / cfg.ppo_epochs
-            started = time.perf_counter()
-            max_norm = cfg.max_grad_norm if cfg.max_grad_norm > 0 else float("inf")
-            grad_norm = accelerator.clip_grad_norm_(self.trainable_parameters(), max_norm)
-            self.optimizer.step()
-            seconds["optimizer"] += time.perf_counter() - started
-        self.scheduler.step()
-        self.policy_wrapped.eval()
-        return {
-            **totals,
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-            "trained_tokens": num_tokens,
-            "update_tokens": float(sum(b["attention_mask"].sum() for b in batches)),
-            "weight_sync_s": self.sync_rollout_engine(),
-            "seconds": seconds,
-        }
-
-    def policy_batches(self, positives: RolloutBatch) -> tuple[list[list[int]], list[dict[str, torch.Tensor]]]:
-        """The positive rollouts as ``gradient_accumulation_steps`` chunks of rows and their
-        policy batches (:func:`~grace_training.grpo.build_policy_batch`), on the device.
-
-        Contiguous blocks of rows (whole instances when the chunk count divides B), as the
-        processes split the global batch: the hybrid term then treats another chunk and another
-        process alike, and one process with n chunks computes what n processes do.
-        """
-        cfg = self.config
-        rows = list(range(len(positives)))
-        parts = min(cfg.gradient_accumulation_steps, len(rows))
-        chunks = [rows[len(rows) * i // parts : len(rows) * (i + 1) // parts] for i in range(parts)]
-        batches = []
-        for chunk in chunks:
-            batch = build_policy_batch(
-                [positives.prompt_ids[i] for i in chunk],
-                [positives.rationale_ids[i] for i in chunk],
-                [positives.stop_ids[i] for i in chunk],
-                self.encoder.pad_token_id,
-                [positives.instruction_lengths[i] for i in chunk]
-                if cfg.contrastive_beta > 0 or cfg.text_kl_coef > 0
-                else None,
-                share_prompts=cfg.share_prompt_pass and not cfg.gradient_checkpointing,
-            )
-            if cfg.mask_truncated:  # DAPO / TRL: a rationale cut at the limit is no evidence either way
-                cut = positives.truncated[chunk].to(batch["completion_mask"].device)
-                batch["completion_mask"] &= ~cut[:, None]
-            batches.append({k: v.to(self.accelerator.device) for k, v in batch.items()})
-        return chunks, batches
-
-    def fixed_log_probs(self, batches: list[dict[str, torch.Tensor]], temperature: float) -> tuple[list, list]:
-        """Per chunk, log π_old (only with ``ppo_epochs`` > 1; otherwise the ratio of Eq. 11 is
-        taken against the current pass, detached) and log π_ref (only with ``kl_coef`` > 0)."""
-        cfg = self.config
-        old_log_probs, ref_log_probs = [None] * len(batches), [None] * len(batches)
-        if cfg.ppo_epochs > 1 or cfg.kl_coef > 0:
-            with torch.no_grad(), self.accelerator.autocast():
-                for i, batch in enumerate(batches):
-                    if cfg.ppo_epochs > 1:
-                        old_log_probs[i] = completion_log_probs(self.policy_wrapped, batch, temperature)
-                    if cfg.kl_coef > 0:
-                        ref_log_probs[i] = self.reference_log_probs(batch, temperature)
-        return old_log_probs, ref_log_probs
-
-    def chunk_loss(
-        self, rollouts, batch, chunk, advantages, old_log_probs, ref_log_probs, num_tokens, candidates, scores=None,
-        ref_text=None, num_text=0.0,
-    ) -> tuple[torch.Tensor, dict[str, float]]:
-        """One chunk's loss with gradient: Eq. 11 (:func:`~grace_training.grpo.grpo_loss`), plus
-        β · the hybrid term over the same pass's pooled states (CoSENT for a batch of scored pairs),
-        plus ``text_kl_coef`` · KL to the reference over the text's positions
-        (:func:`~grace_training.grpo.text_kl`); and its parts as numbers."""
-        cfg = self.config
-        hybrid = cfg.contrastive_beta > 0
-        temperature = rollouts.positives.temperature
-        log_probs, pooled, text_logits = policy_pass(
-            self.policy_wrapped,
-            batch,
-            temperature,
-            pool_from=self.policy if hybrid else None,
-            hidden_layer=self.encoder.hidden_layer,
-            text=ref_text is not None,
-        )
-        old = old_log_probs if old_log_probs is not None else log_probs.detach()
-        loss, stats = grpo_loss(
-            log_probs,
-            old,
-            advantages,
-            batch["completion_mask"],
-            clip_epsilon=cfg.clip_epsilon,
-            ref_log_probs=ref_log_probs,
-            kl_coef=cfg.kl_coef,
-            num_tokens=num_tokens,
-        )
-        policy_loss = loss.detach()
-        contrastive = torch.zeros((), device=self.accelerator.device)
-        if hybrid and scores is not None:
-            contrastive = graded_pairs_loss(candidates, rollouts, chunk, pooled, scores, cfg, self.accelerator.process_index)
-            loss = loss + cfg.contrastive_beta * contrastive
-        elif hybrid:
-
-            def recompute() -> torch.Tensor:
-                anchors = (rollouts.queries, rollouts.negatives)
-                encoder = self.encoder
-                device = self.accelerator.device
-                return pooled_with_grad(
-                    self.policy_wrapped, self.policy, anchors, encoder.pad_token_id, encoder.hidden_layer, device,
-                    prompts_only=cfg.contrastive_anchors == "recompute_prompts",
-                )
-
-            recomputed = recompute if cfg.contrastive_anchors != "detached" else None
-            contrastive = hybrid_contrastive_loss(
-                candidates, rollouts, chunk, pooled, cfg, self.accelerator.process_index, recomputed
-            ) / (len(rollouts.positives) * self.accelerator.num_processes)
-            loss = loss + cfg.contrastive_beta * contrastive
-        held = torch.zeros((), device=self.accelerator.device)
-        if ref_text is not None:
-            held = text_kl(text_logits, ref_text, batch["text_mask"][batch["text_rows"]], num_text)
-            loss = loss + cfg.text_kl_coef * held
-        terms = {
-            "loss": loss.item(),
-            "policy_loss": policy_loss.item(),
-            "contrastive_loss": contrastive.item(),
-            "clip_fraction": stats["clip_fraction"].item(),
-            "kl": stats.get("kl", torch.tensor(0.0)).item(),
-            "text_kl": held.item(),
-        }
-        return loss, terms
-
-    def sync_rollout_engine(self) -> float:
-        """Copy the updated weights into the vLLM engine (none with HF rollouts); seconds taken."""
-        synced = time.perf_counter()
-        if self.engine is not None:
-            self.engine.sync_from(self.policy)
-            if torch.cuda.is_available():
-                torch.cuda.synchronize()  # the copies are asynchronous: time them to the end
-        return time.perf_counter() - synced
-
-    def reference_log_probs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
-        """log π_ref for the KL term: the frozen copy (full fine-tuning) or the adapter disabled (LoRA)."""
-        if self.reference is not None:
-            return completion_log_probs(self.reference, batch, temperature)
-        with self.policy.disable_adapter():
-            return completion_log_probs(self.policy_wrapped, batch, temperature)
-
-    def reference_text_log_probs(self, batches: list[dict[str, torch.Tensor]]) -> list[torch.Tensor]:
-        """Per chunk, the reference's next-token log-probabilities over the prompts' positions, for
-        ``text_kl_coef``: the frozen copy (full fine-tuning) or the adapter disabled (LoRA)."""
-        with torch.no_grad(), self.accelerator.autocast():
-            if self.reference is not None:
-                return [text_log_probs(self.reference, batch) for batch in batches]
-            with self.policy.disable_adapter():
-                return [text_log_probs(self.policy_wrapped, batch) for batch in batches]
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         return [p for p in self.policy_wrapped.parameters() if p.requires_grad]
@@ -795,8 +432,7 @@ class GRPOTrainer:
         self.last_metrics = state.get("metrics") or {}
         self.last_scores = state.get("scores") or {}
         self._apply_config_changes(path, state)
-        if self.engine is not None:
-            self.engine.sync_from(self.policy)
+        self.algorithm.after_resume()
         logger.info("resumed from %s at step %d", path, self.step)
         return self.step
 
@@ -807,30 +443,11 @@ class GRPOTrainer:
         if not changes:
             return
         if OPTIMIZER_KEYS & {change.key for change in changes}:
-            self._apply_optimizer_settings()
+            apply_optimizer_settings(self.optimizer, self.scheduler, self.config)
         logger.warning("--resume: config changed since %s, from step %d: %s", path, self.step + 1,
                        "; ".join(map(str, changes)))
         if self.accelerator.is_main_process:
             record_config_changes(self.config.output_dir, self.step, path, changes)
-
-    def _apply_optimizer_settings(self) -> None:
-        """A loaded optimizer holds the checkpoint's rate, betas, eps and weight decay, and the
-        schedule its base rate: set them to the config's, and the current rate to the (possibly
-        new) schedule's value at this step, so the next update uses what the record says."""
-        cfg, scheduler = self.config, self.scheduler
-        groups = self.optimizer.param_groups
-        for group in groups:
-            group.update(
-                betas=(cfg.adam_beta1, cfg.adam_beta2),
-                eps=cfg.adam_epsilon,
-                weight_decay=cfg.weight_decay,
-                initial_lr=cfg.learning_rate,
-            )
-        scheduler.base_lrs = [cfg.learning_rate] * len(groups)
-        rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
-        for group, rate in zip(groups, rates):
-            group["lr"] = rate
-        scheduler._last_lr = rates  # what get_last_lr() reports; LambdaLR sets it in step()
 
     def _check_config(self, path: Path, state: dict[str, Any]) -> None:
         """Refuse a config change the checkpoint's record could not tell (before any weight is touched)."""
@@ -876,9 +493,46 @@ def lr_schedule(config: GRPOConfig, total_steps: int):
     return factor
 
 
-def _progress_bar(method: str, total: int, initial: int, disable: bool):
-    """Named after the method trained (a GIRCSE run labelled "GRPO" would misstate what it does)."""
+def _progress_bar(label: str, total: int, initial: int, disable: bool):
+    """Named after the algorithm trained (a GIRCSE run labelled "GRPO" would misstate what it does)."""
     from tqdm.auto import tqdm
 
-    desc = {"grace": "GRACE (GRPO)", "gircse": "GIRCSE (ICR)"}.get(method, method)
-    return tqdm(total=total, initial=initial, disable=disable, desc=desc, unit="step", dynamic_ncols=True)
+    return tqdm(total=total, initial=initial, disable=disable, desc=label, unit="step", dynamic_ncols=True)
+
+
+def apply_optimizer_settings(optimizer, scheduler, cfg: GRPOConfig) -> None:
+    """A loaded optimizer holds the checkpoint's rate, betas, eps and weight decay, and the
+    schedule its base rate: set them to the config's, and the current rate to the (possibly
+    new) schedule's value at this step, so the next update uses what the record says."""
+    groups = optimizer.param_groups
+    for group in groups:
+        group.update(
+            betas=(cfg.adam_beta1, cfg.adam_beta2),
+            eps=cfg.adam_epsilon,
+            weight_decay=cfg.weight_decay,
+            initial_lr=cfg.learning_rate,
+        )
+    scheduler.base_lrs = [cfg.learning_rate] * len(groups)
+    rates = [base * factor(scheduler.last_epoch) for base, factor in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, rate in zip(groups, rates):
+        group["lr"] = rate
+    scheduler._last_lr = rates  # what get_last_lr() reports; LambdaLR sets it in step()
+
+
+def hub_pusher(cfg: GRPOConfig, api=None):
+    """The background pusher of checkpoints to ``hub_model_id`` (:class:`grace_training.hub.HubPusher`)."""
+    from .hub import HubPusher
+
+    return HubPusher(
+        cfg.hub_model_id, cfg.output_dir, api=api, private=cfg.hub_private, initial_backoff=cfg.hub_retry_backoff_s
+    )
+
+
+def close_pusher(pusher, wait_s: float) -> None:
+    """Wait ``wait_s`` for pushes in flight; say what was not pushed and where it is kept."""
+    if pusher.close(timeout=wait_s):
+        return
+    if pusher.disabled:
+        logger.error("Hub pushes were disabled (%s); %s lists what was not pushed", pusher.disabled, pusher.journal)
+    else:
+        logger.warning("Hub pushes still pending; %s keeps them for the next run", pusher.journal)

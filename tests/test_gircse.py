@@ -179,7 +179,7 @@ def test_a_gircse_run_trains_checkpoints_a_gircse_model_and_resumes_bit_identica
     def gircse_config(out, steps):
         return config(
             tmp_path,
-            method="gircse",
+            algorithm="icr",
             finetune="lora",
             max_rationale_tokens=3,
             max_steps=steps,
@@ -217,7 +217,7 @@ def test_a_gircse_run_trains_checkpoints_a_gircse_model_and_resumes_bit_identica
 
     adapter = export(checkpoint, tmp_path / "gircse_adapter")
     shipped = json.loads((adapter / "grace_settings.json").read_text())
-    assert shipped["encoder"]["method"] == "gircse" and shipped["training"]["method"] == "gircse"
+    assert shipped["encoder"]["method"] == "gircse" and shipped["training"]["algorithm"] == "icr"
     saved_base(tmp_path / "fresh").save(str(tmp_path / "grace_base"))  # the untrained base as a GRACE directory
     build_trained(str(tmp_path / "grace_base"), tmp_path / "built", adapter)
     built = SentenceTransformer(str(tmp_path / "built"), trust_remote_code=True, device="cpu")
@@ -241,15 +241,15 @@ def test_a_gircse_run_refuses_the_grpo_steps_own_keys(tmp_path):
     from grace_training.config import ConfigError
 
     with pytest.raises(ConfigError, match="would be ignored: contrastive_beta, text_kl_coef"):
-        config(tmp_path, method="gircse", contrastive_beta=1.0, text_kl_coef=0.5).validate()
+        config(tmp_path, algorithm="icr", contrastive_beta=1.0, text_kl_coef=0.5).validate()
 
 
 def test_a_gircse_batch_of_scored_pairs_trains_cosent_at_every_step(tmp_path):
     pairs = [Triplet(DATA[i].query, DATA[i].positive, (), "sts", symmetric=True, score=float(i % 5)) for i in range(8)]
-    cfg = config(tmp_path, method="gircse", max_rationale_tokens=2, batch_sampling="by_source", max_steps=1)
+    cfg = config(tmp_path, algorithm="icr", max_rationale_tokens=2, batch_sampling="by_source", max_steps=1)
     trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=pairs)
     assert trainer.graded_scores(0) is not None
-    metrics = trainer.soft_token_step(trainer.batch_for_step(0), 0)
+    metrics = trainer.training_step(trainer.batch_for_step(0), 0)
     assert metrics["loss/step_1"] > 0 and metrics["loss/step_2"] > 0
 
 

@@ -62,7 +62,7 @@ def test_a_model_that_cannot_load_is_one_line_and_exit_1(setup, tmp_path, capsys
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "config.json").write_text("{}")
-    argv = ["--config", str(setup / "config.yaml"), "--method", method, *(["--dry-run"] if dry_run else [])]
+    argv = ["--config", str(setup / "config.yaml"), "--algorithm", method, *(["--dry-run"] if dry_run else [])]
     cases = [(tmp_path / "no" / "such" / "model", "no such local directory")]
     if not dry_run:  # the dry run reads only the tokenizer
         cases.append((broken, f"cannot load {broken}"))

@@ -183,7 +183,7 @@ def test_gircse_on_two_processes_takes_the_steps_of_one(workspace):
     for grpo_only in ("num_rollouts", "rollout_batch_size"):
         config.pop(grpo_only)
     config.update(
-        method="gircse", max_rationale_tokens=3, train_data=[{"type": "triplets", "path": str(workspace / "gircse.jsonl")}]
+        algorithm="icr", max_rationale_tokens=3, train_data=[{"type": "triplets", "path": str(workspace / "gircse.jsonl")}]
     )
     (workspace / "gircse.yaml").write_text(yaml.safe_dump(config), encoding="utf-8")
     # AdamW's ε far above every gradient makes its first step the gradient times a constant, so the

@@ -78,9 +78,9 @@ def test_mask_truncated_drops_cut_rollouts_from_the_loss(tmp_path):
     trainer = GRPOTrainer(
         config(tmp_path, mask_truncated=True, max_rationale_tokens=2), model=make_st_model(), train_data=DATA
     )
-    rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+    rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
     assert bool(rollouts.positives.truncated.all())  # two tokens: every rollout is cut
-    update = trainer.update(rollouts, torch.tensor([0.3, -0.1, -0.2, 0.5, 0.0, -0.5]))
+    update = trainer.algorithm.update(rollouts, torch.tensor([0.3, -0.1, -0.2, 0.5, 0.0, -0.5]))
     assert update["trained_tokens"] == 0 and update["grad_norm"] == 0
 
 
@@ -112,7 +112,7 @@ def test_pooled_contrastive_loss_is_infonce_over_the_batch():
 def test_update_pass_pools_the_embedding_encode_returns(tmp_path):
     """The rule: the embedding trained in the update pass is the rollout's, which is encode's."""
     trainer = GRPOTrainer(config(tmp_path, contrastive_beta=1.0), model=make_st_model(), train_data=DATA)
-    rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+    rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
     for role in (rollouts.positives, rollouts.queries, rollouts.negatives):
         batch = build_policy_batch(
             role.prompt_ids, role.rationale_ids, role.stop_ids, trainer.encoder.pad_token_id, role.instruction_lengths
@@ -129,7 +129,7 @@ def gradients(trainer, rollouts, advantages):
         captured["grads"] = {n: p.grad.clone() for n, p in trainer.policy.named_parameters() if p.grad is not None}
 
     trainer.optimizer.step = capture
-    trainer.update(rollouts, advantages)
+    trainer.algorithm.update(rollouts, advantages)
     return captured["grads"]
 
 
@@ -143,10 +143,10 @@ def test_beta_zero_is_the_paper_and_beta_adds_the_infonce_gradient(tmp_path):
         trainer = GRPOTrainer(
             config(tmp_path / str(beta), contrastive_beta=beta), model=make_st_model(), train_data=DATA
         )
-        rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+        rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
         grads[beta] = gradients(trainer, rollouts, ADVANTAGES)
     paper = GRPOTrainer(config(tmp_path / "paper"), model=make_st_model(), train_data=DATA)
-    reference = gradients(paper, paper.rollout(paper.batch_for_step(0), 0), ADVANTAGES)
+    reference = gradients(paper, paper.algorithm.rollout(paper.batch_for_step(0), 0), ADVANTAGES)
     for name, grad in reference.items():
         torch.testing.assert_close(grads[0.0][name], grad)
     assert any(not torch.allclose(grads[0.5][n], g) for n, g in reference.items())
@@ -157,7 +157,7 @@ def test_beta_zero_is_the_paper_and_beta_adds_the_infonce_gradient(tmp_path):
 def test_hybrid_gradient_reaches_the_lora_parameters_only(tmp_path, anchors):
     cfg = config(tmp_path, finetune="lora", contrastive_beta=1.0, contrastive_anchors=anchors)
     trainer = GRPOTrainer(cfg, model=saved_base(tmp_path), train_data=DATA)
-    rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+    rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
     grads = gradients(trainer, rollouts, torch.zeros(6))  # no advantage: only the InfoNCE term moves weights
     assert grads and all("lora_" in name for name in grads)
     assert sum(float(g.abs().sum()) for g in grads.values()) > 0
@@ -170,7 +170,8 @@ def test_hybrid_chunks_add_up_to_the_batch_loss(tmp_path):
     for parts in (1, 2, 3):
         cfg = config(tmp_path / str(parts), contrastive_beta=1.0, gradient_accumulation_steps=parts)
         trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
-        values[parts] = trainer.update(trainer.rollout(trainer.batch_for_step(0), 0), ADVANTAGES)["contrastive_loss"]
+        rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
+        values[parts] = trainer.algorithm.update(rollouts, ADVANTAGES)["contrastive_loss"]
     assert values[1] > 0
     assert values[2] == pytest.approx(values[1], rel=1e-4) and values[3] == pytest.approx(values[1], rel=1e-4)
 
@@ -318,7 +319,7 @@ def test_recompute_prompts_trains_the_prompt_only_documents_and_nothing_else(tmp
                 max_rationale_tokens=budgets,
             )
             trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
-            rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+            rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
             assert (rollouts.queries.budgets == [0, 0]) == (budgets == SHIPPED)
             grads[anchors, budgets == 5] = gradients(trainer, rollouts, torch.zeros(6))
     for name, grad in grads["detached", True].items():
@@ -346,12 +347,12 @@ def test_warm_start_rolls_out_one_greedy_rationale_a_text_then_the_configured_k(
         temperature_positive=0.0, temperature_query=0.0, temperature_negative=0.0,
     )
     reference = GRPOTrainer(greedy, model=make_st_model(), train_data=DATA)
-    warm = trainer.rollout(trainer.batch_for_step(0), 0)
-    expected = reference.rollout(reference.batch_for_step(0), 0)
+    warm = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
+    expected = reference.algorithm.rollout(reference.batch_for_step(0), 0)
     assert warm.num_rollouts == 1 and len(warm.positives.rationale_ids) == cfg.batch_size
     for part in ("queries", "negatives", "positives"):
         assert getattr(warm, part).rationale_ids == getattr(expected, part).rationale_ids
-    hybrid = trainer.rollout(trainer.batch_for_step(1), 1)
+    hybrid = trainer.algorithm.rollout(trainer.batch_for_step(1), 1)
     assert hybrid.num_rollouts == 3 and len(hybrid.positives.rationale_ids) == 3 * cfg.batch_size
     with pytest.raises(ValueError, match="warm_start_steps: .* contrastive_beta > 0"):
         config(tmp_path / "paper", warm_start_steps=1)
@@ -391,7 +392,7 @@ def test_a_batch_of_scored_pairs_trains_cosent_on_one_greedy_rollout_a_text(tmp_
              for source in ("sts/train", DATA[0].source)}
     step = steps["sts/train"]
     scores = trainer.graded_scores(step)
-    rollouts = trainer.rollout(trainer.batch_for_step(step), step)
+    rollouts = trainer.algorithm.rollout(trainer.batch_for_step(step), step)
     assert rollouts.num_rollouts == 1 and rollouts.positives.temperature == 0.0
     query, positives = rollouts.grouped(cfg.num_negatives)[:2]
     expected = graded_contrastive_loss(query, positives[:, 0], scores, scale=cfg.graded_scale)

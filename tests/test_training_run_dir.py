@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import shutil
 import site
 from pathlib import Path
@@ -20,6 +21,7 @@ import grace_training
 from grace_training.checkpoint import CheckpointError, RunFamily, list_checkpoints, read_run_id, write_checkpoint
 from grace_training.cli import main
 from grace_training.config import RESUME_CHANGES, ConfigError, GRPOConfig, check_environment
+from grace_training.grpo_step import GRPOStep
 from grace_training.run_dir import MARKER, ConfigChangeError, OutputDirError, read_marker
 from grace_training.trainer import GRPOTrainer
 
@@ -68,7 +70,7 @@ def as_older_run(run: Path) -> Path:
 
 def test_a_run_writes_its_marker_and_marks_its_checkpoints(earlier_run):
     marker = json.loads((earlier_run / MARKER).read_text())
-    assert marker["trainer"] == "grace-train" and marker["method"] == "grpo" and len(marker["run_id"]) == 12
+    assert marker["trainer"] == "grace-train" and marker["algorithm"] == "grpo" and len(marker["run_id"]) == 12
     for _, path in list_checkpoints(earlier_run):
         assert read_run_id(path) == marker["run_id"]
     assert (earlier_run / "config.yaml").is_file()  # the trainer writes the run's config, not only the CLI
@@ -288,14 +290,14 @@ def test_a_warm_start_stage_goes_on_with_the_yaml_values_when_asked(tmp_path, mo
     with pytest.raises(ConfigChangeError, match="num_rollouts: 1 → 2.*temperature_positive: 0.0 → 1.0"):
         train(run, resume=True, max_steps=2)
     rows = []
-    rollout = GRPOTrainer.rollout
+    rollout = GRPOStep.rollout
 
     def counted(self, batch, step):
         rollouts = rollout(self, batch, step)
         rows.append(len(rollouts.positives))
         return rollouts
 
-    monkeypatch.setattr(GRPOTrainer, "rollout", counted)
+    monkeypatch.setattr(GRPOStep, "rollout", counted)
     train(run, resume=True, max_steps=2, allow_config_change=True)
     assert rows == [2 * 2]  # B = 2 triplets, K = 2 rollouts each: the new K applied
     saved = GRPOConfig.from_yaml(run / "config.yaml")
@@ -367,7 +369,7 @@ def test_cli_dry_run_and_infonce_refuse_a_foreign_directory(cli_setup, tmp_path,
     (out / "notes.txt").write_text("mine")
     assert cli(cli_setup, out, "--dry-run") == 2
     assert "notes.txt" in one_error_line(capsys)
-    assert cli(cli_setup, out, "--method", "infonce") == 2
+    assert cli(cli_setup, out, "--algorithm", "infonce") == 2
     assert "not a grace-train run" in one_error_line(capsys)
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
@@ -376,11 +378,11 @@ def test_cli_infonce_goes_on_in_chunks_and_refuses_a_resume_with_nothing_to_resu
     """The yardstick run as GRPO is: --max-minutes ends a chunk at a checkpoint, --resume goes on from it;
     --resume where no checkpoint is says so in one line (exit 1, as GRPO's), and starts nothing."""
     out = tmp_path / "infonce"
-    assert cli(cli_setup, out, "max_steps=2", "--method", "infonce", "--resume") == 1
+    assert cli(cli_setup, out, "max_steps=2", "--algorithm", "infonce", "--resume") == 1
     assert "no complete InfoNCE checkpoint" in one_error_line(capsys) and not out.exists()
-    assert cli(cli_setup, out, "max_steps=2", "save_steps=0", "--method", "infonce", "--max-minutes", "0") == 0
+    assert cli(cli_setup, out, "max_steps=2", "save_steps=0", "--algorithm", "infonce", "--max-minutes", "0") == 0
     assert [p.name for p in (out / "trainer").iterdir()] == ["checkpoint-1"]
-    assert cli(cli_setup, out, "max_steps=2", "save_steps=0", "--method", "infonce", "--resume") == 0
+    assert cli(cli_setup, out, "max_steps=2", "save_steps=0", "--algorithm", "infonce", "--resume") == 0
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2] and (out / "final" / "modules.json").is_file()
 
@@ -389,3 +391,46 @@ def test_cli_infonce_goes_on_in_chunks_and_refuses_a_resume_with_nothing_to_resu
 def test_cli_refuses_a_system_directory_in_one_line(cli_setup, capsys, where):
     assert main(["--config", str(cli_setup / "config.yaml"), f"output_dir={where}", "--dry-run"]) == 2
     assert "output_dir" in one_error_line(capsys)
+
+
+def as_method_vocabulary(run: Path, old: str) -> None:
+    """The run as versions that named the training algorithm ``method`` (``gircse`` for ICR) left it: in the
+    marker, in config.yaml and in each checkpoint's saved config."""
+    marker = json.loads((run / MARKER).read_text())
+    marker["method"] = old
+    del marker["algorithm"]
+    (run / MARKER).write_text(json.dumps(marker))
+    config = (run / "config.yaml").read_text()
+    assert "\nalgorithm: " in config
+    (run / "config.yaml").write_text(re.sub(r"\nalgorithm: \w+", f"\nmethod: {old}", config))
+    for path in run.glob("checkpoint-*/trainer_state/state.json"):
+        state = json.loads(path.read_text())
+        state["config"]["method"] = old
+        del state["config"]["algorithm"]
+        path.write_text(json.dumps(state))
+
+
+@pytest.mark.parametrize(("algorithm", "old"), [("grpo", "grpo"), ("icr", "gircse")])
+def test_a_run_written_with_the_method_key_resumes_on_its_trajectory(tmp_path, algorithm, old):
+    straight = train(tmp_path / "straight", algorithm=algorithm)
+    train(tmp_path / "run", algorithm=algorithm, max_steps=1)
+    as_method_vocabulary(tmp_path / "run", old)
+    resumed = train(tmp_path / "run", resume=True, algorithm=algorithm)
+    assert resumed.step == 2
+    done, again = straight.policy.state_dict(), resumed.policy.state_dict()
+    assert all(torch.equal(again[name], value) for name, value in done.items())
+    with pytest.raises(OutputDirError, match="holds a grace-train"):  # still another algorithm's directory
+        train(tmp_path / "run", resume=True, algorithm="icr" if algorithm == "grpo" else "grpo")
+
+
+def test_the_old_method_key_and_flag_still_name_the_algorithm(tmp_path, caplog, cli_setup):
+    with caplog.at_level("WARNING"):
+        assert GRPOConfig.from_dict({"method": "gircse"}).algorithm == "icr"
+        assert GRPOConfig.from_dict({"method": "grpo"}).algorithm == "grpo"
+    assert "config key method is now called algorithm" in caplog.text
+    assert GRPOConfig(algorithm="icr").method == "gircse" and GRPOConfig().method == "grace"  # how the model thinks
+    with pytest.raises(ConfigError, match="the old name of algorithm"):
+        GRPOConfig.from_dict({"method": "gircse", "algorithm": "icr"})
+    out = tmp_path / "run"
+    assert cli(cli_setup, out, "--method", "infonce", "--dry-run") == 0
+    assert "--method is now called --algorithm" in caplog.text

@@ -241,14 +241,14 @@ def test_gradient_accumulation_matches_one_pass(tmp_path):
         trainer = GRPOTrainer(
             config(tmp_path / str(parts), gradient_accumulation_steps=parts), model=make_st_model(), train_data=DATA
         )
-        rollouts = trainer.rollout(trainer.batch_for_step(0), 0)
+        rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
         advantages = torch.tensor([0.3, -0.1, -0.2, 0.5, 0.0, -0.5])
 
         def capture(*args, parts=parts, trainer=trainer, **kwargs):
             grads[parts] = [p.grad.clone() for p in trainer.policy.parameters()]
 
         trainer.optimizer.step = capture
-        trainer.update(rollouts, advantages)
+        trainer.algorithm.update(rollouts, advantages)
     for one, three in zip(grads[1], grads[3]):
         torch.testing.assert_close(one, three, atol=1e-6, rtol=1e-4)
 
