@@ -7,7 +7,7 @@ its reference code are noted where they are set.
 Each key is one field (:func:`key`): its type, default, what it does, its range rules and what
 ``--resume`` does when it changed. ``RULES``, ``RESUME_CHANGES``, the model card's summary and the docs'
 table (:func:`config_table`, ``python -m grace_training.config``) are read from the fields, so a new key
-is added in one place. Why one file of ~570 lines: the fields are most of it; the rules that tie keys
+is added in one place. Why one file of ~710 lines: the fields are most of it; the rules that tie keys
 together sit beside them.
 """
 

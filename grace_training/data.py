@@ -36,7 +36,7 @@ Common options: ``max_examples`` (a seeded sample), ``num_negatives``, ``miner``
 encoder's ``"default"`` prompt type, as ``encode`` embeds such text), ``weight`` (how often a
 step draws its batch from this source under ``batch_sampling: by_source``; default: its size).
 
-Why one file of ~390 lines: one loader per source kind (BEIR, scored pairs, MRPC, labelled texts, raw
+Why one file of ~440 lines: one loader per source kind (BEIR, scored pairs, MRPC, labelled texts, raw
 text, triplets), each turning :mod:`grace_st.data` records into triplets; they share mining and the
 bad-row policy.
 """

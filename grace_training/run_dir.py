@@ -25,9 +25,6 @@ carry the run's id (:class:`~grace_training.checkpoint.RunFamily`): rotation, cl
 (:func:`config_changes`, by ``config.RESUME_CHANGES``): free keys change, keys that change what
 is trained need ``--allow-config-change`` (then they apply from the next step and are appended
 to ``config_changes.jsonl``), and keys the checkpoint was built from never change.
-
-Why one file of ~340 lines: both halves answer "may this run go on here, as given?" before the first
-step, and share the run's marker and its saved config.
 """
 
 from __future__ import annotations
