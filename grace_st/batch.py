@@ -70,6 +70,9 @@ class RolloutRequest:
     max_new_tokens: int
     seeds: list[int] | None = None
     repetition_penalty: float = 1.0
+    # the prompts already left-padded, (input_ids, attention_mask) of every row in order, when the caller has
+    # them (``encode``'s batch): a pass over all the rows uses them instead of padding the prompts again
+    padded: tuple[Tensor, Tensor] | None = None
 
     def __post_init__(self) -> None:
         self.temperatures = per_row(self.temperatures, len(self.prompt_ids))

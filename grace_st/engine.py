@@ -229,9 +229,15 @@ class RationaleEngine:
         )
         return rollouts.rationales(), [(list(range(len(request.prompt_ids))), rollouts)]
 
+    def _left_padded(self, request: RolloutRequest, chunk: list[int]) -> tuple[Tensor, Tensor]:
+        """The prompts of ``chunk`` left-padded: the request's own padding when the chunk is every row."""
+        if request.padded is not None and chunk == list(range(len(request.prompt_ids))):
+            return request.padded
+        return left_pad([request.prompt_ids[i] for i in chunk], self.pad_token_id)
+
     def _rollout(self, request: RolloutRequest, chunk: list[int]) -> Rollouts:
         device = next(self.model.parameters()).device
-        input_ids, attention_mask = left_pad([request.prompt_ids[i] for i in chunk], self.pad_token_id)
+        input_ids, attention_mask = self._left_padded(request, chunk)
         temperatures = [request.temperatures[i] for i in chunk]
         return generate_rollouts(
             self.model,
@@ -279,7 +285,7 @@ class SoftTokenEngine(RationaleEngine):
     def _rollout(self, request: RolloutRequest, chunk: list[int]) -> Rollouts:
         """K soft tokens after each prompt of ``chunk`` (Eqs. 2, 5, 6), laid out as a rationale's rollout."""
         device = next(self.model.parameters()).device
-        input_ids, attention_mask = left_pad([request.prompt_ids[i] for i in chunk], self.pad_token_id)
+        input_ids, attention_mask = self._left_padded(request, chunk)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         # the packed CPU kernels, as a rationale's rollout uses them (a no-op while autograd is on)
         with packed_linears_for(self.model, self.options):

@@ -49,7 +49,10 @@ mirror is never called: PyTorch's step runs, with one warning naming the mismatc
 Threads: a call keeps its scratch memory and worker threads to itself (allocated a call in
 ``native_step.c``), and a thread's cache buffers to a table of its own (:meth:`NativeStep._bind_cache`),
 so calls from several threads run at once, unlocked. Building the library and binding a model's
-weights (its panels, made once and shared) are serialised by this module's locks.
+weights (its panels, made once and shared) are serialised by this module's locks. Starting and joining a
+call's worker threads costs about 20 µs (one extra thread on this project's 2-core reference machine)
+against a decoding step of about 26 ms (the shipped default, float32, one query), so a pool kept between
+calls would save about 0.1 % and is not kept.
 """
 
 from __future__ import annotations
