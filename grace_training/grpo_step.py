@@ -88,8 +88,15 @@ class GRPOStep(TrainingStep):
         rewards = {name: gather(self.accelerator, value) for name, value in rewards.items()}
         truncated = gather(self.accelerator, rollouts.positives.truncated.view(advantages.shape))
         metrics = step_metrics(
-            rollouts, rewards, gather(self.accelerator, advantages), truncated, update, timings,
-            config=self.config, epoch=(step + 1) / self.run.steps_per_epoch, accelerator=self.accelerator,
+            rollouts,
+            rewards,
+            gather(self.accelerator, advantages),
+            truncated,
+            update,
+            timings,
+            config=self.config,
+            epoch=(step + 1) / self.run.steps_per_epoch,
+            accelerator=self.accelerator,
         )
         return reduce_metrics(self.accelerator, metrics)
 
@@ -165,8 +172,19 @@ class GRPOStep(TrainingStep):
             self.optimizer.zero_grad(set_to_none=True)
             for i, (batch, chunk) in enumerate(zip(batches, chunks)):
                 terms = self._accumulate(
-                    i == len(batches) - 1, seconds, rollouts, batch, chunk, advantages[chunk], old_log_probs[i],
-                    ref_log_probs[i], num_tokens, candidates, scores, ref_text[i], num_text,
+                    i == len(batches) - 1,
+                    seconds,
+                    rollouts,
+                    batch,
+                    chunk,
+                    advantages[chunk],
+                    old_log_probs[i],
+                    ref_log_probs[i],
+                    num_tokens,
+                    candidates,
+                    scores,
+                    ref_text[i],
+                    num_text,
                 )
                 share = batch["completion_mask"].sum().item() / max(num_tokens, 1.0)
                 for name, value in terms.items():
@@ -186,7 +204,9 @@ class GRPOStep(TrainingStep):
             "seconds": seconds,
         }
 
-    def _accumulate(self, last: bool, seconds: dict[str, float], rollouts, batch, chunk, *loss_args) -> dict[str, float]:
+    def _accumulate(
+        self, last: bool, seconds: dict[str, float], rollouts, batch, chunk, *loss_args
+    ) -> dict[str, float]:
         """One chunk's loss (:meth:`chunk_loss`) backpropagated, its forward and backward seconds added to
         ``seconds``; the gradients are synchronised over processes at the last chunk only."""
         accelerator = self.accelerator
@@ -247,8 +267,18 @@ class GRPOStep(TrainingStep):
         return old_log_probs, ref_log_probs
 
     def chunk_loss(
-        self, rollouts, batch, chunk, advantages, old_log_probs, ref_log_probs, num_tokens, candidates, scores=None,
-        ref_text=None, num_text=0.0,
+        self,
+        rollouts,
+        batch,
+        chunk,
+        advantages,
+        old_log_probs,
+        ref_log_probs,
+        num_tokens,
+        candidates,
+        scores=None,
+        ref_text=None,
+        num_text=0.0,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """One chunk's loss with gradient: Eq. 11 (:func:`~grace_training.grpo.grpo_loss`), plus
         β · the hybrid term over the same pass's pooled states (CoSENT for a batch of scored pairs),
@@ -307,8 +337,13 @@ class GRPOStep(TrainingStep):
             anchors = (rollouts.queries, rollouts.negatives)
             encoder = self.encoder
             return pooled_with_grad(
-                self.policy_wrapped, self.policy, anchors, encoder.pad_token_id, encoder.hidden_layer,
-                accelerator.device, prompts_only=cfg.contrastive_anchors == "recompute_prompts",
+                self.policy_wrapped,
+                self.policy,
+                anchors,
+                encoder.pad_token_id,
+                encoder.hidden_layer,
+                accelerator.device,
+                prompts_only=cfg.contrastive_anchors == "recompute_prompts",
             )
 
         recomputed = recompute if cfg.contrastive_anchors != "detached" else None

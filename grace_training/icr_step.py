@@ -28,7 +28,9 @@ class ICRStep(TrainingStep):
         self.optimizer.zero_grad(set_to_none=True)
         # The soft steps call the decoder and the LM head one at a time, not the wrapped model once, so
         # DDP's own all-reduce is kept out and the gradients are averaged over processes here.
-        separate = accelerator.no_sync(self.policy_wrapped) if accelerator.num_processes > 1 else contextlib.nullcontext()
+        separate = (
+            accelerator.no_sync(self.policy_wrapped) if accelerator.num_processes > 1 else contextlib.nullcontext()
+        )
         with separate:
             with accelerator.autocast():
                 parts = icr_batch_loss(

@@ -13,10 +13,38 @@ from pathlib import Path
 
 # Linux and macOS directories whose whole tree belongs to the system; and those that are only
 # refused themselves (a run may live below /var/tmp, /home/me or /mnt/disk, not in them).
-SYSTEM_TREES = ("bin", "boot", "dev", "etc", "lib", "lib32", "lib64", "libx32", "proc", "run", "sbin", "sys", "usr",
-                "System")
-SYSTEM_DIRS = ("home", "media", "mnt", "opt", "root", "snap", "srv", "tmp", "var", "Applications", "Library",
-               "Users", "Volumes", "private")
+SYSTEM_TREES = (
+    "bin",
+    "boot",
+    "dev",
+    "etc",
+    "lib",
+    "lib32",
+    "lib64",
+    "libx32",
+    "proc",
+    "run",
+    "sbin",
+    "sys",
+    "usr",
+    "System",
+)
+SYSTEM_DIRS = (
+    "home",
+    "media",
+    "mnt",
+    "opt",
+    "root",
+    "snap",
+    "srv",
+    "tmp",
+    "var",
+    "Applications",
+    "Library",
+    "Users",
+    "Volumes",
+    "private",
+)
 
 
 def forbidden_output_dir(path: str | Path) -> str | None:
