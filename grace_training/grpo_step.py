@@ -158,34 +158,28 @@ class GRPOStep(TrainingStep):
         candidates = hybrid_candidates(rollouts, cfg.num_negatives, accelerator) if hybrid else None  # every chunk's
         advantages = advantages.to(accelerator.device)
         old_log_probs, ref_log_probs = self.fixed_log_probs(batches, rollouts.positives.temperature)
-        ref_text, num_text = [None] * len(batches), 0.0
-        if cfg.text_kl_coef > 0:
-            ref_text = self.reference_text_log_probs(batches)
-            (num_text,) = sum_over_processes(
-                accelerator, float(sum(b["text_mask"][b["text_rows"]].sum() for b in batches))
+        ref_text, num_text = self.text_references(batches)
+        # what chunk_loss takes besides the chunk, a chunk at a time
+        loss_args = [
+            (
+                advantages[chunk],
+                old_log_probs[i],
+                ref_log_probs[i],
+                num_tokens,
+                candidates,
+                scores,
+                ref_text[i],
+                num_text,
             )
-
+            for i, chunk in enumerate(chunks)
+        ]
         totals = dict.fromkeys(("loss", "clip_fraction", "kl", "text_kl", "policy_loss", "contrastive_loss"), 0.0)
         seconds = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)  # the step profile's parts
         grad_norm = torch.tensor(0.0)
         for _ in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
             for i, (batch, chunk) in enumerate(zip(batches, chunks)):
-                terms = self._accumulate(
-                    i == len(batches) - 1,
-                    seconds,
-                    rollouts,
-                    batch,
-                    chunk,
-                    advantages[chunk],
-                    old_log_probs[i],
-                    ref_log_probs[i],
-                    num_tokens,
-                    candidates,
-                    scores,
-                    ref_text[i],
-                    num_text,
-                )
+                terms = self._accumulate(i == len(batches) - 1, seconds, rollouts, batch, chunk, *loss_args[i])
                 share = batch["completion_mask"].sum().item() / max(num_tokens, 1.0)
                 for name, value in terms.items():
                     totals[name] += value * (share if name in ("clip_fraction", "kl") else 1.0) / cfg.ppo_epochs
@@ -194,15 +188,20 @@ class GRPOStep(TrainingStep):
             seconds["optimizer"] += time.perf_counter() - started
         self.scheduler.step()
         self.policy_wrapped.eval()
-        return {
-            **totals,
-            "lr": lr,
-            "grad_norm": float(grad_norm),
-            "trained_tokens": num_tokens,
-            "update_tokens": float(sum(b["attention_mask"].sum() for b in batches)),
-            "weight_sync_s": self.sync_rollout_engine(),
-            "seconds": seconds,
-        }
+        update_tokens = float(sum(b["attention_mask"].sum() for b in batches))
+        sizes = {"lr": lr, "grad_norm": float(grad_norm), "trained_tokens": num_tokens, "update_tokens": update_tokens}
+        return {**totals, **sizes, "weight_sync_s": self.sync_rollout_engine(), "seconds": seconds}
+
+    def text_references(self, batches: list[dict[str, torch.Tensor]]) -> tuple[list, float]:
+        """With ``text_kl_coef`` > 0: the reference's log-probabilities over each chunk's text positions and
+        the global batch's count of them; else nothing to hold the text to."""
+        if self.config.text_kl_coef <= 0:
+            return [None] * len(batches), 0.0
+        references = self.reference_text_log_probs(batches)
+        (num_text,) = sum_over_processes(
+            self.accelerator, float(sum(b["text_mask"][b["text_rows"]].sum() for b in batches))
+        )
+        return references, num_text
 
     def _accumulate(
         self, last: bool, seconds: dict[str, float], rollouts, batch, chunk, *loss_args

@@ -1,0 +1,71 @@
+"""What :meth:`GenerativeEncoder.preprocess <grace_st.encoder.GenerativeEncoder.preprocess>` hands forward.
+
+Each text's P(x): checked to be a string (:func:`check_texts`), templated and cut to fit
+``max_input_tokens`` (:func:`prompt_rows`); the rows repeated once a rationale and left-padded, with L_sys
+and the batch's plan (:func:`features`); and each rollout's sampling seed (:func:`rationale_seeds`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .batch import left_pad
+from .prompts import PromptTemplate, text_problem, tokenize_texts
+
+
+def check_texts(texts: Sequence[Any]) -> None:
+    """Refuse a batch holding anything but strings, naming the item and what it is."""
+    for index, text in enumerate(texts):
+        problem = text_problem(text)
+        if problem is not None:
+            # ValueError, not TypeError: sentence-transformers 6 answers a TypeError from
+            # preprocess by retrying with the prompt glued to each text, and that retry's
+            # own error (str + list) would replace this one.
+            raise ValueError(
+                f"GenerativeEncoder takes strings; item {index} of this batch (sorted by length) {problem}"
+            )
+
+
+def prompt_rows(tokenizer, template: PromptTemplate, texts: Sequence[str], max_input_tokens: int) -> list[list[int]]:
+    """P(x) for each text, unpadded: ``template`` around the text, cut to fit ``max_input_tokens``."""
+    text_budget = max_input_tokens - len(template.prefix_ids) - len(template.suffix_ids)
+    if text_budget < 0:
+        raise ValueError(
+            f"The instruction and chat template take {len(template.prefix_ids) + len(template.suffix_ids)} "
+            f"tokens, more than max_input_tokens={max_input_tokens}"
+        )
+    return [template.build(ids[:text_budget]) for ids in tokenize_texts(tokenizer, list(texts))]
+
+
+def features(
+    rows: list[list[int]], instruction_span: int, repeats: int, budget: int, pad_token_id: int
+) -> dict[str, Any]:
+    """Each row ``repeats`` times, left-padded, with its L_sys, and the batch's rationale budget and count."""
+    rows = [row for row in rows for _ in range(repeats)]
+    input_ids, attention_mask = left_pad(rows, pad_token_id)
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "instruction_lengths": torch.full((len(rows),), instruction_span, dtype=torch.long),
+        "rationale_budget": budget,
+        "num_rationales": repeats,
+    }
+
+
+def rationale_seed(seed: int, instruction: str, text: str, index: int) -> int:
+    key = f"{seed}\x00{index}\x00{instruction}\x00{text}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+def rationale_seeds(seed: int, instruction: str, texts: Sequence[str], repeats: int) -> Tensor:
+    """One seed a rollout, from the setting's seed, the instruction, the text and the rollout's index: a
+    text gets the same rationales whatever batch it is in."""
+    return torch.tensor(
+        [rationale_seed(seed, instruction, text, k) for text in texts for k in range(repeats)],
+        dtype=torch.long,
+    )
