@@ -14,5 +14,5 @@ from .explain import explain
 from .loading import load
 from .prompts import DEFAULT_INSTRUCTIONS
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 __all__ = ["DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "default_model_path", "explain", "from_causal_lm", "load"]

@@ -114,7 +114,7 @@ def policy_pass(
 
     ``pool_from`` is the unwrapped causal LM whose decoder's states are pooled (the call itself
     goes through ``model``, which may be wrapped for DDP/FSDP); pooling needs the batch's
-    ``pooling_mask`` and uses ``grace_st.pooling.masked_mean``, the function ``encode`` pools
+    ``pooling_mask`` and uses ``grace_st.batch.masked_mean``, the function ``encode`` pools
     with, so the embedding trained here is the one a user gets (tested against the rollout's).
     """
     width = int(batch["prompt_width"])

@@ -126,7 +126,7 @@ def step_metrics(
     """A GRPO step's metrics. ``rewards``, ``advantages`` and ``truncated`` (the positives', (B, K))
     are the global batch's; the rollout and throughput numbers are this process's, which
     :func:`grace_training.processes.reduce_metrics` combines. ``update`` is what
-    ``GRPOTrainer.update`` returned, ``timings`` the stages' seconds."""
+    ``GRPOStep.update`` returned, ``timings`` the stages' seconds."""
     metrics = {**reward_metrics(rewards, advantages, truncated, config), **rollout_metrics(rollouts, accelerator)}
     generated = metrics["throughput/generated_tokens"]
     metrics.update(
