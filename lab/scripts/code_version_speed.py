@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def child() -> dict[str, float]:
+def child(texts_file: Path) -> dict[str, float]:
     import tempfile
 
     import torch
@@ -32,10 +32,9 @@ def child() -> dict[str, float]:
     import training_digest
 
     import grace_st
-    from grace_st.scoreboard import sentences
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "2")))
-    texts, _ = sentences(48)
+    texts = json.loads(texts_file.read_text())  # the parent's: a tree elsewhere may not find the data folder
     model = grace_st.load(grace_st.default_model_path(), device="cpu")
     model.encode(texts[:4], batch_size=16)  # the kernel built and bound before the clock starts
     timings = {}
@@ -50,11 +49,10 @@ def child() -> dict[str, float]:
     return timings
 
 
-def measure(tree: Path) -> dict[str, float]:
+def measure(tree: Path, texts_file: Path) -> dict[str, float]:
     environment = {**os.environ, "PYTHONPATH": str(tree.resolve())}
-    done = subprocess.run(
-        [sys.executable, __file__, "--child"], env=environment, capture_output=True, text=True, check=True
-    )
+    command = [sys.executable, __file__, "--child", str(texts_file)]
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, check=True)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -64,16 +62,21 @@ def main() -> None:
     parser.add_argument("--after", type=Path)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--child", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(child()))
+        print(json.dumps(child(args.child)))
         return
+    from grace_st.scoreboard import sentences
+
+    texts, source = sentences(48)
+    texts_file = (args.out or Path("code_version_speed.json")).with_suffix(".texts.tmp")
+    texts_file.write_text(json.dumps(texts))
     runs: dict[str, list[dict[str, float]]] = {"before": [], "after": []}
     for round_index in range(args.rounds):
         order = ("before", "after") if round_index % 2 == 0 else ("after", "before")
         for version in order:
-            runs[version].append(measure(args.before if version == "before" else args.after))
+            runs[version].append(measure(args.before if version == "before" else args.after, texts_file))
             print(f"round {round_index + 1} {version}: {runs[version][-1]}", flush=True)
     rows = []
     print("\n| measurement | before (median s) | after (median s) | after / before | spread (max/min, both) |")
@@ -93,8 +96,10 @@ def main() -> None:
             f"| {name} | {row['before_median_s']:.2f} | {row['after_median_s']:.2f} | {row['ratio']:.3f} | "
             f"{row['spread']:.3f} |"
         )
+    texts_file.unlink()
     if args.out:
-        args.out.write_text(json.dumps({"rounds": args.rounds, "rows": rows, "runs": runs}, indent=1))
+        report = {"texts": source, "rounds": args.rounds, "rows": rows, "runs": runs}
+        args.out.write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
