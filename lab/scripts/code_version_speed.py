@@ -6,7 +6,7 @@ that version's packages first on the path. Prints a table of medians and the aft
 
 A measurement: ``encode`` of the first 48 STS-B dev sentences with the shipped default (the ``default``
 prompt type, its 32-token rationale, batch 16) and of the same texts as documents (budget 0); and a fixed
-tiny GRPO run and ICR run of ``benchmarks/training_digest.py`` (its test-suite model, 8 steps each).
+tiny GRPO run and ICR run of ``benchmarks/training_digest.py`` (its test-suite model, 40 steps each).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def child(texts_file: Path) -> dict[str, float]:
         started = time.perf_counter()
         call(texts, batch_size=16)
         timings[name] = time.perf_counter() - started
-    training_digest.COMMON["max_steps"] = 8
+    training_digest.COMMON["max_steps"] = 40
     with tempfile.TemporaryDirectory() as folder:
         for name, settings in training_digest.RUNS.items():
             timings[f"train_{name}_s"] = training_digest.run(name, settings, Path(folder))["seconds"]
