@@ -191,9 +191,13 @@ class GenerativeEncoder(InputModule):
         return self._templates[instruction]
 
     def _prompt_kind(self, prompt: str | None) -> str | None:
-        """The prompt type a prompt stands for, when it is one of this module's instructions."""
-        kind = {text: kind for kind, text in self.instructions.items()}.get(prompt or "")
-        return kind or self._instruction_prompts.get(prompt or "")
+        """The prompt type a prompt stands for, when it is one of this module's instructions. No prompt (None or
+        empty) stands for none: an empty instruction (a corpus embedded bare) must not claim every call made
+        without a prompt."""
+        if not prompt:
+            return None
+        kind = {text: kind for kind, text in self.instructions.items()}.get(prompt)
+        return kind or self._instruction_prompts.get(prompt)
 
     def instruction_for(self, task: str | None, prompt: str | None) -> str:
         """The system instruction for a call.

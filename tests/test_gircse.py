@@ -284,3 +284,23 @@ def test_gircse_under_mteb_langchain_llamaindex_and_the_cli(tmp_path, capsys):
     from test_budgets import assert_retrievers_embed_as
 
     assert_retrievers_embed_as(path, TEXTS, query, documents, atol=2e-4)
+
+
+@pytest.mark.parametrize("empty", ["document", "query", "default"])
+def test_an_empty_instruction_claims_no_call_made_without_a_prompt(empty):
+    """A corpus embedded bare (the reference's `instructions["document"] = ""`) must not turn calls made
+    without a prompt into calls of its type: each type keeps its instruction and its K, in encode and in
+    training's side embeddings."""
+    budgets = {"default": 2, "query": 3, "document": 1}
+    model = gircse_model(steps=budgets, instructions={empty: ""})
+    plain = gircse_model(steps=budgets)
+    encoder = model[0]
+    for task in ("query", "document", "default", None):
+        kind = task or "default"
+        assert encoder.prompt_type(task, None) == kind and encoder.prompt_type(task, "") == kind
+        assert encoder.instruction_for(task, None) == encoder.instructions[kind]
+        if kind != empty:  # training's sides: the type's own instruction, as without the empty one
+            assert encoder.prompt_token_ids(["a text"], task=task) == plain[0].prompt_token_ids(["a text"], task=task)
+    calls = {"query": model.encode_query, "document": model.encode_document, "default": model.encode}
+    for kind, call in calls.items():
+        assert int(call(["a text"], output_value=None)[0]["rationale_budget"]) == budgets[kind]
