@@ -35,7 +35,13 @@ from .batch import RolloutRequest
 from .cache import REQUIRED_SETTINGS, CacheEntry, CacheFile, is_deterministic
 from .decoding import DecodeOptions
 from .engine import ENGINES, RationaleEngine
-from .prompts import PromptTemplate, build_prompt_template, compose_instruction
+from .prompts import (
+    InstructTemplate,
+    PromptTemplate,
+    build_instruct_template,
+    build_prompt_template,
+    compose_instruction,
+)
 from .settings import (
     DEFAULTS,
     SETTINGS,
@@ -84,6 +90,7 @@ class GenerativeEncoder(InputModule):
         model_name_or_path: str | None = None,
         *,
         method: str = DEFAULTS["method"],
+        prompt_format: str = DEFAULTS["prompt_format"],
         instructions: dict[str, str] | None = None,  # None: the default instructions
         max_rationale_tokens: int | dict[str, int] = DEFAULTS["max_rationale_tokens"],
         max_input_tokens: int = DEFAULTS["max_input_tokens"],
@@ -102,21 +109,9 @@ class GenerativeEncoder(InputModule):
         tokenizer_kwargs: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        settings = {
-            "method": method,
-            "instructions": _with_default_instructions(instructions),
-            "max_rationale_tokens": max_rationale_tokens,
-            "max_input_tokens": max_input_tokens,
-            "do_sample": do_sample,
-            "temperature": temperature,
-            "top_p": top_p,
-            "repetition_penalty": repetition_penalty,
-            "seed": seed,
-            "num_rationales": num_rationales,
-            "hidden_layer": hidden_layer,
-            "weights_revision": weights_revision,
-            "merge_adapter": merge_adapter,
-        }
+        given = locals()  # the settings are the parameters named in SETTINGS, in its order
+        settings = {name: given[name] for name in SETTINGS}
+        settings["instructions"] = _with_default_instructions(instructions)
         check_settings(settings)  # before the weights load: a bad value costs no time
         self.model, self.tokenizer = encoder_files.model_and_tokenizer(
             model_name_or_path, model, tokenizer, merge_adapter, model_kwargs, tokenizer_kwargs
@@ -133,7 +128,7 @@ class GenerativeEncoder(InputModule):
         self._weights_to_save: dict[str, Tensor] | None = None  # see saving_weights
         self._adapter_to_save: tuple[str, str] | None = None  # see saving_adapter
         self.decode_options = DecodeOptions()  # how rollouts feed the model: speed only, so not a saved setting
-        self._templates: dict[str, PromptTemplate] = {}
+        self._templates: dict[tuple[str, str], PromptTemplate | InstructTemplate] = {}
         # instruction text -> prompt type, for prompts that are our own instructions (see on_model_ready)
         self._instruction_prompts = {text: kind for kind, text in self.instructions.items()}
         self.check_settings()
@@ -185,10 +180,13 @@ class GenerativeEncoder(InputModule):
     def get_sentence_embedding_dimension(self) -> int:
         return self.get_embedding_dimension()
 
-    def prompt_template(self, instruction: str) -> PromptTemplate:
-        if instruction not in self._templates:
-            self._templates[instruction] = build_prompt_template(self.tokenizer, instruction)
-        return self._templates[instruction]
+    def prompt_template(self, instruction: str) -> PromptTemplate | InstructTemplate:
+        """How a text becomes a prompt under ``instruction``, in the ``prompt_format`` (:mod:`grace_st.prompts`)."""
+        key = (self.prompt_format, instruction)
+        if key not in self._templates:
+            build = build_instruct_template if self.prompt_format == "instruct" else build_prompt_template
+            self._templates[key] = build(self.tokenizer, instruction)
+        return self._templates[key]
 
     def _prompt_kind(self, prompt: str | None) -> str | None:
         """The prompt type a prompt stands for, when it is one of this module's instructions. No prompt (None or
@@ -356,15 +354,15 @@ class GenerativeEncoder(InputModule):
     def prompt_token_ids(
         self, texts: Sequence[str], task: str | None = None, prompt: str | None = None
     ) -> tuple[list[list[int]], int]:
-        """P(x) for each text, unpadded: the chat template around the call's instruction and the
-        text, cut to fit ``max_input_tokens``; and L_sys, the instruction span every row shares
+        """P(x) for each text, unpadded: the call's instruction and the text in the ``prompt_format`` (the chat
+        template, or GIRCSE's reference string), cut to fit ``max_input_tokens``; and L_sys, the instruction span
+        every row shares
         (Eq. 3 pools after it). What :meth:`preprocess` pads for ``encode``, and the prompts GRPO
         rollouts start from.
         """
         encoder_inputs.check_texts(texts)
         template = self.prompt_template(self.instruction_for(task, prompt))
-        rows = encoder_inputs.prompt_rows(self.tokenizer, template, texts, self.max_input_tokens)
-        return rows, template.instruction_span
+        return template.rows(self.tokenizer, texts, self.max_input_tokens), template.instruction_span
 
     def tokenize(self, texts: list[str], **kwargs):
         """sentence-transformers 5.x entry point (6.x calls :meth:`preprocess`)."""

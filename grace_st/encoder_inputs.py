@@ -1,7 +1,7 @@
 """What :meth:`GenerativeEncoder.preprocess <grace_st.encoder.GenerativeEncoder.preprocess>` hands forward.
 
 Each text's P(x): checked to be a string (:func:`check_texts`), templated and cut to fit
-``max_input_tokens`` (:func:`prompt_rows`); the rows repeated once a rationale and left-padded, with L_sys
+``max_input_tokens`` (the prompt template's ``rows``); the rows repeated once a rationale and left-padded, with L_sys
 and the batch's plan (:func:`features`); and each rollout's sampling seed (:func:`rationale_seeds`).
 """
 
@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from .batch import left_pad
-from .prompts import PromptTemplate, text_problem, tokenize_texts
+from .prompts import text_problem
 
 
 def check_texts(texts: Sequence[Any]) -> None:
@@ -29,17 +29,6 @@ def check_texts(texts: Sequence[Any]) -> None:
             raise ValueError(
                 f"GenerativeEncoder takes strings; item {index} of this batch (sorted by length) {problem}"
             )
-
-
-def prompt_rows(tokenizer, template: PromptTemplate, texts: Sequence[str], max_input_tokens: int) -> list[list[int]]:
-    """P(x) for each text, unpadded: ``template`` around the text, cut to fit ``max_input_tokens``."""
-    text_budget = max_input_tokens - len(template.prefix_ids) - len(template.suffix_ids)
-    if text_budget < 0:
-        raise ValueError(
-            f"The instruction and chat template take {len(template.prefix_ids) + len(template.suffix_ids)} "
-            f"tokens, more than max_input_tokens={max_input_tokens}"
-        )
-    return [template.build(ids[:text_budget]) for ids in tokenize_texts(tokenizer, list(texts))]
 
 
 def features(

@@ -14,7 +14,7 @@ text such as ``<|im_end|>`` or ``<|im_start|>system`` data and never markup, and
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 DEFAULT_INSTRUCTIONS: dict[str, str] = {
@@ -49,6 +49,40 @@ class PromptTemplate:
 
     def build(self, text_ids: list[int]) -> list[int]:
         return [*self.prefix_ids, *text_ids, *self.suffix_ids]
+
+    def rows(self, tokenizer, texts: Sequence[str], max_input_tokens: int) -> list[list[int]]:
+        """P(x) for each text, unpadded: the template around the text, the text cut to fit ``max_input_tokens``."""
+        text_budget = max_input_tokens - len(self.prefix_ids) - len(self.suffix_ids)
+        if text_budget < 0:
+            raise ValueError(
+                f"The instruction and chat template take {len(self.prefix_ids) + len(self.suffix_ids)} "
+                f"tokens, more than max_input_tokens={max_input_tokens}"
+            )
+        return [self.build(ids[:text_budget]) for ids in tokenize_texts(tokenizer, list(texts))]
+
+
+@dataclass(frozen=True)
+class InstructTemplate:
+    """GIRCSE's reference format (``prompt_format: instruct``): the plain string
+    ``Instruct: {instruction}\\nQuery:{text}``, or the text alone where the instruction is empty (the reference's
+    convention for a corpus),
+    tokenized whole with no special tokens added, so the ids are the reference's; the soft tokens follow the
+    text directly. Special-token strings inside a text stay plain characters, as in the chat format."""
+
+    instruction: str
+    instruction_span: int  # L_sys: the tokens of "Instruct: {instruction}\\nQuery:" (0 without an instruction)
+
+    def text(self, text: str) -> str:
+        return f"Instruct: {self.instruction}\nQuery:{text}" if self.instruction else text
+
+    def rows(self, tokenizer, texts: Sequence[str], max_input_tokens: int) -> list[list[int]]:
+        """P(x) for each text, unpadded, cut at ``max_input_tokens`` from the end (as the reference truncates)."""
+        return [ids[:max_input_tokens] for ids in tokenize_texts(tokenizer, [self.text(text) for text in texts])]
+
+
+def build_instruct_template(tokenizer, instruction: str) -> InstructTemplate:
+    span = len(tokenize_texts(tokenizer, [f"Instruct: {instruction}\nQuery:"])[0]) if instruction else 0
+    return InstructTemplate(instruction, span)
 
 
 def compose_instruction(instruction: str, prompt: str | None) -> str:

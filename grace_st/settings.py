@@ -115,6 +115,8 @@ _PER_TYPE = "an int, or a mapping of prompt type to one with a 'default' entry"
 
 # The ways a model thinks before it embeds (grace_st.engine.ENGINES has a class for each).
 METHODS = ("grace", "gircse")
+# How a text becomes a prompt: the model's chat template, or GIRCSE's reference format (grace_st.prompts).
+PROMPT_FORMATS = ("chat", "instruct")
 
 # Combination rules live in check_settings below.
 SETTINGS: dict[str, Setting] = {
@@ -127,6 +129,17 @@ SETTINGS: dict[str, Setting] = {
         lambda v: v in METHODS,
         **_how("choice"),
         choices=METHODS,
+    ),
+    "prompt_format": Setting(
+        "chat",
+        "how a text becomes a prompt: 'chat' puts the instruction in the model's chat template as the system turn "
+        "and the text as the user turn, thinking starts in the assistant turn; 'instruct' is GIRCSE's reference "
+        "format, the plain string 'Instruct: {instruction}\\nQuery:{text}' with no special tokens (the text alone "
+        "where the instruction is empty), the soft tokens following the text (method 'gircse' only)",
+        "'chat' or 'instruct'",
+        lambda v: v in PROMPT_FORMATS,
+        **_how("choice"),
+        choices=PROMPT_FORMATS,
     ),
     "instructions": Setting(
         DEFAULT_INSTRUCTIONS,
@@ -309,6 +322,11 @@ def check_settings(values: Mapping[str, Any], *, num_layers: int | None = None, 
             raise ValueError(f"{where}num_rationales > 1{of} needs max_rationale_tokens > 0")
     if get("method", "grace") == "gircse" and get("do_sample", False):
         raise ValueError(f"{where}method 'gircse' samples nothing (its soft tokens are the whole distribution): set do_sample=False")
+    if get("prompt_format", "chat") == "instruct" and get("method", "grace") != "gircse":
+        raise ValueError(
+            f"{where}prompt_format 'instruct' is GIRCSE's reference format (soft tokens right after the text); "
+            f"method {get('method', 'grace')!r} thinks in the chat template's assistant turn: use prompt_format 'chat'"
+        )
     if get("method", "grace") == "gircse" and get("repetition_penalty", 1.0) != 1.0:
         raise ValueError(f"{where}method 'gircse' writes no tokens to penalise (it feeds back soft tokens): set repetition_penalty=1")
     if get("do_sample", False) and not get("temperature", 1.0) > 0:

@@ -304,3 +304,52 @@ def test_an_empty_instruction_claims_no_call_made_without_a_prompt(empty):
     calls = {"query": model.encode_query, "document": model.encode_document, "default": model.encode}
     for kind, call in calls.items():
         assert int(call(["a text"], output_value=None)[0]["rationale_budget"]) == budgets[kind]
+
+
+def reference_gircse(lm, tokenizer, text: str, instruction: str, steps: int) -> torch.Tensor:
+    """GIRCSE as gircse.md describes it, restated without grace-st's code: the reference string, no special
+    tokens added, a whole forward pass at every step (no cache, no padding); each step feeds the LM head's
+    distribution back as an input embedding (Eqs. 5-6), and the embedding is the mean of the final states at
+    the K generated positions, L2-normalised (Eq. 4)."""
+    prompt = f"Instruct: {instruction}\nQuery:{text}" if instruction else text
+    table = lm.get_input_embeddings().weight
+    sequence = table[torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])][None]
+    with torch.no_grad():
+        for _ in range(steps):
+            last = lm.get_decoder()(inputs_embeds=sequence).last_hidden_state[:, -1]
+            distribution = torch.softmax(lm.get_output_embeddings()(last).float(), dim=-1)
+            sequence = torch.cat([sequence, (distribution.to(table.dtype) @ table)[:, None]], dim=1)
+        generated = lm.get_decoder()(inputs_embeds=sequence).last_hidden_state[:, -steps:]
+    return torch.nn.functional.normalize(generated.mean(dim=1), dim=-1)[0]
+
+
+@pytest.mark.parametrize(
+    ("steps", "dtype", "tolerance"), [(1, "float32", 1e-5), (1, "float64", 1e-6), (3, "float64", 1e-6), (5, "float64", 1e-6)]
+)
+def test_the_instruct_format_is_the_reference_computation(steps, dtype, tolerance):
+    """Every prompt type, a padded batch against each text alone. In float32 the random tiny model amplifies
+    rounding through the fed-back distributions (about 4e-5 at K = 3, 8e-5 at K = 5, between a cached batch
+    and whole passes); in float64 the two computations agree to the float32 output's rounding."""
+    instructions = {"default": "Retrieve semantically similar text", "query": "Given a question, find answers"}
+    model = gircse_model(steps=steps, prompt_format="instruct", instructions={**instructions, "document": ""})
+    model[0].model.to(getattr(torch, dtype))
+    texts = ["A cat sat on the mat.", "Proteins fold.", "Which drugs lower blood pressure?"]
+    lm, tokenizer = model[0].model, model[0].tokenizer
+    calls = {"default": model.encode, "query": model.encode_query, "document": model.encode_document}
+    for kind, call in calls.items():
+        found = torch.as_tensor(call(texts)).double()
+        instruction = {**instructions, "document": ""}[kind]
+        for row, text in enumerate(texts):
+            expected = reference_gircse(lm, tokenizer, text, instruction, steps).double()
+            assert (found[row] - expected).abs().max() <= tolerance, (kind, text)
+    features = model[0].preprocess(texts[:1])
+    assert features["input_ids"][0].tolist() == tokenizer(
+        f"Instruct: {instructions['default']}\nQuery:{texts[0]}", add_special_tokens=False
+    )["input_ids"]  # the reference's ids: no chat template, no special token added
+
+
+def test_the_instruct_format_is_gircse_s_own():
+    with pytest.raises(ValueError, match="prompt_format 'instruct' is GIRCSE's reference format"):
+        make_st_model(prompt_format="instruct")
+    with pytest.raises(ValueError, match="prompt_format must be 'chat' or 'instruct'"):
+        gircse_model(prompt_format="raw")
