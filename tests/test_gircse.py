@@ -324,7 +324,8 @@ def reference_gircse(lm, tokenizer, text: str, instruction: str, steps: int) -> 
 
 
 @pytest.mark.parametrize(
-    ("steps", "dtype", "tolerance"), [(1, "float32", 1e-5), (1, "float64", 1e-6), (3, "float64", 1e-6), (5, "float64", 1e-6)]
+    ("steps", "dtype", "tolerance"),
+    [(1, "float32", 1e-5), (1, "float64", 1e-6), (3, "float64", 1e-6), (5, "float64", 1e-6)],
 )
 def test_the_instruct_format_is_the_reference_computation(steps, dtype, tolerance):
     """Every prompt type, a padded batch against each text alone. In float32 the random tiny model amplifies
