@@ -91,6 +91,7 @@ class GenerativeEncoder(InputModule):
         *,
         method: str = DEFAULTS["method"],
         prompt_format: str = DEFAULTS["prompt_format"],
+        soft_token_temperature: float = DEFAULTS["soft_token_temperature"],
         instructions: dict[str, str] | None = None,  # None: the default instructions
         max_rationale_tokens: int | dict[str, int] = DEFAULTS["max_rationale_tokens"],
         max_input_tokens: int = DEFAULTS["max_input_tokens"],
@@ -162,8 +163,10 @@ class GenerativeEncoder(InputModule):
         ``method``'s (:data:`grace_st.engine.ENGINES`: a rationale, or GIRCSE's soft tokens). A view over
         the current model, adapter, ``hidden_layer``, ``decode_options`` and backend (HF, or vLLM after
         :meth:`use_vllm`), built when asked."""
+        own = {"temperature": self.soft_token_temperature} if self.method == "gircse" else {}
         return ENGINES[self.method](
-            self.model, self.tokenizer, hidden_layer=self.hidden_layer, options=self.decode_options, generator=self._vllm
+            self.model, self.tokenizer, hidden_layer=self.hidden_layer, options=self.decode_options, generator=self._vllm,
+            **own,
         )
 
     @property

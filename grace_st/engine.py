@@ -260,10 +260,20 @@ class SoftTokenEngine(RationaleEngine):
     trace_width = 5
     ragged = False
 
-    def __init__(self, model, tokenizer, *, hidden_layer: int = -1, options: DecodeOptions | None = None, generator=None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        hidden_layer: int = -1,
+        options: DecodeOptions | None = None,
+        generator=None,
+        temperature: float = 1.0,
+    ):
         if generator is not None:
             raise ValueError("method 'gircse' feeds back soft tokens, which a token generator (vLLM) cannot make; use_hf()")
         super().__init__(model, tokenizer, hidden_layer=hidden_layer, options=options)
+        self.temperature = temperature  # of each fed-back distribution (the setting soft_token_temperature)
 
     def embed(self, request: RolloutRequest, thoughts: Thoughts, batch_size: int | None = None) -> Tensor:
         """z_K of each row (Eq. 4: the mean of the K generated states; K = 0, the prompt after L_sys), (R, H)."""
@@ -280,7 +290,10 @@ class SoftTokenEngine(RationaleEngine):
     def step_embeddings(self, input_ids: Tensor, attention_mask: Tensor, steps: int) -> Tensor:
         """z_1..z_K of left-padded prompts (B, K, H), **with** gradient: what Eq. 7 trains
         (:mod:`grace_training.gircse`), by the computation :meth:`embed` returns the last of."""
-        return soft_token_states(self.model, input_ids, attention_mask, steps, hidden_layer=self.hidden_layer).step_embeddings()
+        soft = soft_token_states(
+            self.model, input_ids, attention_mask, steps, hidden_layer=self.hidden_layer, temperature=self.temperature
+        )
+        return soft.step_embeddings()
 
     def _rollout(self, request: RolloutRequest, chunk: list[int]) -> Rollouts:
         """K soft tokens after each prompt of ``chunk`` (Eqs. 2, 5, 6), laid out as a rationale's rollout."""
@@ -291,7 +304,7 @@ class SoftTokenEngine(RationaleEngine):
         with packed_linears_for(self.model, self.options):
             soft = soft_token_states(
                 self.model, input_ids, attention_mask, request.max_new_tokens, hidden_layer=self.hidden_layer,
-                top=self.trace_width,
+                top=self.trace_width, temperature=self.temperature,
             )
         spans = torch.tensor([request.instruction_lengths[i] for i in chunk], device=device)
         return soft_token_rollouts(soft, attention_mask, spans)

@@ -141,6 +141,13 @@ SETTINGS: dict[str, Setting] = {
         **_how("choice"),
         choices=PROMPT_FORMATS,
     ),
+    "soft_token_temperature": Setting(
+        1.0,
+        "method 'gircse': the temperature of each fed-back distribution, softmax(logits / T); 1 is the paper's",
+        "a finite number > 0",
+        lambda v: _is_number(v) and v > 0,
+        **_how("float"),
+    ),
     "instructions": Setting(
         DEFAULT_INSTRUCTIONS,
         "system instructions by prompt type: 'default', 'query', 'document'. encode_query / encode_document "
@@ -327,6 +334,8 @@ def check_settings(values: Mapping[str, Any], *, num_layers: int | None = None, 
             f"{where}prompt_format 'instruct' is GIRCSE's reference format (soft tokens right after the text); "
             f"method {get('method', 'grace')!r} thinks in the chat template's assistant turn: use prompt_format 'chat'"
         )
+    if get("soft_token_temperature", 1.0) != 1.0 and get("method", "grace") != "gircse":
+        raise ValueError(f"{where}soft_token_temperature is GIRCSE's (method 'gircse'); a rationale's is temperature")
     if get("method", "grace") == "gircse" and get("repetition_penalty", 1.0) != 1.0:
         raise ValueError(f"{where}method 'gircse' writes no tokens to penalise (it feeds back soft tokens): set repetition_penalty=1")
     if get("do_sample", False) and not get("temperature", 1.0) > 0:

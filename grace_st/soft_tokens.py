@@ -50,15 +50,45 @@ def stepwise_means(states: Tensor) -> Tensor:
     return states.float().cumsum(dim=1) / counts[None, :, None]
 
 
+def output_logits(model, states: Tensor) -> Tensor:
+    """The next-token logits of final ``states`` as the model's own forward makes them: the LM head, then the
+    model's own logit processing where its config has it (Gemma 2 and 3's final soft-capping, Cohere's
+    ``logit_scale``, Granite's ``logits_scaling``), so a soft token is the distribution the model predicts."""
+    logits = model.get_output_embeddings()(states)
+    config = model.config.get_text_config()
+    if getattr(config, "logit_scale", None):
+        logits = logits * config.logit_scale
+    if getattr(config, "logits_scaling", None):
+        logits = logits / config.logits_scaling
+    if getattr(config, "final_logit_softcapping", None):
+        logits = torch.tanh(logits / config.final_logit_softcapping) * config.final_logit_softcapping
+    return logits
+
+
+def soft_input(embedding, distribution: Tensor) -> Tensor:
+    """d_k = Σ_i s_{k,i} e_i (Eq. 6), e_i the model's own input embedding of token i: its embedding table, times
+    the scale its embedding layer applies (Gemma's √d), so a one-hot s_k gives exactly that token's input."""
+    soft = distribution.to(embedding.weight.dtype) @ embedding.weight
+    scale = getattr(embedding, "embed_scale", None)
+    return soft if scale is None else soft * scale.to(soft.dtype)
+
+
 def soft_token_states(
-    model, input_ids: Tensor, attention_mask: Tensor, steps: int, *, hidden_layer: int = -1, top: int = 5
+    model,
+    input_ids: Tensor,
+    attention_mask: Tensor,
+    steps: int,
+    *,
+    hidden_layer: int = -1,
+    top: int = 5,
+    temperature: float = 1.0,
 ) -> SoftTokens:
     """K = ``steps`` soft tokens after each left-padded prompt (Algorithm 1), KV-cached; with gradient
     when autograd is on. ``hidden_layer`` picks the states pooled (-1: the decoder's final, normed
-    states, the paper's); the soft token is always made from the final states through the LM head."""
+    states, the paper's); the soft token is always made from the final states through the LM head
+    (:func:`output_logits`), its distribution sharpened (``temperature`` < 1) or flattened (> 1)."""
     decoder = model.get_decoder()
-    head = model.get_output_embeddings()
-    table = model.get_input_embeddings().weight  # e_i of Eq. 6, (V, H)
+    embedding = model.get_input_embeddings()
     cache = _new_cache(model)
     mask = attention_mask
     positions = position_ids_from_mask(mask)
@@ -70,8 +100,9 @@ def soft_token_states(
     next_position = positions[:, -1:] + 1
     states, top_ids, top_probs = [], [], []
     for _ in range(steps):
-        distribution = torch.softmax(head(last).float(), dim=-1)  # s_k (Eq. 5)
-        soft = (distribution.to(table.dtype) @ table)[:, None, :]  # d_k (Eq. 6)
+        logits = output_logits(model, last).float()
+        distribution = torch.softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # s_k (Eq. 5)
+        soft = soft_input(embedding, distribution)[:, None, :]  # d_k (Eq. 6)
         probs, ids = distribution.detach().topk(min(top, distribution.shape[-1]), dim=-1)
         top_ids.append(ids)
         top_probs.append(probs)

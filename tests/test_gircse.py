@@ -16,7 +16,7 @@ from test_training_trainer import DATA, config
 
 import grace_st
 from grace_st.batch import left_pad
-from grace_st.soft_tokens import soft_token_states
+from grace_st.soft_tokens import output_logits, soft_token_states
 from grace_training.data import Triplet
 from grace_training.gircse import refinement_loss, stepwise_cosent, stepwise_infonce
 from grace_training.trainer import GRPOTrainer
@@ -306,18 +306,19 @@ def test_an_empty_instruction_claims_no_call_made_without_a_prompt(empty):
         assert int(call(["a text"], output_value=None)[0]["rationale_budget"]) == budgets[kind]
 
 
-def reference_gircse(lm, tokenizer, text: str, instruction: str, steps: int) -> torch.Tensor:
+def reference_gircse(lm, tokenizer, text: str, instruction: str, steps: int, temperature: float = 1.0) -> torch.Tensor:
     """GIRCSE as gircse.md describes it, restated without grace-st's code: the reference string, no special
     tokens added, a whole forward pass at every step (no cache, no padding); each step feeds the LM head's
     distribution back as an input embedding (Eqs. 5-6), and the embedding is the mean of the final states at
     the K generated positions, L2-normalised (Eq. 4)."""
     prompt = f"Instruct: {instruction}\nQuery:{text}" if instruction else text
-    table = lm.get_input_embeddings().weight
-    sequence = table[torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])][None]
     with torch.no_grad():
+        inputs = lm.get_input_embeddings()  # each token's input embedding, as the model embeds it
+        table = inputs(torch.arange(inputs.weight.shape[0]))
+        sequence = inputs(torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"]))[None]
         for _ in range(steps):
-            last = lm.get_decoder()(inputs_embeds=sequence).last_hidden_state[:, -1]
-            distribution = torch.softmax(lm.get_output_embeddings()(last).float(), dim=-1)
+            logits = lm(inputs_embeds=sequence).logits[:, -1]  # the model's own forward: its logit processing too
+            distribution = torch.softmax(logits.float() / temperature, dim=-1)
             sequence = torch.cat([sequence, (distribution.to(table.dtype) @ table)[:, None]], dim=1)
         generated = lm.get_decoder()(inputs_embeds=sequence).last_hidden_state[:, -steps:]
     return torch.nn.functional.normalize(generated.mean(dim=1), dim=-1)[0]
@@ -354,3 +355,43 @@ def test_the_instruct_format_is_gircse_s_own():
         make_st_model(prompt_format="instruct")
     with pytest.raises(ValueError, match="prompt_format must be 'chat' or 'instruct'"):
         gircse_model(prompt_format="raw")
+
+
+def gemma2_gircse(steps: int, **settings):
+    """A tiny Gemma 2 (final logit soft-capping: its logits are not the LM head's alone) as a GIRCSE model in
+    the reference format (no chat template needed)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    tokenizer = make_tokenizer()
+    config = Gemma2Config(
+        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=256, final_logit_softcapping=2.0,
+        initializer_range=0.3, pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(0)
+    lm = Gemma2ForCausalLM(config).eval()
+    return grace_st.from_causal_lm(
+        model=lm, tokenizer=tokenizer, device="cpu", method="gircse", prompt_format="instruct",
+        max_rationale_tokens=steps, **settings,
+    )
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_soft_tokens_are_the_model_s_own_distribution_at_the_soft_token_temperature(temperature):
+    model = gemma2_gircse(3, soft_token_temperature=temperature)
+    lm, tokenizer = model[0].model, model[0].tokenizer
+    texts = ["A cat sat on the mat.", "Proteins fold."]
+    found = torch.as_tensor(model.encode(texts))
+    for row, text in enumerate(texts):
+        expected = reference_gircse(lm, tokenizer, text, model[0].instructions["default"], 3, temperature)
+        assert (found[row] - expected).abs().max() <= 1e-5
+    states = torch.randn(2, 32)
+    raw = lm.get_output_embeddings()(states)
+    assert not torch.allclose(output_logits(lm, states), raw)  # the soft-capping is the model's, and applied
+    assert output_logits(lm, states).abs().max() <= 2.0
+    if temperature != 1.0:
+        assert not torch.allclose(torch.as_tensor(gemma2_gircse(3).encode(texts)), found)
+    with pytest.raises(ValueError, match="soft_token_temperature is GIRCSE's"):
+        make_st_model(soft_token_temperature=0.5)
+    with pytest.raises(ValueError, match="soft_token_temperature must be a finite number > 0"):
+        gircse_model(soft_token_temperature=0.0)
