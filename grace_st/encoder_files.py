@@ -67,7 +67,20 @@ def model_and_tokenizer(
             model = causal_lm_from_pretrained(model_name_or_path, **model_kwargs)
         if scheme is not None:
             quantization.quantize_weights(model, scheme)
-        return model, AutoTokenizer.from_pretrained(model_name_or_path, **(tokenizer_kwargs or {}))
+        return model, AutoTokenizer.from_pretrained(tokenizer_source(model_name_or_path), **(tokenizer_kwargs or {}))
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_source(model_name_or_path: str) -> str:
+    """Where the tokenizer is: the model's folder, or for an adapter saved without one (the layout PEFT's
+    ``save_pretrained`` writes, e.g. GIRCSE's released adapters) the base it names."""
+    if is_adapter_dir(model_name_or_path) and not any(
+        os.path.isfile(os.path.join(model_name_or_path, name)) for name in TOKENIZER_FILES
+    ):
+        return adapter_base(model_name_or_path)[0]
+    return model_name_or_path
 
 
 def unreadable_safetensors(model_name_or_path: str | None) -> list[str]:

@@ -395,3 +395,43 @@ def test_soft_tokens_are_the_model_s_own_distribution_at_the_soft_token_temperat
         make_st_model(soft_token_temperature=0.5)
     with pytest.raises(ValueError, match="soft_token_temperature must be a finite number > 0"):
         gircse_model(soft_token_temperature=0.0)
+
+
+def test_a_gircse_adapter_in_the_authors_layout_loads_and_encodes_offline(tmp_path):
+    """The authors' released adapters are PEFT LoRA folders (``PeftModel.save_pretrained``: no tokenizer, no
+    GRACE settings) on base models without a chat template: a base and adapter saved so here load as a GIRCSE
+    model in the reference format, encode as the adapted model does, and save and load back."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from conftest import make_model
+
+    tokenizer = make_tokenizer()
+    tokenizer.chat_template = None  # a base model: no chat template
+    make_model(tokenizer).save_pretrained(tmp_path / "base")
+    tokenizer.save_pretrained(tmp_path / "base")
+    adapted = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tmp_path / "base"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")
+    )
+    torch.manual_seed(1)
+    for name, parameter in adapted.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(parameter, std=0.1)
+    adapted.save_pretrained(tmp_path / "adapter")
+    assert not (tmp_path / "adapter" / "tokenizer_config.json").exists()
+
+    instructions = {"default": "Retrieve semantically similar text", "query": "Given a question, find answers"}
+    model = grace_st.from_causal_lm(
+        str(tmp_path / "adapter"), device="cpu", method="gircse", prompt_format="instruct", max_rationale_tokens=1,
+        instructions={**instructions, "document": ""},
+    )
+    texts = ["A cat sat on the mat.", "Proteins fold."]
+    found = torch.as_tensor(model.encode_query(texts))
+    adapted.eval()
+    for row, text in enumerate(texts):
+        expected = reference_gircse(adapted, tokenizer, text, instructions["query"], 1)
+        assert (found[row] - expected).abs().max() <= 1e-5
+    model.save(str(tmp_path / "grace"))
+    loaded = grace_st.load(str(tmp_path / "grace"), device="cpu")
+    assert loaded[0].prompt_format == "instruct" and loaded[0].instructions["document"] == ""
+    assert torch.allclose(torch.as_tensor(loaded.encode_query(texts)), found, atol=1e-6)
