@@ -192,10 +192,14 @@ def entry_key(fingerprint: str, instruction: str, text: str, settings: Mapping[s
     return hashlib.sha256(encoded.encode("utf-8")).hexdigest()
 
 
+# Settings added after caches existed, at the value that computes what was computed before them: left out of the
+# key there, so that entries written before the setting existed keep their keys.
+NEUTRAL_SETTINGS = {"repetition_penalty": 1, "prompt_format": "chat", "soft_token_temperature": 1}
+
+
 def _keyed(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """The settings as keyed: a repetition penalty of 1 is no penalty, and is left out so that entries
-    written before the setting existed keep their keys."""
-    return {k: v for k, v in settings.items() if not (k == "repetition_penalty" and v == 1)}
+    """The settings as keyed: each of :data:`NEUTRAL_SETTINGS` at its neutral value is left out."""
+    return {k: v for k, v in settings.items() if not (k in NEUTRAL_SETTINGS and v == NEUTRAL_SETTINGS[k])}
 
 
 def is_deterministic(settings: Mapping[str, Any]) -> bool:

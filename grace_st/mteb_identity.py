@@ -28,12 +28,20 @@ def model_id(name_or_path: str) -> str:
     return name_or_path
 
 
+ADDED_LATER = {"prompt_format": "chat", "soft_token_temperature": 1}
+
+
 def revision(encoder) -> str:
     """The weights' fingerprint and a hash of the current settings: what determines an embedding."""
     if encoder.weights_revision is None:
         encoder.weights_revision = encoder.weights_key()[:16]
-    # merge_adapter changes how the weights are held, not what they compute
-    settings = {k: v for k, v in encoder.get_config_dict().items() if k not in ("weights_revision", "merge_adapter")}
+    # merge_adapter changes how the weights are held, not what they compute; a setting added since results were
+    # first filed, at the value that computes what was computed before it, leaves the revision as it was
+    settings = {
+        k: v
+        for k, v in encoder.get_config_dict().items()
+        if k not in ("weights_revision", "merge_adapter") and not (k in ADDED_LATER and v == ADDED_LATER[k])
+    }
     digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
     return f"{encoder.weights_revision}-{digest}"
 

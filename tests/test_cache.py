@@ -21,6 +21,8 @@ from grace_st.weights import weights_fingerprint
 
 SETTINGS = {
     "method": "grace",
+    "prompt_format": "chat",
+    "soft_token_temperature": 1.0,
     "max_rationale_tokens": 256,
     "max_input_tokens": 1024,
     "do_sample": False,
@@ -279,6 +281,8 @@ def test_key_depends_on_every_part():
     }
     changed = {
         "method": "gircse",
+        "prompt_format": "instruct",
+        "soft_token_temperature": 0.5,
         "max_rationale_tokens": 128,
         "max_input_tokens": 512,
         "do_sample": True,
