@@ -51,6 +51,7 @@ class Running:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def post(self, body, key=KEY, **kwargs):
+        kwargs.setdefault("timeout", 60)  # httpx's 5 s is short for 32 clients on a loaded 2-core machine
         headers = {"Authorization": f"Bearer {key}"} if key else {}
         if isinstance(body, (bytes, str)):
             return httpx.post(f"{self.url}/v1/embeddings", content=body, headers=headers, **kwargs)
