@@ -1,4 +1,4 @@
-"""One training step per algorithm, behind one small interface, and the registry the trainer picks from.
+"""One training step per algorithm, behind one small interface.
 
 The trainer (:class:`grace_training.trainer.GRPOTrainer`) owns the run: data order, the policy and its
 optimiser, checkpoints, resume, evaluation, logging, Hub pushes. What one step does with a batch is the
