@@ -284,7 +284,7 @@ class GRPOConfig:
     )
     gradient_accumulation_steps: int = key(
         1, "the step's positive rollouts in this many chunks, one optimiser step", AT_LEAST_ONE,
-        resume=APPLIED,  # the hybrid term sees the chunks (trainer.update)
+        resume=APPLIED,  # the hybrid term sees the chunks (GRPOStep.update)
     )
     share_prompt_pass: bool = key(
         True, "the update pass runs the prompt K rollouts share once, its keys and values expanded to the K rows "
