@@ -189,18 +189,22 @@ class RationaleEngine:
 
     # -- the HF one-pass rollout -----------------------------------------------------------------
 
-    def rollout_settings(self, request: RolloutRequest, temperatures: Sequence[float]) -> RolloutSettings:
-        """What the rows of ``request`` share as they are decoded; sampling is on when any of
-        ``temperatures`` (the rows decoded together) is above 0."""
+    def rollout_settings(self, do_sample: bool, top_p: float, repetition_penalty: float) -> RolloutSettings:
+        """What the rows decoded together share: the sampling asked for, and this engine's stop and pad ids,
+        layer and decode options (the server's scheduler builds its stream's settings here too)."""
         return RolloutSettings(
             eos_token_ids=tuple(self.eos_token_ids),
             pad_token_id=self.pad_token_id,
-            do_sample=any(t > 0 for t in temperatures),
-            top_p=request.top_p,
-            repetition_penalty=request.repetition_penalty,
+            do_sample=do_sample,
+            top_p=top_p,
+            repetition_penalty=repetition_penalty,
             hidden_layer=self.hidden_layer,
             options=self.options,
         )
+
+    def _request_settings(self, request: RolloutRequest, temperatures: Sequence[float]) -> RolloutSettings:
+        """Sampling is on when any of ``temperatures`` (the rows decoded together) is above 0."""
+        return self.rollout_settings(any(t > 0 for t in temperatures), request.top_p, request.repetition_penalty)
 
     # Rationales end at different lengths: a call over more rows than ``options.decode_rows``
     # streams them through that many (continuous batching). Soft tokens all run K steps: they do not.
@@ -220,7 +224,7 @@ class RationaleEngine:
             self.model,
             request.prompt_ids,
             request.instruction_lengths,
-            self.rollout_settings(request, request.temperatures),
+            self._request_settings(request, request.temperatures),
             slots=self.options.decode_rows,
             max_new_tokens=request.max_new_tokens,
             temperature=request.temperatures,
@@ -244,7 +248,7 @@ class RationaleEngine:
             input_ids.to(device),
             attention_mask.to(device),
             torch.tensor([request.instruction_lengths[i] for i in chunk], device=device),
-            self.rollout_settings(request, temperatures),
+            self._request_settings(request, temperatures),
             max_new_tokens=request.max_new_tokens,
             temperature=temperatures,
             seeds=None if request.seeds is None else [request.seeds[i] for i in chunk],

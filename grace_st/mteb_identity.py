@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 
+from .cache import NEUTRAL_SETTINGS
 from .hub import snapshot_repo
 
 
@@ -28,7 +29,8 @@ def model_id(name_or_path: str) -> str:
     return name_or_path
 
 
-ADDED_LATER = {"prompt_format": "chat", "soft_token_temperature": 1}
+# The rationale cache's neutral values, less the repetition penalty, which revisions hashed from the start.
+ADDED_LATER = {name: value for name, value in NEUTRAL_SETTINGS.items() if name != "repetition_penalty"}
 
 
 def revision(encoder) -> str:

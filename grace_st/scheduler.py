@@ -37,7 +37,7 @@ import torch
 from .batch import masked_mean, pad_rationales
 from .cache import CacheEntry
 from .decoding import continuous_batching, incremental_decoder
-from .generation import RolloutSettings, RolloutStream, StreamedRow, streamed_row
+from .generation import RolloutStream, StreamedRow, streamed_row
 
 logger = logging.getLogger(__name__)
 
@@ -203,15 +203,7 @@ class Scheduler:
     def _open_stream(self, block: contextlib.ExitStack) -> RolloutStream:
         encoder, engine = self.encoder, self.encoder.engine
         decoder = block.enter_context(incremental_decoder(encoder.model, encoder.hidden_layer, encoder.decode_options))
-        settings = RolloutSettings(
-            eos_token_ids=tuple(engine.eos_token_ids),
-            pad_token_id=engine.pad_token_id,
-            do_sample=encoder.do_sample,
-            top_p=encoder.top_p,
-            repetition_penalty=encoder.repetition_penalty,
-            hidden_layer=engine.hidden_layer,
-            options=engine.options,
-        )
+        settings = engine.rollout_settings(encoder.do_sample, encoder.top_p, encoder.repetition_penalty)
         return RolloutStream(
             decoder,
             settings,

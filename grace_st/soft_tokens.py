@@ -101,7 +101,7 @@ def soft_token_states(
     states, top_ids, top_probs = [], [], []
     for _ in range(steps):
         logits = output_logits(model, last).float()
-        distribution = torch.softmax(logits if temperature == 1.0 else logits / temperature, dim=-1)  # s_k (Eq. 5)
+        distribution = torch.softmax(logits / temperature, dim=-1)  # s_k (Eq. 5); / 1 is exact
         soft = soft_input(embedding, distribution)[:, None, :]  # d_k (Eq. 6)
         probs, ids = distribution.detach().topk(min(top, distribution.shape[-1]), dim=-1)
         top_ids.append(ids)
