@@ -2,7 +2,9 @@
 
 A causal LM writes a rationale about a text, then its own hidden states over the
 instruction-wrapped text and the rationale are mean-pooled into the embedding
-(``docs/method.md`` §1, Eqs. 1–3).
+(``docs/method.md`` §1, Eqs. 1–3). The same module thinks in soft tokens (GIRCSE, ``docs/gircse.md``) or
+reads learned latent tokens after its response, whose keys and values are also a compressed memory of the text
+(GRC, ``docs/grc.md``: :func:`compress`, :func:`answer`).
 """
 
 from __future__ import annotations
@@ -11,8 +13,13 @@ from .build import from_causal_lm
 from .default_model import default_model_path
 from .encoder import GenerativeEncoder
 from .explain import explain
+from .grc import load_memories, save_memories
 from .loading import load
+from .memory import answer, compress
 from .prompts import DEFAULT_INSTRUCTIONS
 
-__version__ = "0.4.0"
-__all__ = ["DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "default_model_path", "explain", "from_causal_lm", "load"]
+__version__ = "0.5.0"
+__all__ = [
+    "DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "answer", "compress", "default_model_path", "explain", "from_causal_lm",
+    "load", "load_memories", "save_memories",
+]

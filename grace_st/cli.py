@@ -134,6 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_build_command(commands)
     _add_eval_command(commands)
     _add_serve_command(commands)
+    _add_memory_commands(commands)
     return parser
 
 
@@ -210,6 +211,29 @@ def _add_eval_command(commands) -> None:
     _encoder_options(evaluate)
 
 
+def _add_memory_commands(commands) -> None:
+    """``grace-st compress`` and ``grace-st ask``: a GRC model's compressed memories (docs/grc.md)."""
+    compress = commands.add_parser(
+        "compress", help="a GRC model: each text's latent memory (keys and values of its latent tokens) to a file"
+    )
+    compress.add_argument("texts", nargs="+", help="texts to compress; '-' reads one text a line from stdin")
+    compress.add_argument("--model", required=True, help="a GRC model directory or Hub id (method 'grc')")
+    compress.add_argument("--out", required=True, help="the memory file written (safetensors)")
+    compress.add_argument("--batch-size", type=_positive_int, default=16)
+    compress.add_argument("--device", help="torch device, e.g. cpu or cuda")
+    compress.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
+    ask = commands.add_parser("ask", help="a GRC model answers a question, reading memories made by compress")
+    ask.add_argument("question", help="the question")
+    ask.add_argument("--model", required=True, help="the GRC model the memories were made with")
+    ask.add_argument(
+        "--memory", action="append", default=[],
+        help="a memory file from grace-st compress (repeat for several; every memory in each file is read, in order)",
+    )
+    ask.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    ask.add_argument("--device", help="torch device, e.g. cpu or cuda")
+    ask.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
+
+
 def _add_serve_command(commands) -> None:
     """``grace-st serve``: the OpenAI-compatible embedding server and its limits."""
     serve = commands.add_parser(
@@ -269,14 +293,14 @@ def _stdin_lines() -> list[str]:
     return texts
 
 
-def _read_texts(arguments: list[str]) -> list[str]:
+def _read_texts(arguments: list[str], command: str = "encode") -> list[str]:
     if arguments == ["-"]:
         return _stdin_lines()
     if "-" in arguments:
-        raise SystemExit("grace-st encode: '-' must be the only text argument")
+        raise SystemExit(f"grace-st {command}: '-' must be the only text argument")
     for index, text in enumerate(arguments, start=1):
         if text_problem(text) is not None:  # argv bytes that were not UTF-8 arrive as lone surrogates
-            raise SystemExit(f"grace-st encode: text argument {index} is not valid UTF-8: {text!r:.80}")
+            raise SystemExit(f"grace-st {command}: text argument {index} is not valid UTF-8: {text!r:.80}")
     return arguments
 
 
@@ -348,17 +372,17 @@ def run_build(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_writable(path: str) -> None:
-    """Refuse an ``--output`` that cannot be written before the evaluation, not after it: opened for
+def _check_writable(path: str, where: str = "grace-st eval: --output") -> None:
+    """Refuse an output file that cannot be written before the work, not after it: opened for
     appending (the file is untouched) and removed again when the check created it."""
     if os.path.isdir(path):
-        raise SystemExit(f"grace-st eval: --output {path} is a directory; give a file name")
+        raise SystemExit(f"{where} {path} is a directory; give a file name")
     existed = os.path.lexists(path)
     try:
         with open(path, "a", encoding="utf-8"):
             pass
     except OSError as error:
-        raise SystemExit(f"grace-st eval: --output {path} cannot be written ({error.strerror or error})") from None
+        raise SystemExit(f"{where} {path} cannot be written ({error.strerror or error})") from None
     if not existed:
         os.remove(path)
 
@@ -444,7 +468,39 @@ def run_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"encode": run_encode, "build": run_build, "eval": run_eval, "serve": run_serve}
+def _load_grc_model(args: argparse.Namespace):
+    """The model as saved: a memory is read by the model (and settings) that made it."""
+    from .loading import load
+
+    return load(args.model, device=args.device, trust_remote_code=args.trust_remote_code)
+
+
+def run_compress(args: argparse.Namespace) -> int:
+    from .grc import save_memories
+    from .memory import compress
+
+    texts = _read_texts(args.texts, "compress")
+    _check_writable(args.out, "grace-st compress: --out")
+    memories = compress(_load_grc_model(args), texts, batch_size=args.batch_size)
+    save_memories(args.out, memories, texts)
+    size = memories[0].nbytes if memories else 0
+    print(f"{len(memories)} memories of {size:,} bytes each ({size * len(memories):,} in all) to {args.out}")
+    return 0
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    from .grc import load_memories
+    from .memory import answer
+
+    memories = [memory for path in args.memory for memory in load_memories(path)]
+    print(answer(_load_grc_model(args), args.question, memories, max_new_tokens=args.max_new_tokens))
+    return 0
+
+
+COMMANDS = {
+    "encode": run_encode, "build": run_build, "eval": run_eval, "serve": run_serve, "compress": run_compress,
+    "ask": run_ask,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

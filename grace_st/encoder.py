@@ -23,6 +23,7 @@ revision (:mod:`grace_st.mteb_identity`), adapters (:mod:`grace_st.adapter`), se
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -35,6 +36,7 @@ from .batch import RolloutRequest
 from .cache import REQUIRED_SETTINGS, CacheEntry, CacheFile, is_deterministic
 from .decoding import DecodeOptions
 from .engine import ENGINES, RationaleEngine
+from .grc import LatentTokens, latent_tokens_for
 from .prompts import (
     InstructTemplate,
     PromptTemplate,
@@ -90,6 +92,7 @@ class GenerativeEncoder(InputModule):
         model_name_or_path: str | None = None,
         *,
         method: str = DEFAULTS["method"],
+        num_latent_tokens: int = DEFAULTS["num_latent_tokens"],
         prompt_format: str = DEFAULTS["prompt_format"],
         soft_token_temperature: float = DEFAULTS["soft_token_temperature"],
         instructions: dict[str, str] | None = None,  # None: the default instructions
@@ -119,6 +122,9 @@ class GenerativeEncoder(InputModule):
         )
         for name, value in plain(settings).items():
             setattr(self, name, value)
+        # GRC's latents and adapter, as saved beside the weights (None until method 'grc' needs them)
+        is_dir = bool(model_name_or_path) and os.path.isdir(model_name_or_path)
+        self.latent_tokens = LatentTokens.load(model_name_or_path) if is_dir else None
         name = model_name_or_path or getattr(self.model, "name_or_path", "") or "grace-model"
         self.model_id = mteb_identity.model_id(name)  # the name evaluation libraries file it under (describe_for_mteb)
         self._described: tuple[str | None, str | None] = (None, None)
@@ -147,6 +153,8 @@ class GenerativeEncoder(InputModule):
         for name, value in plain(values).items():
             if name != "instructions":
                 setattr(self, name, value)
+        if self.method == "grc":
+            self.latent_tokens = latent_tokens_for(self.model, self.latent_tokens, self.num_latent_tokens)
 
     @property
     def max_seq_length(self) -> int:
@@ -163,7 +171,8 @@ class GenerativeEncoder(InputModule):
         ``method``'s (:data:`grace_st.engine.ENGINES`: a rationale, or GIRCSE's soft tokens). A view over
         the current model, adapter, ``hidden_layer``, ``decode_options`` and backend (HF, or vLLM after
         :meth:`use_vllm`), built when asked."""
-        own = {"temperature": self.soft_token_temperature} if self.method == "gircse" else {}
+        own = {"gircse": {"temperature": self.soft_token_temperature}, "grc": {"latents": self.latent_tokens}}
+        own = own.get(self.method, {})
         return ENGINES[self.method](
             self.model, self.tokenizer, hidden_layer=self.hidden_layer, options=self.decode_options, generator=self._vllm,
             **own,
@@ -296,8 +305,8 @@ class GenerativeEncoder(InputModule):
         """
         from .vllm_backend import VLLMRationaleGenerator
 
-        if self.method != "grace":
-            raise ValueError(f"use_vllm writes rationales; method {self.method!r} feeds back soft tokens, which vLLM cannot")
+        if self.method == "gircse":
+            raise ValueError("use_vllm writes rationales; method 'gircse' feeds back soft tokens, which vLLM cannot")
         path = model_path or self._source_path
         if path is None:
             raise ValueError("use_vllm needs a model directory: save the model first, or pass model_path")
@@ -310,10 +319,14 @@ class GenerativeEncoder(InputModule):
     def weights_key(self) -> str:
         """:func:`grace_st.weights.weights_fingerprint` of the policy, recomputed only when a
         parameter may have changed (:func:`grace_st.weights.tensor_change_key`)."""
+        latents = list(self.latent_tokens.parameters()) if self.latent_tokens is not None else []
         with torch.no_grad():
-            versions = tuple(tensor_change_key(p) for p in self.model.parameters())
+            versions = tuple(tensor_change_key(p) for p in (*self.model.parameters(), *latents))
         if self._fingerprint is None or self._fingerprint[0] != versions:
-            self._fingerprint = (versions, weights_fingerprint(self.model))
+            key = weights_fingerprint(self.model)
+            if latents:  # GRC's latents and adapter decide the embedding as the LM's weights do
+                key = hashlib.sha256(f"{key}/{weights_fingerprint(self.latent_tokens)}".encode()).hexdigest()
+            self._fingerprint = (versions, key)
         return self._fingerprint[1]
 
     def generation_settings(self, prompt_type: str = "default") -> dict[str, Any]:

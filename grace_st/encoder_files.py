@@ -141,6 +141,8 @@ def save(encoder: GenerativeEncoder, output_path: str, *args, safe_serialization
         save_adapter(encoder.model, output_path, state_dict=encoder._weights_to_save)
     else:
         encoder.model.save_pretrained(output_path, state_dict=encoder._weights_to_save)
+    if encoder.latent_tokens is not None:  # GRC's latents and adapter A, beside the weights or the adapter
+        encoder.latent_tokens.save(output_path)
     encoder.tokenizer.save_pretrained(output_path)
     encoder.save_config(output_path)
 

@@ -22,7 +22,9 @@ Another way of thinking is one more class with the same two calls: :class:`SoftT
 ``gircse.md``, Eqs. 2–6) feeds the LM head's distribution back as an input embedding K times
 (:mod:`grace_st.soft_tokens`) and returns :class:`Thoughts` with the K states and a readable trace
 (the top tokens of each step) instead of sampled ids; its ``embed`` pools the generated states
-(Eq. 4). The encoder picks the class by its saved ``method`` setting through :data:`ENGINES`;
+(Eq. 4). :class:`LatentEngine` (GRC, ``grc.md``) writes a response as GRACE does, then embeds with the final
+states of learned latent tokens that follow it (:mod:`grace_st.grc`). The encoder picks the class by its saved
+``method`` setting through :data:`ENGINES`;
 nothing that calls ``generate``/``embed`` changes.
 """
 
@@ -45,6 +47,7 @@ from .batch import (
 )
 from .decoding import DecodeOptions, continuous_batching, decoder_states, packed_linears_for
 from .generation import RolloutSettings, generate_rollouts, stream_rollouts
+from .grc import DOCUMENT_RESPONSE, LatentTokens, latent_pass
 from .second_pass import pooled_embeddings, right_padded_states  # noqa: F401 (training reaches it here)
 from .soft_tokens import soft_token_rollouts, soft_token_states
 
@@ -209,6 +212,9 @@ class RationaleEngine:
     # Rationales end at different lengths: a call over more rows than ``options.decode_rows``
     # streams them through that many (continuous batching). Soft tokens all run K steps: they do not.
     ragged = True
+    # The states a rollout decodes with are what ``embed`` pools, so a stream of rows (the server's scheduler) may
+    # embed each row as it ends. GRC's embedding is its latents': its rows are embedded by ``embed``.
+    embeds_decoding_states = True
 
     def _streams(self, request: RolloutRequest) -> bool:
         slots = self.options.decode_rows
@@ -314,5 +320,49 @@ class SoftTokenEngine(RationaleEngine):
         return soft_token_rollouts(soft, attention_mask, spans)
 
 
+class LatentEngine(RationaleEngine):
+    """A causal LM that answers in text, then reads its meta latent tokens (GRC, ``grc.md``; :mod:`grace_st.grc`):
+    the same two calls as :class:`RationaleEngine`. ``generate`` writes the response y as GRACE writes a rationale
+    (a budget of 0 gives the document response "None" instead, as GRC trains documents); ``embed`` runs one pass
+    over ``P(x) ⊕ y`` and the latents and reads e = mean A(h) at the latent positions, not the text's states."""
+
+    def __init__(
+        self, model, tokenizer, *, hidden_layer: int = -1, options: DecodeOptions | None = None, generator=None,
+        latents: LatentTokens,
+    ):
+        super().__init__(model, tokenizer, hidden_layer=hidden_layer, options=options, generator=generator)
+        self.latents = latents
+
+    embeds_decoding_states = False
+
+    @property
+    def document_response(self) -> list[int]:
+        return self.tokenizer.encode(DOCUMENT_RESPONSE, add_special_tokens=False)
+
+    def generate(self, request: RolloutRequest, batch_size: int | None = None, bucket_ratio: float | None = None) -> Thoughts:
+        """y for each row: a response of up to ``max_new_tokens`` (GRACE's decoding), or "None" at budget 0. The
+        decoding states are not kept: the embedding is the latents' (:meth:`embed`)."""
+        rows = len(request.prompt_ids)
+        if request.max_new_tokens == 0:
+            return Thoughts(Rationales([self.document_response for _ in range(rows)], [-1] * rows, [False] * rows))
+        return Thoughts(super().generate(request, batch_size, bucket_ratio).rationales)
+
+    @torch.no_grad()
+    def embed(self, request: RolloutRequest, thoughts: Thoughts, batch_size: int | None = None) -> Tensor:
+        """e of each row before L2 (grc.md): one pass over ``P(x) ⊕ y ⊕ r_1..r_m``, ``batch_size`` rows at a time
+        (None: one batch), (R, H) float32."""
+        rows = [[*prompt, *response] for prompt, response in zip(request.prompt_ids, thoughts.rationales.rationale_ids)]
+        if not rows:
+            return torch.zeros((0, self.hidden_size))
+        step = batch_size or len(rows)
+        return torch.cat([
+            latent_pass(
+                self.model, self.latents, rows[start : start + step], pad_token_id=self.pad_token_id,
+                hidden_layer=self.hidden_layer,
+            ).embeddings
+            for start in range(0, len(rows), step)
+        ])
+
+
 # The engines a saved ``method`` setting names.
-ENGINES = {"grace": RationaleEngine, "gircse": SoftTokenEngine}
+ENGINES = {"grace": RationaleEngine, "gircse": SoftTokenEngine, "grc": LatentEngine}

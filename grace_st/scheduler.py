@@ -156,6 +156,7 @@ class Scheduler:
         engine = self.encoder.engine
         return (
             engine.ragged  # the engine's own word: its rows end at different steps (not GIRCSE's soft tokens)
+            and engine.embeds_decoding_states  # the stream's pooled states are the embedding (not GRC's latents)
             and engine.generator is None
             and continuous_batching(self.encoder.model, self.encoder.decode_options)
         )

@@ -38,6 +38,7 @@ MAX_RATIONALE_TOKENS = 32_768  # a rationale's KV cache is allocated for the who
 MAX_INPUT_TOKENS = 1_048_576  # a cap on the prompt (the text itself decides its length)
 MAX_NUM_RATIONALES = 1_024  # each one is a row of the generation batch
 MAX_HIDDEN_LAYER = 1_024  # the model's own layer count bounds it further (check_settings' num_layers)
+MAX_LATENT_TOKENS = 4_096  # each one is a position of every pass and of the memory
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes: a 64-bit integer
 
 
@@ -114,7 +115,7 @@ _WHAT = {"decides_rationale": False, "cli": None}  # instructions, or a fact abo
 _PER_TYPE = "an int, or a mapping of prompt type to one with a 'default' entry"
 
 # The ways a model thinks before it embeds (grace_st.engine.ENGINES has a class for each).
-METHODS = ("grace", "gircse")
+METHODS = ("grace", "gircse", "grc")
 # How a text becomes a prompt: the model's chat template, or GIRCSE's reference format (grace_st.prompts).
 PROMPT_FORMATS = ("chat", "instruct")
 
@@ -124,8 +125,11 @@ SETTINGS: dict[str, Setting] = {
         "grace",
         "how the model thinks before it embeds: 'grace' writes a rationale of up to max_rationale_tokens tokens "
         "and pools the text and the rationale (GRACE); 'gircse' feeds its next-token distribution back as "
-        "max_rationale_tokens soft tokens and pools their states (GIRCSE: deterministic, nothing sampled)",
-        "'grace' or 'gircse'",
+        "max_rationale_tokens soft tokens and pools their states (GIRCSE: deterministic, nothing sampled); 'grc' "
+        "writes a response of up to max_rationale_tokens tokens ('None' at 0), then embeds with the final states of "
+        "num_latent_tokens learned latent tokens after it (GRC), whose keys and values are also the text's "
+        "compressed memory",
+        "'grace', 'gircse' or 'grc'",
         lambda v: v in METHODS,
         **_how("choice"),
         choices=METHODS,
@@ -140,6 +144,14 @@ SETTINGS: dict[str, Setting] = {
         lambda v: v in PROMPT_FORMATS,
         **_how("choice"),
         choices=PROMPT_FORMATS,
+    ),
+    "num_latent_tokens": Setting(
+        16,
+        "method 'grc': m, the meta latent tokens after the response (learned vectors saved in "
+        "latent_tokens.safetensors): the embedding's read-out and the memory's size, the same for any text length",
+        f"an int in [1, {MAX_LATENT_TOKENS}]",
+        int_in(1, MAX_LATENT_TOKENS),
+        **_WHAT,
     ),
     "soft_token_temperature": Setting(
         1.0,

@@ -445,6 +445,22 @@ def load_checkpoint(checkpoint: str | Path, *, policy, optimizer, scheduler, acc
     return state
 
 
+def load_latent_tokens(checkpoint: str | Path, latents) -> None:
+    """GRC's latent tokens and adapter A (``latent_tokens.safetensors``, :class:`grace_st.grc.LatentTokens`) into
+    ``latents`` in place, where the optimiser holds them; a checkpoint without them, or with others, is refused."""
+    from grace_st.grc import LATENT_FILE
+
+    file = Path(checkpoint) / LATENT_FILE
+    if not file.is_file():
+        raise CheckpointError(f"{checkpoint}: no {LATENT_FILE}, which a GRC run saves with every checkpoint")
+    try:
+        with torch.no_grad():
+            for name, value in _load_safetensors(file).items():
+                latents.get_parameter(name).copy_(value)
+    except (AttributeError, RuntimeError) as error:
+        raise CheckpointError(f"{file}: does not fit the run's latent tokens ({error})") from error
+
+
 def _load_training_state(checkpoint: Path, optimizer, scheduler) -> None:
     state_dir = checkpoint / STATE_DIR
     for name, restore in (

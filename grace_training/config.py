@@ -25,7 +25,7 @@ from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from grace_st.settings import PROMPT_TYPES, per_prompt_type, unknown_prompt_types
+from grace_st.settings import PROMPT_FORMATS, PROMPT_TYPES, per_prompt_type, unknown_prompt_types
 
 from .output_dirs import forbidden_output_dir
 from .sampling import SAMPLINGS
@@ -41,8 +41,10 @@ LENGTH_PENALTY_UNITS = ("scaled", "reward")
 REWARD_SCALING = ("none", "group")
 # The training algorithms (grace_training.steps.ALGORITHMS, and the InfoNCE yardstick of grace_training.contrastive),
 # and the method (how the trained model thinks: grace_st.settings.METHODS) each one trains.
-ALGORITHMS = ("grpo", "icr", "infonce")
-TRAINED_METHOD = {"grpo": "grace", "icr": "gircse", "infonce": "grace"}
+ALGORITHMS = ("grpo", "icr", "grc", "infonce")
+TRAINED_METHOD = {"grpo": "grace", "icr": "gircse", "grc": "grc", "infonce": "grace"}
+# The algorithms of the trainer whose loss is on embeddings directly (no rollouts, rewards or policy term).
+EMBEDDING_LOSS = ("icr", "grc")
 FINETUNE_MODES = ("full", "lora")
 CONTRASTIVE_ANCHORS = ("detached", "recompute", "recompute_prompts")
 BAD_ROWS = ("skip", "error")
@@ -230,13 +232,44 @@ class GRPOConfig:
         "(`method: grace`). `icr`: GIRCSE's K soft tokens (K = `max_rationale_tokens` by prompt type) trained end to "
         "end by Iterative Contrastive Refinement, Eq. 7's InfoNCE at every step (CoSENT for an `sts` source) + λ · "
         "Eq. 8; the saved model thinks in soft tokens (`method: gircse`), and the rollout, reward and hybrid keys do "
-        "not apply. `infonce`: the yardstick, InfoNCE on the prompt's pooled states (budget 0)",
+        "not apply. `grc`: GRC's latent tokens, Eq. 5 (α L_Gen + β L_Recons + γ L_Rep) in one masked forward a text; "
+        "the saved model answers, then embeds with its latents (`method: grc`). `infonce`: the yardstick, InfoNCE on the prompt's pooled states (budget 0)",
         one_of(ALGORITHMS), resume=FIXED, card=True,
     )
     icr_temperature: float = key(0.02, "τ of Eq. 7's InfoNCE (icr; the paper's 0.02)", POSITIVE, resume=APPLIED, card=True)
     icr_lambda: float = key(
         1.0, "λ of Eq. 8 (icr): the weight of the penalty on a step whose loss is above the step before's",
         NON_NEGATIVE, resume=APPLIED, card=True,
+    )
+    # -- GRC: latent tokens, Eq. 5 (grc.md) ----------------------------------------------------
+    num_latent_tokens: int = key(
+        16, "m, the meta latent tokens (grc); the saved model's `num_latent_tokens`", AT_LEAST_ONE, resume=FIXED,
+        card=True,
+    )
+    grc_alpha: float = key(1.0, "α of Eq. 5: L_Gen, cross-entropy on the response y (grc)", NON_NEGATIVE,
+                           resume=APPLIED, card=True)
+    grc_beta: float = key(
+        1.0, "β of Eq. 5: L_Recons, cross-entropy on the text rebuilt from the latents alone (grc)", NON_NEGATIVE,
+        resume=APPLIED, card=True,
+    )
+    grc_gamma: float = key(1.0, "γ of Eq. 5: L_Rep, InfoNCE on the latents' embeddings (grc)", NON_NEGATIVE,
+                           resume=APPLIED, card=True)
+    grc_scale: float = key(
+        20.0, "τ of Eq. 4 (grc): InfoNCE's logits are τ · cos (a scale, not a divisor: 20 is a temperature of 0.05)",
+        POSITIVE, resume=APPLIED, card=True,
+    )
+    max_reconstruction_tokens: int = key(
+        128, "the text's tokens the reconstruction turn rebuilds (grc; longer texts are cut)", AT_LEAST_ONE,
+        resume=APPLIED, card=True,
+    )
+    prompt_format: str = key(
+        "chat", "how the saved model wraps a text (the encoder's `prompt_format`): `chat`, the chat template; "
+        "`instruct`, GIRCSE's reference string `Instruct: {instruction}\\nQuery:{text}` with the soft tokens right "
+        "after the text (algorithm icr only)", one_of(PROMPT_FORMATS), resume=FIXED, card=True,
+    )
+    instructions: dict[str, str] | None = key(
+        None, "the saved model's instructions by prompt type (a 'default' entry; '' wraps nothing: the reference "
+        "format's documents); null: the start model's", resume=FIXED, card=True,
     )
 
     # -- what is trained ----------------------------------------------------------------------
@@ -505,10 +538,10 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
         ),
         (
             not graded
-            or (config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or config.algorithm == "icr")),
+            or (config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or config.algorithm in EMBEDDING_LOSS)),
             "train_data",
             "train_data: an 'sts' source (graded pairs) trains β · CoSENT on batches of its own: it needs "
-            + "batch_sampling: by_source and contrastive_beta > 0 (or algorithm: icr)",
+            + "batch_sampling: by_source and contrastive_beta > 0 (or algorithm: icr or grc)",
         ),
         (
             config.temperature_positive > 0 or config.num_rollouts == 1,
@@ -516,23 +549,41 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
             "temperature_positive: K > 1 positive rollouts need temperature_positive > 0, or every rollout is the same",
         ),
         (not config.push_to_hub or bool(config.hub_model_id), "hub_model_id", "push_to_hub needs hub_model_id"),
+        *_embedding_loss_rules(config),
+    ]
+
+
+def _embedding_loss_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
+    """The rules of the algorithms whose loss is on embeddings (icr, grc) and of GIRCSE's prompt format."""
+    return [
         (
-            config.algorithm != "icr" or (config.rollout_backend == "hf" and config.gradient_accumulation_steps == 1),
-            "algorithm",
-            "algorithm: icr makes soft tokens with the HF model in one pass a step: it needs rollout_backend: hf "
-            + "and gradient_accumulation_steps: 1",
+            config.prompt_format == "chat" or config.algorithm == "icr",
+            "prompt_format",
+            "prompt_format: instruct is GIRCSE's reference format; it needs algorithm: icr",
         ),
         (
-            config.algorithm != "icr" or not _grpo_only_keys_set(config),
+            config.instructions is None or "default" in config.instructions,
+            "instructions",
+            "instructions: a mapping of prompt type to instruction text with a 'default' entry",
+        ),
+        (
+            config.algorithm not in EMBEDDING_LOSS
+            or (config.rollout_backend == "hf" and config.gradient_accumulation_steps == 1),
             "algorithm",
-            "algorithm: icr has no rollouts, rewards or policy term; these keys would be ignored: "
+            f"algorithm: {config.algorithm} trains its embeddings with the HF model in one pass a step: it needs "
+            + "rollout_backend: hf and gradient_accumulation_steps: 1",
+        ),
+        (
+            config.algorithm not in EMBEDDING_LOSS or not _grpo_only_keys_set(config),
+            "algorithm",
+            f"algorithm: {config.algorithm} has no rollouts, rewards or policy term; these keys would be ignored: "
             + ", ".join(_grpo_only_keys_set(config)),
         ),
     ]
 
 
 def _grpo_only_keys_set(config: GRPOConfig) -> list[str]:
-    """The GRPO step's own keys set away from their defaults (a GIRCSE run refuses them rather than ignore them)."""
+    """The GRPO step's own keys set away from their defaults (a GIRCSE or GRC run refuses them rather than ignore them)."""
     keys = ("contrastive_beta", "warm_start_steps", "kl_coef", "text_kl_coef", "ppo_epochs")
     defaults = {item.name: item.default for item in dataclasses.fields(GRPOConfig)}
     return [name for name in keys if getattr(config, name) != defaults[name]]

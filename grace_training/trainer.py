@@ -33,13 +33,14 @@ from .checkpoint import (
     RunFamily,
     check_checkpoint,
     load_checkpoint,
+    load_latent_tokens,
     load_newest_loadable,
     remove_incomplete,
     rotate_checkpoints,
     save_model_dir,
     write_checkpoint,
 )
-from .config import ConfigError, GRPOConfig, check_batches, check_environment, check_launch
+from .config import EMBEDDING_LOSS, ConfigError, GRPOConfig, check_batches, check_environment, check_launch
 from .data import Triplet, cap_per_source, load_data, source_weights
 from .evaluation import evaluate
 from .grpo_step import GRPOStep
@@ -58,12 +59,13 @@ from .run_dir import (
     saved_config,
 )
 from .sampling import BatchSchedule
+from .grc_step import GRCStep
 from .steps import TrainingStep
 
 logger = logging.getLogger(__name__)
 
 # The training step of each algorithm (grace_training.steps): the one place a new algorithm is registered.
-ALGORITHMS: dict[str, type[TrainingStep]] = {"grpo": GRPOStep, "icr": ICRStep}
+ALGORITHMS: dict[str, type[TrainingStep]] = {"grpo": GRPOStep, "icr": ICRStep, "grc": GRCStep}
 
 # Settings the optimizer and the schedule hold in their state, restored from a checkpoint over the config's.
 OPTIMIZER_KEYS = frozenset(
@@ -159,6 +161,12 @@ class GRPOTrainer:
         self.encoder.max_input_tokens = config.max_input_tokens
         self.encoder.max_rationale_tokens = config.max_rationale_tokens
         self.encoder.method = config.method  # how the saved model thinks: what the algorithm trains
+        self.encoder.prompt_format = config.prompt_format
+        if config.algorithm == "grc":
+            self.encoder.num_latent_tokens = config.num_latent_tokens
+            self.encoder.check_settings()  # the latent tokens: the start model's, or fresh ones
+        if config.instructions is not None:
+            self.encoder.instructions = dict(config.instructions)
         if self.encoder.repetition_penalty != 1.0:
             # Rollouts are draws from the policy itself: GRPO's ratios and KL are taken against its own
             # distribution, which a decoding-time penalty would bend. Trained without, saved without.
@@ -182,7 +190,7 @@ class GRPOTrainer:
         self.reference = None
         if (config.kl_coef > 0 or config.text_kl_coef > 0) and config.finetune == "full":
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
-        optimizer = build_optimizer(self.policy, config)
+        optimizer = build_optimizer(self.trained_parameters(), config)
         # The scheduler is stepped once per training step here, not through accelerate (which
         # would step it once per process).
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_schedule(config, self.total_steps))
@@ -196,12 +204,14 @@ class GRPOTrainer:
         if eval_data is None and config.eval_data:
             eval_data, _ = load_data(config.eval_data, **config.data_settings())
         train_data = list(train_data)
-        graded_ready = config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or config.algorithm == "icr")
+        graded_ready = config.batch_sampling == "by_source" and (
+            config.contrastive_beta > 0 or config.algorithm in EMBEDDING_LOSS
+        )
         if not graded_ready and any(row.score is not None for row in train_data):
             # a scored pair trained as a positive would pull a pair scored 0 together
             raise ValueError(
                 "train_data: scored pairs (graded) train β · CoSENT on batches of their own: "
-                "they need batch_sampling: by_source and contrastive_beta > 0 (or algorithm: icr)"
+                "they need batch_sampling: by_source and contrastive_beta > 0 (or algorithm: icr or grc)"
             )
         return train_data, cap_per_source(eval_data or [], config.eval_max_examples, config.eval_seed)
 
@@ -330,7 +340,16 @@ class GRPOTrainer:
         return torch.tensor([row.score for row in rows], dtype=torch.float32)
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.policy_wrapped.parameters() if p.requires_grad]
+        """What the optimiser steps, as the wrapped policy holds it (gradient clipping reads these)."""
+        return [p for p in self.policy_wrapped.parameters() if p.requires_grad] + self._latent_parameters()
+
+    def trained_parameters(self) -> list[torch.nn.Parameter]:
+        """The policy's trainable parameters (the adapter's alone with LoRA), and GRC's latent tokens."""
+        return [p for p in self.policy.parameters() if p.requires_grad] + self._latent_parameters()
+
+    def _latent_parameters(self) -> list[torch.nn.Parameter]:
+        latents = self.encoder.latent_tokens if self.config.algorithm == "grc" else None
+        return list(latents.parameters()) if latents is not None else []
 
     # ------------------------------------------------------------------------------------------
     # metrics, evaluation
@@ -460,6 +479,8 @@ class GRPOTrainer:
         state = load_checkpoint(
             path, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler, accelerator=self.accelerator
         )
+        if self._latent_parameters():
+            load_latent_tokens(path, self.encoder.latent_tokens)
         if state.get("steps_per_epoch") not in (None, self.steps_per_epoch):
             logger.warning(
                 "the data changed since the checkpoint (%s batches an epoch, now %s): the order differs",
@@ -469,10 +490,10 @@ class GRPOTrainer:
         return state
 
 
-def build_optimizer(policy, config: GRPOConfig) -> torch.optim.Optimizer:
-    """AdamW over the policy's trainable parameters (the adapter's alone with LoRA)."""
+def build_optimizer(parameters: list[torch.nn.Parameter], config: GRPOConfig) -> torch.optim.Optimizer:
+    """AdamW over the trained parameters (:meth:`GRPOTrainer.trained_parameters`)."""
     return torch.optim.AdamW(
-        [p for p in policy.parameters() if p.requires_grad],
+        parameters,
         lr=config.learning_rate,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_epsilon,

@@ -111,7 +111,7 @@ def test_method_is_a_saved_setting_and_gircse_refuses_what_it_cannot_do(tmp_path
         make_st_model(method="gircse", do_sample=True)
     with pytest.raises(ValueError, match="writes no tokens to penalise"):
         make_st_model(method="gircse", repetition_penalty=1.2)
-    with pytest.raises(ValueError, match="method must be 'grace' or 'gircse'"):
+    with pytest.raises(ValueError, match="method must be 'grace', 'gircse' or 'grc'"):
         make_st_model(method="soft")
     with pytest.raises(ValueError, match="vLLM cannot"):
         loaded[0].use_vllm()

@@ -280,14 +280,16 @@ def test_shutdown_finishes_the_requests_in_flight(model):
     assert response.status_code == 200 and len(response.json()["data"]) == 2 * len(TEXTS)
 
 
-def test_a_model_that_does_not_stream_is_served_by_whole_batches():
-    """GIRCSE's soft tokens all run K steps: each request runs as encode's batch, still one thread."""
-    gircse = tiny(method="gircse", max_rationale_tokens=3)
-    scheduler = Scheduler(gircse).start()
+@pytest.mark.parametrize("method", ["gircse", "grc"])
+def test_a_model_that_does_not_stream_is_served_by_whole_batches(method):
+    """GIRCSE's soft tokens all run K steps; GRC embeds with its latents, not the decoding states a stream pools:
+    each request runs as encode's batch, still one thread."""
+    model = tiny(method=method, max_rationale_tokens=3)
+    scheduler = Scheduler(model).start()
     try:
         futures = [scheduler.submit(TEXTS[:2]), scheduler.submit(TEXTS[2:], "query")]
-        assert np.allclose(futures[0].result(60).embeddings, gircse.encode(TEXTS[:2]), atol=1e-6)
-        assert np.allclose(futures[1].result(60).embeddings, gircse.encode_query(TEXTS[2:]), atol=1e-6)
+        assert np.allclose(futures[0].result(60).embeddings, model.encode(TEXTS[:2]), atol=1e-6)
+        assert np.allclose(futures[1].result(60).embeddings, model.encode_query(TEXTS[2:]), atol=1e-6)
     finally:
         scheduler.stop(10)
 

@@ -1,0 +1,297 @@
+"""GRC (grc.md): meta latent tokens that embed a text after the model has answered it, and whose keys and values
+are a fixed-size memory of the text (Eqs. 1, 3–6).
+
+A GRC model is a causal LM with m learned vectors r_1..r_m (fed as input embeddings: no ids, no LM-head rows,
+never sampled) and an adapter A (:class:`LatentTokens`). One pass over (Eq. 1)
+
+    ❶ P(x) ⊕ y   the prompt and the model's response: its rationale, or "None" for a document (positions 0..k-1)
+    ❷ r_1..r_m   the latents (k..k+m-1)
+    ❸ a suffix   training's reconstruction turn, positions running on (none when embedding)
+
+under a causal mask with one cut, ❸ never attends to ❶ (:func:`segment_mask`), gives
+
+- the embedding e = mean_i A(h_{r_i}), the final states at the latent positions (L2 by the model's ``Normalize``);
+- the memory: the keys and values of the m latent positions at every layer (:class:`LatentMemory`, Eq. 6's size
+  whatever the text's length), from which the model answers a new turn (:func:`answer_from_memory`).
+
+:func:`latent_pass` is that one pass: ``encode`` (:class:`grace_st.engine.LatentEngine`), :func:`compress` and
+training's Eq. 5 step (``grace_training.grc_step``) all call it, so the embedding trained is the embedding served.
+
+Written here, not taken from a library: no package implements GRC's latents or its cut mask (the paper's code is
+unreleased). The pass is transformers' own forward, given ``inputs_embeds`` and a 4D additive mask.
+
+What the paper leaves open, as chosen here (docs/grc.md lists them with the measurements):
+- no EOS between y and the latents (the paper reports it better without);
+- a memory's keys keep the rotary positions they were made at (k..k+m-1): the turn that reads it starts at
+  ``next_position`` = k + m, as ❸ did in training. Several memories are concatenated in the order given and the
+  turn starts after the largest ``next_position``: each keeps its own positions, so two memories of texts of
+  similar length overlap in position, which attention tolerates (rotary scores depend on distance only).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from .batch import left_pad, position_ids_from_mask, right_pad
+from .decoding import decoder_states
+from .transformers_compat import cache_kwargs
+
+LATENT_FILE = "latent_tokens.safetensors"
+# A document's response y (grc.md: documents are not reasoned about; the paper trains y = "None").
+DOCUMENT_RESPONSE = "None"
+# The system turn of the conversation a memory is read in (training's reconstruction turn and answers alike).
+MEMORY_INSTRUCTION = "Answer from the text you have read."
+
+
+class LatentTokens(nn.Module):
+    """The m meta latent tokens and the adapter A of the read-out (grc.md, "Inference").
+
+    ``latents`` (m, d) start as draws from the token embeddings' per-dimension mean and spread (seeded: a model
+    built twice is the same model); A is ``Linear(d, d)`` at the identity, so an untrained GRC model embeds
+    with the mean of its latents' final states.
+    """
+
+    def __init__(self, num_latent_tokens: int, hidden_size: int) -> None:
+        super().__init__()
+        self.latents = nn.Parameter(torch.zeros(num_latent_tokens, hidden_size))
+        self.adapter = nn.Linear(hidden_size, hidden_size)
+
+    @property
+    def num_latent_tokens(self) -> int:
+        return self.latents.shape[0]
+
+    @classmethod
+    def initialised(cls, num_latent_tokens: int, token_embeddings: Tensor, seed: int = 0) -> LatentTokens:
+        """Fresh latents for a model whose input embedding matrix is ``token_embeddings`` (vocab, d)."""
+        weights = token_embeddings.detach().float()
+        head = cls(num_latent_tokens, weights.shape[1])
+        generator = torch.Generator().manual_seed(seed)
+        noise = torch.randn(num_latent_tokens, weights.shape[1], generator=generator)
+        with torch.no_grad():
+            head.latents.copy_(weights.mean(0) + noise * weights.std(0))
+            head.adapter.weight.copy_(torch.eye(weights.shape[1]))
+            head.adapter.bias.zero_()
+        return head.to(token_embeddings.device)
+
+    def readout(self, latent_states: Tensor) -> Tensor:
+        """e before L2: the mean over the m latent positions of A(h), (B, d) float32."""
+        return self.adapter(latent_states.float()).mean(1)
+
+    def save(self, directory: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {name: tensor.detach().float().cpu().contiguous() for name, tensor in self.state_dict().items()}
+        save_file(tensors, str(Path(directory) / LATENT_FILE))
+
+    @classmethod
+    def load(cls, directory: str | Path, device=None) -> LatentTokens | None:
+        """The latents saved in ``directory``, or None where it has none (safetensors only)."""
+        from safetensors.torch import load_file
+
+        path = Path(directory) / LATENT_FILE
+        if not path.is_file():
+            return None
+        tensors = load_file(str(path))
+        if set(tensors) != {"latents", "adapter.weight", "adapter.bias"}:
+            raise ValueError(f"{path}: not a latent-token file (tensors {sorted(tensors)})")
+        head = cls(*tensors["latents"].shape)
+        head.load_state_dict(tensors)
+        return head.to(device) if device is not None else head
+
+
+def latent_tokens_for(model, latents: LatentTokens | None, num_latent_tokens: int) -> LatentTokens:
+    """The latent tokens a GRC encoder uses: its own, or fresh ones (:meth:`LatentTokens.initialised`) where it has
+    none; refused where their number is not ``num_latent_tokens``."""
+    if latents is None:
+        return LatentTokens.initialised(num_latent_tokens, model.get_input_embeddings().weight)
+    if latents.num_latent_tokens != num_latent_tokens:
+        raise ValueError(
+            f"num_latent_tokens is {num_latent_tokens}, but the model's latent tokens number "
+            f"{latents.num_latent_tokens}: trained latents cannot be resized; set it back"
+        )
+    return latents
+
+
+def segment_mask(real: Tensor, segments: Tensor, dtype: torch.dtype) -> Tensor:
+    """The additive 4D mask (B, 1, T, T) of Eq. 1: causal over real tokens, except that segment 3 does not attend
+    to segment 1. ``real`` (B, T) marks tokens (not padding); ``segments`` (T,) holds 1, 2 or 3 by column. A padded
+    query row sees itself alone, so no row of the softmax is empty."""
+    width = real.shape[1]
+    causal = torch.ones(width, width, dtype=torch.bool, device=real.device).tril()
+    cut = (segments[:, None] == 3) & (segments[None, :] == 1)
+    allowed = causal & ~cut & real.bool()[:, None, :]
+    allowed |= torch.eye(width, dtype=torch.bool, device=real.device)
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=real.device)
+    return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+@dataclass
+class LatentMemory:
+    """One text's compressed memory: the keys and values of its m latent positions at every layer,
+    (layers, kv_heads, m, head_dim) each, and the position a turn reading it starts at (k + m)."""
+
+    keys: Tensor
+    values: Tensor
+    next_position: int
+
+    @property
+    def nbytes(self) -> int:
+        """Eq. 6: 2 · L · H_kv · d_h · m · bytes per value, the same for any text length."""
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+@dataclass
+class LatentPass:
+    """What one :func:`latent_pass` gives: the embeddings before L2 (B, d), the final states of ❶ (left-padded,
+    B × P × d) and of ❸ (right-padded, B × S × d) for training's token losses, and the memories when asked."""
+
+    embeddings: Tensor
+    prefix_states: Tensor
+    suffix_states: Tensor
+    memories: list[LatentMemory] | None
+
+
+def latent_pass(
+    model,
+    latents: LatentTokens,
+    prefixes: Sequence[Sequence[int]],
+    suffixes: Sequence[Sequence[int]] | None = None,
+    *,
+    pad_token_id: int,
+    hidden_layer: int = -1,
+    with_memory: bool = False,
+) -> LatentPass:
+    """One forward over ❶ ``prefixes`` (P(x) ⊕ y, token ids), ❷ the latents and ❸ ``suffixes`` (token ids, or
+    none) under :func:`segment_mask`; gradients flow when autograd is on (training), so call it under
+    ``torch.no_grad`` to embed."""
+    device = latents.latents.device
+    rows = len(prefixes)
+    suffixes = suffixes if suffixes is not None else [[] for _ in range(rows)]
+    prefix_ids, prefix_real = left_pad(prefixes, pad_token_id)
+    suffix_ids, suffix_real = right_pad(suffixes, pad_token_id)
+    embed = model.get_input_embeddings()
+    dtype = embed.weight.dtype
+    m, width = latents.num_latent_tokens, prefix_ids.shape[1]
+    inputs = torch.cat(
+        [
+            embed(prefix_ids.to(device)),
+            latents.latents.to(dtype)[None].expand(rows, -1, -1),
+            embed(suffix_ids.to(device)),
+        ],
+        dim=1,
+    )
+    real = torch.cat([prefix_real, torch.ones(rows, m, dtype=torch.long), suffix_real], dim=1).to(device)
+    segments = torch.tensor([1] * width + [2] * m + [3] * suffix_ids.shape[1], device=device)
+    cache = _new_cache() if with_memory else None
+    states = decoder_states(
+        model.get_decoder(), hidden_layer, cache=cache, inputs_embeds=inputs,
+        attention_mask=segment_mask(real, segments, dtype), position_ids=position_ids_from_mask(real),
+    )
+    memories = None
+    if with_memory:
+        next_positions = (prefix_real.sum(1) + m).tolist()
+        memories = _memories(cache, slice(width, width + m), next_positions)
+    return LatentPass(
+        latents.readout(states[:, width : width + m]), states[:, :width], states[:, width + m :], memories
+    )
+
+
+def _new_cache():
+    from transformers import DynamicCache
+
+    return DynamicCache()
+
+
+def _memories(cache, columns: slice, next_positions: list[int]) -> list[LatentMemory]:
+    """Each row's keys and values at ``columns`` (the latents), every layer, detached and on the CPU."""
+    keys = torch.stack([layer.keys[:, :, columns] for layer in cache.layers], dim=1).detach().cpu()
+    values = torch.stack([layer.values[:, :, columns] for layer in cache.layers], dim=1).detach().cpu()
+    return [
+        LatentMemory(keys[row].contiguous(), values[row].contiguous(), int(position))
+        for row, position in enumerate(next_positions)
+    ]
+
+
+def memory_cache(model, memories: Sequence[LatentMemory]):
+    """A KV cache holding ``memories`` one after another, on the model's device and in its dtype."""
+    cache = _new_cache()
+    parameter = next(model.parameters())
+    layers = memories[0].keys.shape[0]
+    for memory in memories:
+        if memory.keys.shape[0] != layers:
+            raise ValueError(f"a memory of {memory.keys.shape[0]} layers beside one of {layers}: made by another model")
+    for layer in range(layers):
+        keys = torch.cat([memory.keys[layer] for memory in memories], dim=1)[None]
+        values = torch.cat([memory.values[layer] for memory in memories], dim=1)[None]
+        cache.update(keys.to(parameter.device, parameter.dtype), values.to(parameter.device, parameter.dtype), layer)
+    return cache
+
+
+@torch.no_grad()
+def answer_from_memory(
+    model,
+    prompt_ids: Sequence[int],
+    memories: Sequence[LatentMemory],
+    *,
+    max_new_tokens: int,
+    eos_token_ids: Sequence[int],
+) -> list[int]:
+    """Greedy tokens after ``prompt_ids`` (a new turn), reading ``memories`` as past keys and values (none: the
+    turn alone). Positions start after the memories (module docstring). One row: a question at a time."""
+    device = next(model.parameters()).device
+    cache = memory_cache(model, memories) if memories else _new_cache()
+    past = sum(memory.keys.shape[2] for memory in memories)
+    position = max((memory.next_position for memory in memories), default=0)
+    ids = torch.tensor([list(prompt_ids)], device=device)
+    stop, made = set(eos_token_ids), []
+    for _ in range(max_new_tokens):
+        width = ids.shape[1]
+        output = model(
+            input_ids=ids,
+            attention_mask=torch.ones(1, past + width, dtype=torch.long, device=device),
+            position_ids=torch.arange(position, position + width, device=device)[None],
+            use_cache=True,
+            **cache_kwargs(model, cache),
+        )
+        token = int(output.logits[0, -1].argmax())
+        if token in stop:
+            break
+        made.append(token)
+        past, position, ids = past + width, position + width, torch.tensor([[token]], device=device)
+    return made
+
+
+def save_memories(path: str | Path, memories: Sequence[LatentMemory], texts: Sequence[str] | None = None) -> None:
+    """``memories`` in one safetensors file (``memory.{i}.keys`` / ``.values``), their positions (and the texts,
+    when given) in its metadata."""
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for i, memory in enumerate(memories):
+        tensors[f"memory.{i}.keys"] = memory.keys.contiguous()
+        tensors[f"memory.{i}.values"] = memory.values.contiguous()
+    metadata = {"format": "grace-st-latent-memory", "next_positions": json.dumps([m.next_position for m in memories])}
+    if texts is not None:
+        metadata["texts"] = json.dumps(list(texts), ensure_ascii=False)
+    save_file(tensors, str(path), metadata=metadata)
+
+
+def load_memories(path: str | Path) -> list[LatentMemory]:
+    """The memories :func:`save_memories` wrote, in order (safetensors only)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as file:
+        metadata = file.metadata() or {}
+        if metadata.get("format") != "grace-st-latent-memory":
+            raise ValueError(f"{path}: not a latent memory file (grace-st compress writes them)")
+        positions = json.loads(metadata["next_positions"])
+        return [
+            LatentMemory(file.get_tensor(f"memory.{i}.keys"), file.get_tensor(f"memory.{i}.values"), int(position))
+            for i, position in enumerate(positions)
+        ]

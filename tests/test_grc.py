@@ -1,0 +1,247 @@
+"""GRC (grc.md): latent tokens after the response embed the text, their keys and values are its memory, and
+Eq. 5 trains all three in one masked pass; on tiny random models."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import make_model, make_st_model, make_tokenizer
+from sentence_transformers import SentenceTransformer
+from test_training_quality import saved_base
+from test_training_trainer import DATA, config
+
+import grace_st
+from grace_st.grc import LatentMemory, LatentTokens, latent_pass, segment_mask
+from grace_st.memory import memory_prompt
+from grace_training.data import Triplet
+from grace_training.trainer import GRPOTrainer
+
+TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]
+BUDGETS = {"default": 4, "query": 4, "document": 0}
+
+
+def grc_model(layers: int = 2, **settings):
+    settings = {"method": "grc", "num_latent_tokens": 3, "max_rationale_tokens": dict(BUDGETS), **settings}
+    if layers == 2:
+        return make_st_model(**settings)
+    tokenizer = make_tokenizer()
+    return grace_st.from_causal_lm(model=make_model(tokenizer, layers=layers), tokenizer=tokenizer, device="cpu", **settings)
+
+
+def test_the_embedding_is_the_mean_of_a_over_the_latents_final_states_after_the_response():
+    """Restated without the package's pass: one unpadded row, P(x) ⊕ y then the latents, causal; e = L2(mean A(h))."""
+    model = grc_model()
+    encoder = model[0]
+    with torch.no_grad():  # a trained-looking adapter, so A is not the identity
+        encoder.latent_tokens.adapter.weight.add_(0.1 * torch.randn_like(encoder.latent_tokens.adapter.weight))
+    with torch.no_grad():
+        out = encoder(encoder.preprocess(TEXTS, task="query"))
+    for i, text in enumerate(TEXTS):
+        prompt = encoder.prompt_token_ids([text], task="query")[0][0]
+        response = [t for t in out["rationale_token_ids"][i, 0].tolist() if t >= 0]
+        ids = torch.tensor([prompt + response])
+        table = encoder.model.get_input_embeddings()
+        sequence = torch.cat([table(ids), encoder.latent_tokens.latents[None]], dim=1)
+        with torch.no_grad():
+            states = encoder.model.get_decoder()(inputs_embeds=sequence).last_hidden_state[0, -3:]
+            expected = F.normalize(encoder.latent_tokens.adapter(states).mean(0), dim=-1)
+        torch.testing.assert_close(F.normalize(out["sentence_embedding"][i], dim=-1), expected, atol=2e-5, rtol=1e-4)
+
+
+def test_documents_answer_none_and_queries_think_and_the_embedding_is_deterministic_alone_or_batched():
+    model = grc_model()
+    documents = grace_st.explain(model, TEXTS, task="document")
+    assert [item["rationale"] for item in documents] == ["None", "None"]
+    queries = grace_st.explain(model, TEXTS, task="query")
+    assert all(item["rationale_budget"] == 4 for item in queries)
+    batched = model.encode(TEXTS, convert_to_tensor=True)
+    alone = torch.stack([model.encode([text], convert_to_tensor=True)[0] for text in TEXTS])
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(model.encode(TEXTS, convert_to_tensor=True), batched, atol=0, rtol=0)
+    assert torch.allclose(batched.norm(dim=1), torch.ones(2))
+
+
+def test_segment_3_never_attends_to_segment_1():
+    """One layer: the latents' keys and values are their own embeddings', so with the cut a change to ❶'s tokens
+    cannot reach ❸'s logits, while it does reach the latents' states (the embedding)."""
+    encoder = grc_model(layers=1)[0]
+    tokenizer, head = encoder.tokenizer, encoder.model.get_output_embeddings()
+    suffix = [memory_prompt(encoder, "What were we discussing earlier?") + tokenizer.encode("a cat")]
+    first = [tokenizer.encode("The cat sat on the mat.")]
+    second = [[(token + 7) % len(tokenizer) for token in first[0]]]  # other tokens, the same positions
+    with torch.no_grad():
+        one, two = (
+            head(latent_pass(encoder.model, encoder.latent_tokens, prefix, suffix, pad_token_id=0).suffix_states)
+            for prefix in (first, second)
+        )
+        assert torch.equal(one, two)
+        assert not torch.equal(
+            *(latent_pass(encoder.model, encoder.latent_tokens, p, pad_token_id=0).embeddings for p in (first, second))
+        )
+    real = torch.ones(1, 5, dtype=torch.long)
+    allowed = segment_mask(real, torch.tensor([1, 1, 2, 3, 3]), torch.float32)[0, 0] == 0
+    assert allowed.tolist() == [
+        [True, False, False, False, False],
+        [True, True, False, False, False],
+        [True, True, True, False, False],
+        [False, False, True, True, False],
+        [False, False, True, True, True],
+    ]
+
+
+def test_training_reconstruction_reads_the_memory_compress_gives():
+    """❸'s logits in the training pass equal those of the same turn decoded after the memory alone (two layers:
+    the latents' deeper keys carry ❶), so what Eq. 3 trains is what ``answer`` uses."""
+    model = grc_model()
+    encoder = model[0]
+    [memory] = grace_st.compress(model, TEXTS[:1])
+    prompt = encoder.prompt_token_ids(TEXTS[:1], task="document")[0][0] + encoder.tokenizer.encode("None")
+    turn = memory_prompt(encoder, "What were we discussing earlier?")
+    head = encoder.model.get_output_embeddings()
+    with torch.no_grad():
+        trained = head(latent_pass(encoder.model, encoder.latent_tokens, [prompt], [turn], pad_token_id=0).suffix_states)
+        from grace_st.grc import memory_cache
+        from grace_st.transformers_compat import cache_kwargs
+
+        cache = memory_cache(encoder.model, [memory])
+        positions = torch.arange(memory.next_position, memory.next_position + len(turn))[None]
+        read = encoder.model(
+            input_ids=torch.tensor([turn]), attention_mask=torch.ones(1, 3 + len(turn), dtype=torch.long),
+            position_ids=positions, use_cache=True, **cache_kwargs(encoder.model, cache),
+        ).logits
+    torch.testing.assert_close(read, trained, atol=2e-5, rtol=1e-4)
+    assert memory.next_position == len(prompt) + 3
+
+
+def test_a_memory_is_the_same_size_for_any_text_and_answers_from_one_or_several(tmp_path):
+    model = grc_model()
+    config = model[0].model.config
+    memories = grace_st.compress(model, ["a", " ".join(["long text"] * 40)])
+    expected = 2 * config.num_hidden_layers * config.num_key_value_heads * (config.hidden_size // 4) * 3 * 4  # Eq. 6
+    assert [memory.nbytes for memory in memories] == [expected, expected]
+    assert memories[0].keys.shape == (config.num_hidden_layers, config.num_key_value_heads, 3, config.hidden_size // 4)
+    grace_st.save_memories(tmp_path / "m.safetensors", memories, ["a", "b"])
+    loaded = grace_st.load_memories(tmp_path / "m.safetensors")
+    assert [m.next_position for m in loaded] == [m.next_position for m in memories]
+    assert all(torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values) for a, b in zip(loaded, memories))
+    one = grace_st.answer(model, "What was it about?", loaded[:1], max_new_tokens=6)
+    assert one == grace_st.answer(model, "What was it about?", memories[:1], max_new_tokens=6)
+    assert isinstance(grace_st.answer(model, "What was it about?", loaded, max_new_tokens=6), str)
+    assert isinstance(grace_st.answer(model, "What?", context="a cat", max_new_tokens=6), str)
+    with pytest.raises(ValueError, match="method 'grc'"):
+        grace_st.compress(make_st_model(), ["a"])
+    with pytest.raises(ValueError, match="question"):
+        grace_st.answer(model, "  ", memories)
+    (tmp_path / "other.safetensors").write_bytes((tmp_path / "m.safetensors").read_bytes()[:40])
+    with pytest.raises(Exception):
+        grace_st.load_memories(tmp_path / "other.safetensors")
+
+
+def test_save_and_load_keep_the_latents_and_refuse_edited_ones(tmp_path):
+    model = grc_model()
+    before = model.encode(TEXTS, convert_to_tensor=True)
+    model.save(str(tmp_path / "m"))
+    loaded = grace_st.load(str(tmp_path / "m"))
+    assert loaded[0].method == "grc" and loaded[0].num_latent_tokens == 3
+    torch.testing.assert_close(loaded.encode(TEXTS, convert_to_tensor=True), before, atol=0, rtol=0)
+    edited = LatentTokens.load(tmp_path / "m")
+    with torch.no_grad():
+        edited.latents.add_(1.0)
+    edited.save(tmp_path / "m")
+    with pytest.raises(ValueError, match="weights_revision"):
+        grace_st.load(str(tmp_path / "m"))
+    with pytest.raises(ValueError, match="cannot be resized"):
+        loaded[0].num_latent_tokens = 5
+        loaded[0].check_settings()
+
+
+def test_grc_through_the_rationale_cache_the_cli_and_mteb(tmp_path, capsys):
+    from grace_st.cli import main
+
+    model = grc_model()
+    path = str(tmp_path / "model")
+    model.save(path)
+    plain = model.encode_query(TEXTS)
+    model[0].set_rationale_cache(tmp_path / "cache.sqlite")
+    assert (model.encode_query(TEXTS) == plain).all() and (model.encode_query(TEXTS) == plain).all()
+    assert main(["compress", TEXTS[0], TEXTS[1], "--model", path, "--out", str(tmp_path / "mem.safetensors")]) == 0
+    assert "2 memories of" in capsys.readouterr().out
+    assert main(["ask", "What was it?", "--model", path, "--memory", str(tmp_path / "mem.safetensors"),
+                 "--max-new-tokens", "3"]) == 0
+    with pytest.raises(SystemExit, match="is a directory"):
+        main(["compress", "a", "--model", path, "--out", str(tmp_path)])
+    pytest.importorskip("mteb")
+    from test_evaluation import beir_dir, run, scores_of
+
+    from grace_st.evaluation import retrieval_task
+
+    assert 0 <= scores_of(run(model, retrieval_task(beir_dir(tmp_path))), "train")["ndcg_at_10"] <= 1
+
+
+def grc_config(tmp_path, out, steps, **overrides):
+    return config(
+        tmp_path, algorithm="grc", finetune="lora", max_rationale_tokens=dict(BUDGETS), num_latent_tokens=3,
+        max_steps=steps, save_steps=1, learning_rate=1e-2, output_dir=str(tmp_path / out), **overrides,
+    )
+
+
+def test_a_grc_run_logs_each_loss_checkpoints_a_grc_model_and_resumes_bit_identically(tmp_path):
+    base = saved_base(tmp_path)
+    start = base[0]
+    result = GRPOTrainer(grc_config(tmp_path, "run", 2), model=base, train_data=DATA).train()
+    metrics = result["metrics"]
+    assert {"loss/generation", "loss/reconstruction", "loss/representation", "time/step_cpu_s"} <= metrics.keys()
+    assert all(math.isfinite(value) for value in metrics.values())
+    fresh = LatentTokens.initialised(3, start.model.get_input_embeddings().weight)
+    assert not torch.equal(start.latent_tokens.latents, fresh.latents)  # the latents trained
+    assert not torch.equal(start.latent_tokens.adapter.weight, fresh.adapter.weight)  # and A
+    checkpoint = tmp_path / "run" / "checkpoint-00000002"
+    loaded = SentenceTransformer(str(checkpoint), trust_remote_code=True, device="cpu")
+    assert loaded[0].method == "grc" and (checkpoint / "latent_tokens.safetensors").is_file()
+    assert "A GRC generative embedding model" in (checkpoint / "README.md").read_text()
+    torch.testing.assert_close(
+        torch.as_tensor(loaded.encode(TEXTS)), torch.as_tensor(base.encode(TEXTS)), atol=1e-5, rtol=1e-4
+    )
+
+    GRPOTrainer(grc_config(tmp_path, "resumed", 1), model=saved_base(tmp_path), train_data=DATA).train()
+    second = GRPOTrainer(grc_config(tmp_path, "resumed", 2), model=saved_base(tmp_path), train_data=DATA)
+    second.train(resume=True)
+    straight = {k: v for k, v in base[0].model.state_dict().items() if "lora_" in k}
+    again = {k: v for k, v in second.policy.state_dict().items() if "lora_" in k}
+    assert straight and all(torch.equal(again[k], v) for k, v in straight.items())
+    latents, resumed = start.latent_tokens.state_dict(), second.encoder.latent_tokens.state_dict()
+    assert all(torch.equal(resumed[k], v) for k, v in latents.items())
+
+
+def test_grc_trains_cosent_on_scored_pairs_and_refuses_grpo_keys(tmp_path):
+    from grace_training.config import ConfigError
+
+    pairs = [Triplet(DATA[i].query, DATA[i].positive, (), "sts", symmetric=True, score=float(i % 5)) for i in range(8)]
+    cfg = grc_config(tmp_path, "sts", 1, batch_sampling="by_source")
+    trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=pairs)
+    metrics = trainer.training_step(trainer.batch_for_step(0), 0)
+    assert metrics["loss/representation"] > 0 and metrics["loss/reconstruction"] > 0
+    with pytest.raises(ConfigError, match="would be ignored: contrastive_beta"):
+        grc_config(tmp_path, "bad", 1, contrastive_beta=1.0).validate()
+
+
+def test_the_generation_loss_is_taken_on_the_response_tokens_each_from_the_state_before_it():
+    """The model's own greedy response costs less than the same tokens reversed: the positions line up."""
+    from grace_training.grc import responses, token_loss
+
+    encoder = grc_model()[0]
+    rows, span = encoder.prompt_token_ids(TEXTS, task="query")
+    made = responses(encoder, rows, span, 6)
+    losses = []
+    for ys in (made, [list(reversed(y)) for y in made]):
+        prefixes = [row + y for row, y in zip(rows, ys)]
+        with torch.no_grad():
+            out = latent_pass(encoder.model, encoder.latent_tokens, prefixes, pad_token_id=encoder.pad_token_id)
+        width = out.prefix_states.shape[1]
+        laid_out = [[-1] * (width - len(p)) + p for p in prefixes]
+        head = encoder.model.get_output_embeddings()
+        losses.append(token_loss(head, out.prefix_states, laid_out, [(width - len(y), width) for y in ys]).item())
+    assert losses[0] < losses[1] - 1
