@@ -47,6 +47,14 @@ LATENT_FILE = "latent_tokens.safetensors"
 DOCUMENT_RESPONSE = "None"
 # The system turn of the conversation a memory is read in (training's reconstruction turn and answers alike).
 MEMORY_INSTRUCTION = "Answer from the text you have read."
+# r_p: what training's reconstruction turn asks, one drawn a text (the paper gives "What were we discussing
+# earlier?" as an example of its set).
+RECONSTRUCTION_PROMPTS = (
+    "What were we discussing earlier?",
+    "Repeat the text you have read.",
+    "Write out the text from before, word for word.",
+    "What did the text say? Give it exactly.",
+)
 
 
 class LatentTokens(nn.Module):

@@ -6,7 +6,7 @@ Each text of a batch (queries, positives, hard negatives) is one sequence, laid 
     ❶ P(x) ⊕ y      y: the model's own greedy response at the text's budget (no gradient: self-distillation that
                     keeps generation), or "None" at budget 0 (documents, as the paper trains them)
     ❷ r_1..r_m      the latents
-    ❸ P_mem(r_p) ⊕ c ⊕ EOS   a reconstruction turn: a prompt r_p drawn from :data:`RECONSTRUCTION_PROMPTS` in the
+    ❸ P_mem(r_p) ⊕ c ⊕ EOS   a reconstruction turn: a prompt r_p drawn from :data:`~grace_st.grc.RECONSTRUCTION_PROMPTS` in the
                     memory's conversation (:func:`grace_st.memory.memory_prompt`), then c, the text itself (cut at
                     ``max_reconstruction_tokens``); ❸ does not attend to ❶, so c is rebuilt from the latents alone
 
@@ -31,21 +31,12 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from grace_st.batch import RolloutRequest
-from grace_st.grc import latent_pass
+from grace_st.grc import RECONSTRUCTION_PROMPTS, latent_pass
 from grace_st.memory import memory_prompt
 
 from .data import Triplet
 from .gircse import triplet_sides
 from .grpo import graded_contrastive_loss
-
-# r_p: what the reconstruction turn asks (grc.md gives "What were we discussing earlier?" as an example of a set).
-RECONSTRUCTION_PROMPTS = (
-    "What were we discussing earlier?",
-    "Repeat the text you have read.",
-    "Write out the text from before, word for word.",
-    "What did the text say? Give it exactly.",
-)
-
 
 def responses(encoder, rows: list[list[int]], span: int, budget: int) -> list[list[int]]:
     """y of each prompt row: the engine's greedy response at ``budget`` (the response ``encode`` writes), or the
