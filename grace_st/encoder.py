@@ -168,7 +168,7 @@ class GenerativeEncoder(InputModule):
     @property
     def engine(self) -> RationaleEngine:
         """The model as it thinks and embeds: ``forward`` and training both go through it. The class is
-        ``method``'s (:data:`grace_st.engine.ENGINES`: a rationale, or GIRCSE's soft tokens). A view over
+        ``method``'s (:data:`grace_st.engine.ENGINES`: a rationale, GIRCSE's soft tokens, or GRC's latents). A view over
         the current model, adapter, ``hidden_layer``, ``decode_options`` and backend (HF, or vLLM after
         :meth:`use_vllm`), built when asked."""
         own = {"gircse": {"temperature": self.soft_token_temperature}, "grc": {"latents": self.latent_tokens}}
@@ -317,8 +317,8 @@ class GenerativeEncoder(InputModule):
         self._vllm = None
 
     def weights_key(self) -> str:
-        """:func:`grace_st.weights.weights_fingerprint` of the policy, recomputed only when a
-        parameter may have changed (:func:`grace_st.weights.tensor_change_key`)."""
+        """:func:`grace_st.weights.weights_fingerprint` of the policy (and of GRC's latent tokens), recomputed only
+        when a parameter may have changed (:func:`grace_st.weights.tensor_change_key`)."""
         latents = list(self.latent_tokens.parameters()) if self.latent_tokens is not None else []
         with torch.no_grad():
             versions = tuple(tensor_change_key(p) for p in (*self.model.parameters(), *latents))
