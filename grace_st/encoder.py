@@ -49,6 +49,7 @@ from .settings import (
     SETTINGS,
     check_settings,
     default,
+    default_budget,
     for_prompt_type,
     plain,
     settings_docstring,
@@ -96,7 +97,7 @@ class GenerativeEncoder(InputModule):
         prompt_format: str = DEFAULTS["prompt_format"],
         soft_token_temperature: float = DEFAULTS["soft_token_temperature"],
         instructions: dict[str, str] | None = None,  # None: the default instructions
-        max_rationale_tokens: int | dict[str, int] = DEFAULTS["max_rationale_tokens"],
+        max_rationale_tokens: int | dict[str, int] | None = None,  # None: the method's (settings.default_budget)
         max_input_tokens: int = DEFAULTS["max_input_tokens"],
         do_sample: bool = DEFAULTS["do_sample"],
         temperature: float = DEFAULTS["temperature"],
@@ -116,6 +117,8 @@ class GenerativeEncoder(InputModule):
         given = locals()  # the settings are the parameters named in SETTINGS, in its order
         settings = {name: given[name] for name in SETTINGS}
         settings["instructions"] = _with_default_instructions(instructions)
+        if max_rationale_tokens is None:
+            settings["max_rationale_tokens"] = default_budget(method)
         check_settings(settings)  # before the weights load: a bad value costs no time
         self.model, self.tokenizer = encoder_files.model_and_tokenizer(
             model_name_or_path, model, tokenizer, merge_adapter, model_kwargs, tokenizer_kwargs

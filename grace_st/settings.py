@@ -116,6 +116,9 @@ _PER_TYPE = "an int, or a mapping of prompt type to one with a 'default' entry"
 
 # The ways a model thinks before it embeds (grace_st.engine.ENGINES has a class for each).
 METHODS = ("grace", "gircse", "grc")
+# K of a GIRCSE model built or loaded without a max_rationale_tokens value: the best K of the trained models' K curve
+# on the dev scoreboard (docs/gircse.md; lab/results/gircse_k_curve_by_format.json).
+GIRCSE_DEFAULT_K = 5
 # How a text becomes a prompt: the model's chat template, or GIRCSE's reference format (grace_st.prompts).
 PROMPT_FORMATS = ("chat", "instruct")
 
@@ -174,10 +177,13 @@ SETTINGS: dict[str, Setting] = {
         256,
         "rationale length limit; 0 pools the prompt alone (the paper's 'Base' row, no generation). An int for "
         "every text, or a budget by prompt type, e.g. {'query': 64, 'document': 0, 'default': 64}: a corpus "
-        "embedded once and cheaply, queries that reason (the trained default model: 32, documents 0)",
+        "embedded once and cheaply, queries that reason (the shipped default model: texts 8, queries and documents "
+        f"0). Method 'gircse' reads it as K, the soft tokens, and a GIRCSE model built or loaded without a value gets "
+        f"K = {GIRCSE_DEFAULT_K} (measured: docs/gircse.md)",
         f"an int in [0, {MAX_RATIONALE_TOKENS}], or a mapping of prompt type to one with a 'default' entry",
         per_prompt_type(0, MAX_RATIONALE_TOKENS),
         **_how("per_type"),
+        shown_default=f"`256` (`gircse`: `{GIRCSE_DEFAULT_K}`)",
     ),
     "max_input_tokens": Setting(
         1024,
@@ -256,6 +262,12 @@ SETTINGS: dict[str, Setting] = {
 
 # Each setting's default, read-only: the constructor's signature reads them here.
 DEFAULTS = MappingProxyType({name: setting.default for name, setting in SETTINGS.items()})
+
+
+def default_budget(method: str) -> int | dict[str, int]:
+    """``max_rationale_tokens`` where none is given: GIRCSE's measured K for its soft tokens, else the setting's
+    default."""
+    return GIRCSE_DEFAULT_K if method == "gircse" else default("max_rationale_tokens")
 
 
 def default(name: str) -> Any:

@@ -87,7 +87,8 @@ def test_each_setting_has_its_default_once_and_the_usage_table_is_the_code():
 
     signature = inspect.signature(GenerativeEncoder.__init__).parameters
     for name, setting in SETTINGS.items():
-        expected = None if name == "instructions" else setting.default  # None: a fresh copy of the default
+        # None: a fresh copy of the default, or the method's budget (settings.default_budget)
+        expected = None if name in ("instructions", "max_rationale_tokens") else setting.default
         assert signature[name].default == expected, name
         assert f"{name}: {setting.help}" in " ".join(GenerativeEncoder.__doc__.split()), name
     usage = (Path(__file__).parents[1] / "docs" / "usage.md").read_text(encoding="utf-8")

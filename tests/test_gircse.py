@@ -435,3 +435,21 @@ def test_a_gircse_adapter_in_the_authors_layout_loads_and_encodes_offline(tmp_pa
     loaded = grace_st.load(str(tmp_path / "grace"), device="cpu")
     assert loaded[0].prompt_format == "instruct" and loaded[0].instructions["document"] == ""
     assert torch.allclose(torch.as_tensor(loaded.encode_query(texts)), found, atol=1e-6)
+
+
+def test_a_gircse_model_without_a_saved_k_gets_the_measured_default(tmp_path):
+    from grace_st.settings import GIRCSE_DEFAULT_K
+
+    tokenizer = make_tokenizer()
+    from conftest import make_model
+
+    built = grace_st.from_causal_lm(model=make_model(tokenizer), tokenizer=tokenizer, device="cpu", method="gircse")
+    assert built[0].max_rationale_tokens == GIRCSE_DEFAULT_K
+    grace = grace_st.from_causal_lm(model=make_model(tokenizer), tokenizer=tokenizer, device="cpu")
+    assert grace[0].max_rationale_tokens == 256
+    built.save(str(tmp_path / "m"))
+    config_file = tmp_path / "m" / "grace_config.json"
+    saved = json.loads(config_file.read_text())
+    del saved["max_rationale_tokens"]
+    config_file.write_text(json.dumps(saved))
+    assert grace_st.load(str(tmp_path / "m"))[0].max_rationale_tokens == GIRCSE_DEFAULT_K
