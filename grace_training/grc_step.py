@@ -45,12 +45,7 @@ class GRCStep(TrainingStep):
             "loss/generation": parts["generation"].item(),
             "loss/reconstruction": parts["reconstruction"].item(),
             "loss/representation": parts["representation"].item(),
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "epoch": (step + 1) / self.run.steps_per_epoch,
-            "time/update_forward_s": forwarded - start,
-            "time/update_backward_s": backwarded - forwarded,
-            "time/update_optimizer_s": done - backwarded,
-            "time/step_s": done - start,
-            "time/step_cpu_s": time.process_time() - cpu_start,
+            **self.update_metrics(
+                step, lr, grad_norm, (start, forwarded, backwarded, done), time.process_time() - cpu_start
+            ),
         }

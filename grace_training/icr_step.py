@@ -53,13 +53,9 @@ class ICRStep(TrainingStep):
             "loss/contrastive": parts["contrastive"].item(),
             "loss/refinement": parts["refinement"].item(),
             **{f"loss/step_{k + 1}": float(v) for k, v in enumerate(parts["step_losses"].tolist())},
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            "epoch": (step + 1) / self.run.steps_per_epoch,
-            "time/update_forward_s": forwarded - start,
-            "time/update_backward_s": backwarded - forwarded,
-            "time/update_optimizer_s": done - backwarded,
-            "time/step_s": done - start,
             # the step's CPU cost over every process, as a GRPO step's (the losses are global already)
-            "time/step_cpu_s": sum_over_processes(accelerator, time.process_time() - cpu_start)[0],
+            **self.update_metrics(
+                step, lr, grad_norm, (start, forwarded, backwarded, done),
+                sum_over_processes(accelerator, time.process_time() - cpu_start)[0],
+            ),
         }

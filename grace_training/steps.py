@@ -63,6 +63,21 @@ class TrainingStep:
     def scheduler(self):
         return self.run.scheduler
 
+    def update_metrics(self, step: int, lr: float, grad_norm, times: tuple[float, float, float, float], cpu_s: float) -> dict:
+        """The metrics every embedding-loss step logs besides its losses: the gradient norm, the rate, the epoch, and
+        the update's times (``times``: its start, the end of the forward, of the backward, of the optimiser step)."""
+        start, forwarded, backwarded, done = times
+        return {
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "epoch": (step + 1) / self.run.steps_per_epoch,
+            "time/update_forward_s": forwarded - start,
+            "time/update_backward_s": backwarded - forwarded,
+            "time/update_optimizer_s": done - backwarded,
+            "time/step_s": done - start,
+            "time/step_cpu_s": cpu_s,
+        }
+
     def optimizer_step(self) -> float:
         """Clip the gradients (``max_grad_norm``; 0: no clipping) and step the optimiser; the gradient norm."""
         max_norm = self.config.max_grad_norm if self.config.max_grad_norm > 0 else float("inf")
