@@ -20,7 +20,6 @@ import argparse
 import gzip
 import json
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -106,7 +105,7 @@ def print_tables(report: dict) -> None:
             print(f"| {label} | {len(group)} | {means} |")
     if report["qa"]:
         means = " | ".join(f"{np.mean([r[w] for r in report['qa']]):.1f}" for w in ways)
-        print(f"\n| WikiQA questions | chrF from memory | from plain text | from nothing |\n|---|---|---|---|")
+        print("\n| WikiQA questions | chrF from memory | from plain text | from nothing |\n|---|---|---|---|")
         print(f"| {len(report['qa'])} | {means} |")
 
 

@@ -292,14 +292,17 @@ def save_memories(path: str | Path, memories: Sequence[LatentMemory], texts: Seq
 
 def load_memories(path: str | Path) -> list[LatentMemory]:
     """The memories :func:`save_memories` wrote, in order (safetensors only)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
-    with safe_open(str(path), framework="pt") as file:
-        metadata = file.metadata() or {}
-        if metadata.get("format") != "grace-st-latent-memory":
-            raise ValueError(f"{path}: not a latent memory file (grace-st compress writes them)")
-        positions = json.loads(metadata["next_positions"])
-        return [
-            LatentMemory(file.get_tensor(f"memory.{i}.keys"), file.get_tensor(f"memory.{i}.values"), int(position))
-            for i, position in enumerate(positions)
-        ]
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            metadata = file.metadata() or {}
+            if metadata.get("format") != "grace-st-latent-memory":
+                raise ValueError(f"{path}: not a latent memory file (grace-st compress writes them)")
+            positions = json.loads(metadata["next_positions"])
+            return [
+                LatentMemory(file.get_tensor(f"memory.{i}.keys"), file.get_tensor(f"memory.{i}.values"), int(position))
+                for i, position in enumerate(positions)
+            ]
+    except SafetensorError as error:
+        raise ValueError(f"{path}: a truncated or corrupt memory file ({error})") from error

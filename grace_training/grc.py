@@ -38,6 +38,7 @@ from .data import Triplet
 from .gircse import triplet_sides
 from .grpo import graded_contrastive_loss
 
+
 def responses(encoder, rows: list[list[int]], span: int, budget: int) -> list[list[int]]:
     """y of each prompt row: the engine's greedy response at ``budget`` (the response ``encode`` writes), or the
     document response at 0; computed without gradient, then teacher-forced."""

@@ -43,6 +43,7 @@ from .checkpoint import (
 from .config import EMBEDDING_LOSS, ConfigError, GRPOConfig, check_batches, check_environment, check_launch
 from .data import Triplet, cap_per_source, load_data, source_weights
 from .evaluation import evaluate
+from .grc_step import GRCStep
 from .grpo_step import GRPOStep
 from .icr_step import ICRStep
 from .metrics import MetricsLogger
@@ -59,7 +60,6 @@ from .run_dir import (
     saved_config,
 )
 from .sampling import BatchSchedule
-from .grc_step import GRCStep
 from .steps import TrainingStep
 
 logger = logging.getLogger(__name__)

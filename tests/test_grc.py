@@ -14,7 +14,7 @@ from test_training_quality import saved_base
 from test_training_trainer import DATA, config
 
 import grace_st
-from grace_st.grc import LatentMemory, LatentTokens, latent_pass, segment_mask
+from grace_st.grc import LatentTokens, latent_pass, segment_mask
 from grace_st.memory import memory_prompt
 from grace_training.data import Triplet
 from grace_training.trainer import GRPOTrainer
@@ -136,8 +136,11 @@ def test_a_memory_is_the_same_size_for_any_text_and_answers_from_one_or_several(
     with pytest.raises(ValueError, match="question"):
         grace_st.answer(model, "  ", memories)
     (tmp_path / "other.safetensors").write_bytes((tmp_path / "m.safetensors").read_bytes()[:40])
-    with pytest.raises(Exception):
+    with pytest.raises(ValueError, match="truncated or corrupt"):
         grace_st.load_memories(tmp_path / "other.safetensors")
+    model.save(str(tmp_path / "model"))
+    with pytest.raises(ValueError, match="not a latent memory file"):
+        grace_st.load_memories(tmp_path / "model" / "latent_tokens.safetensors")
 
 
 def test_save_and_load_keep_the_latents_and_refuse_edited_ones(tmp_path):
