@@ -348,6 +348,12 @@ class LatentEngine(RationaleEngine):
         return Thoughts(super().generate(request, batch_size, bucket_ratio).rationales)
 
     @torch.no_grad()
+    def responses(self, prompt_ids: list[list[int]], instruction_length: int, budget: int) -> list[list[int]]:
+        """y of each prompt, greedy, as ``encode`` writes it at ``budget`` (what ``compress`` and training read)."""
+        request = RolloutRequest(prompt_ids, [instruction_length] * len(prompt_ids), 0.0, 1.0, budget)
+        return self.generate(request).rationales.rationale_ids
+
+    @torch.no_grad()
     def embed(self, request: RolloutRequest, thoughts: Thoughts, batch_size: int | None = None) -> Tensor:
         """e of each row before L2 (grc.md): one pass over ``P(x) ⊕ y ⊕ r_1..r_m``, ``batch_size`` rows at a time
         (None: one batch), (R, H) float32."""

@@ -13,7 +13,6 @@ from collections.abc import Sequence
 
 import torch
 
-from .batch import RolloutRequest
 from .explain import check_texts, find_generative_encoder
 from .grc import MEMORY_INSTRUCTION, LatentMemory, answer_from_memory, latent_pass
 
@@ -39,8 +38,7 @@ def compress(model, texts, *, prompt_name: str = "document", batch_size: int = 1
     kind = encoder.prompt_names.get(prompt_name, prompt_name)
     prompts, span = encoder.prompt_token_ids(texts, task=kind)
     engine = encoder.engine
-    request = RolloutRequest(prompts, [span] * len(prompts), 0.0, 1.0, encoder.rationale_budget(kind))
-    responses = engine.generate(request).rationales.rationale_ids
+    responses = engine.responses(prompts, span, encoder.rationale_budget(kind))
     rows = [[*prompt, *response] for prompt, response in zip(prompts, responses)]
     memories: list[LatentMemory] = []
     for start in range(0, len(rows), batch_size):

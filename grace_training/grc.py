@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from grace_st.batch import RolloutRequest
 from grace_st.grc import RECONSTRUCTION_PROMPTS, latent_pass
 from grace_st.memory import memory_prompt
 
@@ -42,9 +41,7 @@ from .grpo import graded_contrastive_loss
 def responses(encoder, rows: list[list[int]], span: int, budget: int) -> list[list[int]]:
     """y of each prompt row: the engine's greedy response at ``budget`` (the response ``encode`` writes), or the
     document response at 0; computed without gradient, then teacher-forced."""
-    request = RolloutRequest(rows, [span] * len(rows), 0.0, 1.0, budget)
-    with torch.no_grad():
-        return encoder.engine.generate(request).rationales.rationale_ids
+    return encoder.engine.responses(rows, span, budget)
 
 
 def reconstruction_turns(encoder, texts: Sequence[str], seed: int, max_tokens: int) -> tuple[list[list[int]], list[int]]:
