@@ -91,20 +91,26 @@ def main() -> None:
     print_tables(report)
 
 
+def mean_se(values: list[float]) -> str:
+    """Mean ± its standard error over the texts (the sample's noise; chrF is 0-100)."""
+    se = np.std(values, ddof=1) / np.sqrt(len(values)) if len(values) > 1 else float("nan")
+    return f"{np.mean(values):.1f} ± {se:.1f}"
+
+
 def print_tables(report: dict) -> None:
     ways = ("memory", "plain text", "nothing")
     print(f"memory: {report['memory_bytes']:,} bytes a text (m = {report['num_latent_tokens']})\n")
-    print("| text length (tokens) | texts | chrF from memory | from plain text | from nothing |")
+    print("| text length (tokens) | texts | chrF from memory (± SE) | from plain text | from nothing |")
     print("|---|---|---|---|---|")
     rows = report["reconstruction"]
     for low, high in BUCKETS:
         label = bucket_of(low if low else 1)
         group = [r for r in rows if r["bucket"] == label]
         if group:
-            means = " | ".join(f"{np.mean([r[w] for r in group]):.1f}" for w in ways)
+            means = " | ".join(mean_se([r[w] for r in group]) for w in ways)
             print(f"| {label} | {len(group)} | {means} |")
     if report["qa"]:
-        means = " | ".join(f"{np.mean([r[w] for r in report['qa']]):.1f}" for w in ways)
+        means = " | ".join(mean_se([r[w] for r in report["qa"]]) for w in ways)
         print("\n| WikiQA questions | chrF from memory | from plain text | from nothing |\n|---|---|---|---|")
         print(f"| {len(report['qa'])} | {means} |")
 

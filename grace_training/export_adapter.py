@@ -1,12 +1,13 @@
 """Turn a LoRA training checkpoint into the adapter shipped inside grace-st (``grace_st/default_adapter``;
-a GIRCSE checkpoint's into ``grace_st/gircse_adapter``).
+a GIRCSE checkpoint's into ``grace_st/gircse_adapter``, a GRC checkpoint's into ``grace_st/grc_adapter``).
 
     python -m grace_training.export_adapter runs/scale_textkl1/checkpoint-00000400 --into-package \
         --scores lab/results/scale_scoreboard_textkl400.json --scores-label "scale + text_kl 1, step 400"
     python -m grace_training.export_adapter CHECKPOINT --out DIR       # anywhere else
     python -m grace_training.export_adapter --write-manifest DIR       # after editing an adapter's files by hand
 
-Writes PEFT's two files (``adapter_config.json``, ``adapter_model.safetensors``),
+Writes PEFT's two files (``adapter_config.json``, ``adapter_model.safetensors``), a GRC checkpoint's
+latents and their adapter A (``latent_tokens.safetensors``),
 ``grace_settings.json``: the encoder settings it was trained with (applied when
 ``grace_st.default_model_path()`` builds the trained default), the training config summary, the
 development scores of that row when given, and one example rationale; and ``manifest.json``, the
@@ -36,6 +37,7 @@ from grace_st.default_model import (
     DEFAULT_MODEL_CONFIG,
     write_adapter_manifest,
 )
+from grace_st.grc import LATENT_FILE
 
 SHIPPED_BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
 # The shipped base's layer shapes (its config.json as grace_st.default_model builds it): enough to
@@ -52,7 +54,7 @@ SHIPPED_BASE_CONFIG = {
 }
 MAX_BYTES = 20 * 1024 * 1024
 # What an exported adapter directory holds; a target holding anything else is not replaced.
-EXPORTED_FILES = ("adapter_config.json", "adapter_model.safetensors", ADAPTER_SETTINGS, ADAPTER_MANIFEST)
+EXPORTED_FILES = ("adapter_config.json", "adapter_model.safetensors", LATENT_FILE, ADAPTER_SETTINGS, ADAPTER_MANIFEST)
 
 
 def check_fits_shipped_base(weights_file: Path) -> None:
@@ -159,6 +161,8 @@ def _write(checkpoint, out, adapter, state, grace, budget_choice, scores, exampl
         save_file(weights, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     else:
         shutil.copyfile(adapter, out / "adapter_model.safetensors")
+    if (checkpoint / LATENT_FILE).is_file():  # GRC's latents and A are trained in full, not through LoRA
+        shutil.copyfile(checkpoint / LATENT_FILE, out / LATENT_FILE)
     config = json.loads((checkpoint / "adapter_config.json").read_text(encoding="utf-8"))
     config["base_model_name_or_path"] = SHIPPED_BASE  # replaced by the local base when the default is built
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
@@ -167,6 +171,7 @@ def _write(checkpoint, out, adapter, state, grace, budget_choice, scores, exampl
             "method": grace.get("method", "grace"),
             "instructions": grace["instructions"],
             "max_rationale_tokens": grace["max_rationale_tokens"],
+            **({"num_latent_tokens": grace["num_latent_tokens"]} if "num_latent_tokens" in grace else {}),
             # the default's prompt limit; training cut prompts shorter only to save time
             "max_input_tokens": DEFAULT_MODEL_CONFIG["max_input_tokens"],
             **({} if repetition_penalty is None else {"repetition_penalty": repetition_penalty}),
@@ -223,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     target.add_argument(
         "--into-package",
         action="store_true",
-        help="replace the package's adapter of the checkpoint's method (grace_st/default_adapter, gircse_adapter); "
+        help="replace the package's adapter of the checkpoint's method (grace_st/default_adapter, gircse_adapter, "
+        "grc_adapter); "
         "it must fit the shipped base",
     )
     target.add_argument(

@@ -131,7 +131,8 @@ def test_a_mixed_or_truncated_adapter_is_refused_before_the_default_is_built(tmp
 
 def test_the_manifest_is_regenerated_on_request_and_the_shipped_ones_hold(tmp_path, package, capsys):
     for directory in dm.ADAPTER_DIRS.values():
-        dm.verify_adapter(directory)
+        if directory.is_dir():  # a method the package ships no adapter for is refused by name (test_default_model)
+            dm.verify_adapter(directory)
     settings = json.loads((package / dm.ADAPTER_SETTINGS).read_text())
     settings["encoder"]["max_rationale_tokens"] = {"query": 16, "document": 0, "default": 16}
     (package / dm.ADAPTER_SETTINGS).write_text(json.dumps(settings))

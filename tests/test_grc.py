@@ -257,3 +257,41 @@ def test_the_generation_loss_is_taken_on_the_response_tokens_each_from_the_state
         head = encoder.model.get_output_embeddings()
         losses.append(token_loss(head, out.prefix_states, laid_out, [(width - len(y), width) for y in ys]).item())
     assert losses[0] < losses[1] - 1
+
+
+def test_a_grc_checkpoint_exports_with_its_latents_and_builds_the_grc_default(tmp_path, monkeypatch):
+    import json
+
+    from peft import LoraConfig, get_peft_model
+
+    from grace_st import default_model as dm
+    from grace_training.config import GRPOConfig
+    from grace_training.export_adapter import export
+
+    base = grc_model()
+    base.save(str(tmp_path / "base"))
+    trained = grc_model()
+    with torch.no_grad():  # latents unlike the base's: the build must take the adapter's, not make its own
+        trained[0].latent_tokens.latents.add_(1.0)
+    checkpoint = tmp_path / "checkpoint"
+    get_peft_model(trained[0].model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear")).save_pretrained(checkpoint)
+    trained[0].latent_tokens.save(checkpoint)
+    (checkpoint / "grace_config.json").write_text(json.dumps(trained[0].get_config_dict()))
+    (checkpoint / "trainer_state").mkdir()
+    state = {"config": GRPOConfig(algorithm="grc", finetune="lora").to_dict(), "step": 3}
+    (checkpoint / "trainer_state" / "state.json").write_text(json.dumps(state))
+
+    adapter = export(checkpoint, tmp_path / "grc_adapter")
+    settings = json.loads((adapter / dm.ADAPTER_SETTINGS).read_text())["encoder"]
+    assert (settings["method"], settings["num_latent_tokens"]) == ("grc", 3)
+    assert (adapter / "latent_tokens.safetensors").read_bytes() == (checkpoint / "latent_tokens.safetensors").read_bytes()
+    monkeypatch.setitem(dm.ADAPTER_DIRS, "grc", adapter)
+    monkeypatch.setattr(dm, "_base_model_path", lambda home=None: str(tmp_path / "base"))
+    path = dm.default_model_path(tmp_path / "home", method="grc")
+    assert "grc-trained" in path
+    model = SentenceTransformer(path, device="cpu", trust_remote_code=True)
+    assert model[0].method == "grc"
+    torch.testing.assert_close(model[0].latent_tokens.latents, trained[0].latent_tokens.latents)
+    torch.testing.assert_close(
+        torch.as_tensor(model.encode(TEXTS)), torch.as_tensor(trained.encode(TEXTS)), atol=1e-5, rtol=1e-4
+    )
