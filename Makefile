@@ -10,7 +10,7 @@ PY_ST5 := $(VENV_ST5)/bin/python
 TORCH := torch==2.13.0
 ST5 := sentence-transformers==5.2.3
 
-.PHONY: demo test test-st6 test-st5 venv venv-st5 model bench train-default train-scale train-gircse gpu-check clean
+.PHONY: demo test test-st6 test-st5 venv venv-st5 model bench train-default train-scale train-gircse train-grc gpu-check clean
 
 demo: $(VENV)/.installed model
 	$(VENV)/bin/grace-st encode \
@@ -96,6 +96,13 @@ train-scale: $(VENV)/.installed model
 # `python -m grace_training.export_adapter runs/gircse/checkpoint-N --into-package` (it goes to grace_st/gircse_adapter).
 train-gircse: $(VENV)/.installed model
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/gircse_smollm2.yaml \
+		--resume --max-minutes 55
+
+# GRC (docs/grc.md): meta latent tokens trained by Eq. 5 on the same data, one chunk of at most 55 minutes a call,
+# resumed from its latest checkpoint; export with `python -m grace_training.export_adapter runs/grc/checkpoint-N
+# --into-package` (it goes to grace_st/grc_adapter, latents included).
+train-grc: $(VENV)/.installed model
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/grc_smollm2.yaml \
 		--resume --max-minutes 55
 
 # On a machine with a CUDA GPU: HF vs vLLM encode, GRPO steps with vLLM rollouts in bf16, one JSON

@@ -1,5 +1,5 @@
-"""The price of thinking: dev-scoreboard quality, texts/s and one-query latency of a GRACE model by rationale
-budget, per prompt type.
+"""The price of thinking: dev-scoreboard quality, texts/s and one-query latency of a model that thinks in text
+(GRACE, or GRC, whose latents follow its text response) by rationale budget, per prompt type.
 
 A GRACE model's budget is set per prompt type, ``max_rationale_tokens = {"default": G, "query": Q, "document": D}``,
 and each type embeds its own texts on the scoreboard (grace_st.scoreboard, the same fixed samples and sizes as
@@ -220,7 +220,7 @@ def tables(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "--model", help="a GRACE model directory (default: the shipped default; base: the untrained base)"
+        "--model", help="a GRACE or GRC model directory (default: the shipped default; base: the untrained base)"
     )
     parser.add_argument("--budgets", nargs="+", type=int, default=[0, 8, 16, 32, 64], help="default texts and queries")
     parser.add_argument("--document-budgets", nargs="+", type=int, default=[0, 32])
@@ -242,8 +242,8 @@ def main() -> None:
     if path == "base":
         path = grace_st.default_model_path(trained=False)
     model = grace_st.load(path)
-    if getattr(model[0], "method", None) != "grace":
-        sys.exit("budget_curve: the model must be a GRACE model (method: grace)")
+    if getattr(model[0], "method", None) not in ("grace", "grc"):
+        sys.exit("budget_curve: the model must think in text (method grace or grc; GIRCSE's K: gircse_k_curve_by_format.py)")
     saved_budgets = model[0].max_rationale_tokens
     texts, where = default_texts(tasks)
     claims, corpus, _ = tasks["SciFact"]
