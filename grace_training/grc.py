@@ -3,8 +3,9 @@
 Each text of a batch (queries, positives, hard negatives) is one sequence, laid out by
 :func:`grace_st.grc.latent_pass` (the pass ``encode`` runs):
 
-    ❶ P(x) ⊕ y      y: the model's own greedy response at the text's budget (no gradient: self-distillation that
-                    keeps generation), or "None" at budget 0 (documents, as the paper trains them)
+    ❶ P(x) ⊕ y      y: the model's own greedy response at the text's budget (no gradient: self-distillation meant to
+                    keep generation; measured to collapse to "None", lab/grc_study.md §3), or "None" at budget 0
+                    (documents, as the paper trains them)
     ❷ r_1..r_m      the latents
     ❸ P_mem(r_p) ⊕ c ⊕ EOS   a reconstruction turn: a prompt r_p drawn from :data:`~grace_st.grc.RECONSTRUCTION_PROMPTS` in the
                     memory's conversation (:func:`grace_st.memory.memory_prompt`), then c, the text itself (cut at

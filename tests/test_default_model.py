@@ -91,6 +91,20 @@ def test_shipped_gircse_adapter_is_in_the_package_and_small():
     assert any(key.startswith("dev slice at step") for key in settings["scores"])  # scores say what they are
 
 
+def test_shipped_grc_adapter_is_in_the_package_with_its_latents_and_small():
+    adapter = dm.ADAPTER_DIRS["grc"]
+    files = {p.name: p.stat().st_size for p in adapter.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors", "latent_tokens.safetensors", dm.ADAPTER_SETTINGS} <= set(files)
+    assert files["adapter_model.safetensors"] + files["latent_tokens.safetensors"] <= 20 * 1024 * 1024
+    settings = json.loads((adapter / dm.ADAPTER_SETTINGS).read_text())
+    assert settings["encoder"]["method"] == "grc" and settings["training"]["algorithm"] == "grc"
+    assert settings["encoder"]["num_latent_tokens"] == 16
+    # every prompt type answers "None": the measured responses and SciFact at query budgets 0/16/32 (lab/grc_study.md)
+    assert settings["encoder"]["max_rationale_tokens"] == {"default": 0, "query": 0, "document": 0}
+    assert "lab/grc_study.md" in settings["budget_choice"]
+    assert set(settings["scores"]) >= {"STS-B dev", "SICK-R trial", "SciFact", "Banking77", "MRPC val"}
+
+
 def test_build_trained_applies_an_adapter_and_its_settings(tmp_path):
     from conftest import make_st_model
     from peft import LoraConfig, get_peft_model
@@ -186,6 +200,19 @@ def test_default_model_encodes_explains_and_round_trips(default_model, tmp_path)
     reloaded = SentenceTransformer(str(tmp_path / "saved"), device="cpu", trust_remote_code=True)
     assert reloaded[0].max_rationale_tokens == 16
     np.testing.assert_array_equal(reloaded.encode(texts), embeddings)
+
+
+@pytest.mark.slow
+def test_the_grc_model_is_one_argument_away_and_answers_from_a_memory():
+    model = SentenceTransformer(grace_st.default_model_path(method="grc"), device="cpu", trust_remote_code=True)
+    assert model[0].method == "grc" and model[0].num_latent_tokens == 16
+    texts = ["A man is playing a guitar.", "Someone plays an acoustic guitar.", "Interest rates rose again."]
+    embeddings = model.encode(texts)
+    similarity = embeddings @ embeddings.T
+    assert similarity[0, 1] > similarity[0, 2]  # the trained latents embed: the paraphrase is nearer
+    [memory] = grace_st.compress(model, texts[:1])
+    assert memory.nbytes == 737_280  # Eq. 6 at m = 16: 2 · 30 layers · 3 KV heads · 64 · 16 · 4 bytes
+    assert isinstance(grace_st.answer(model, "What were we discussing earlier?", [memory], max_new_tokens=8), str)
 
 
 @pytest.mark.slow
