@@ -10,8 +10,8 @@ benchmarks/dev_eval.py):
   document   ``encode_document``: SciFact's corpus of 1,000 abstracts
 
 A text's embedding depends only on its own budget, so each side is encoded once per budget (--budgets for
-default texts and queries, --document-budgets for documents) and every (query, document) pair of budgets is
-scored from those embeddings. Texts/s are measured per side in the same run; the one-query latency column
+default texts and queries, --query-budgets for queries apart, --document-budgets for documents) and every
+(query, document) pair of budgets is scored from those embeddings. Texts/s are measured per side in the same run; the one-query latency column
 is ``encode_query`` of one claim at a time (--latency-queries of them, after a warm-up call), p50 and p95.
 
 Noise: each score's standard error by bootstrap over its items (pairs, test texts, claims; --resamples,
