@@ -39,12 +39,6 @@ from .gircse import triplet_sides
 from .grpo import graded_contrastive_loss
 
 
-def responses(encoder, rows: list[list[int]], span: int, budget: int) -> list[list[int]]:
-    """y of each prompt row: the engine's greedy response at ``budget`` (the response ``encode`` writes), or the
-    document response at 0; computed without gradient, then teacher-forced."""
-    return encoder.engine.responses(rows, span, budget)
-
-
 def reconstruction_turns(encoder, texts: Sequence[str], seed: int, max_tokens: int) -> tuple[list[list[int]], list[int]]:
     """❸ of each text: the memory turn asking an r_p (drawn from ``seed`` and the row) and the text's tokens ⊕ EOS;
     and where the target c starts in each turn."""
@@ -94,7 +88,8 @@ def grc_batch_loss(encoder, triplets: Sequence[Triplet], config, scores: Tensor 
             side_sizes.append(0)
             continue
         rows, span = encoder.prompt_token_ids(list(side_texts), task=task)
-        made = responses(encoder, rows, span, encoder.rationale_budget(task or "default"))
+        # y: the engine's greedy response at the budget (the one ``encode`` writes), no gradient, then teacher-forced
+        made = encoder.engine.responses(rows, span, encoder.rationale_budget(task or "default"))
         prefixes += [[*row, *response] for row, response in zip(rows, made)]
         response_spans += [len(response) for response in made]
         texts += list(side_texts)

@@ -242,11 +242,11 @@ def test_grc_trains_cosent_on_scored_pairs_and_refuses_grpo_keys(tmp_path):
 
 def test_the_generation_loss_is_taken_on_the_response_tokens_each_from_the_state_before_it():
     """The model's own greedy response costs less than the same tokens reversed: the positions line up."""
-    from grace_training.grc import responses, token_loss
+    from grace_training.grc import token_loss
 
     encoder = grc_model()[0]
     rows, span = encoder.prompt_token_ids(TEXTS, task="query")
-    made = responses(encoder, rows, span, 6)
+    made = encoder.engine.responses(rows, span, 6)
     losses = []
     for ys in (made, [list(reversed(y)) for y in made]):
         prefixes = [row + y for row, y in zip(rows, ys)]
