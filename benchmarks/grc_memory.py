@@ -7,6 +7,11 @@ the same turn given the plain text (the ceiling: copying) and given nothing (the
 (training reads stsb/train only) and the SciFact abstracts cited by the held-back claims (never a positive in
 training; they may have been drawn as negatives).
 
+Teacher-forced reconstruction (cheap, and it sees what greedy answers hide): Eq. 3's L_Recons of each held-back
+text in nats a token, the training pass and loss (:func:`grace_st.grc.latent_pass`,
+:func:`grace_training.grc.token_loss`), reading the latents after the text itself against the latents after
+another text of the same source. The gap is what the memory holds of its own text.
+
 Question answering: WikiQA questions with their gold answer sentence as the text; chrF of the answer against that
 sentence, from the memory, from the plain text and from nothing. WikiQA's pairs are training data (as retrieval pairs
 for L_Rep; no answer is ever a generation target), so this is a check of the mechanism, not a held-out QA score.
@@ -22,10 +27,12 @@ import json
 import time
 
 import numpy as np
+import torch
 
 import grace_st
-from grace_st.grc import RECONSTRUCTION_PROMPTS
+from grace_st.grc import RECONSTRUCTION_PROMPTS, latent_pass
 from grace_st.scoreboard import SIZES, data_dir, scifact, sts_pairs, write_json
+from grace_training.grc import reconstruction_turns, token_loss
 
 BUCKETS = ((0, 16), (17, 32), (33, 64), (65, 128), (129, 10**9))
 
@@ -46,7 +53,7 @@ def held_back_texts(count: int) -> list[str]:
 def wikiqa(count: int) -> list[tuple[str, str]]:
     with gzip.open(data_dir() / "wikiqa" / "train_pairs.jsonl.gz", "rt", encoding="utf-8") as lines:
         rows = [json.loads(line) for line in lines]
-    return [(row["query"], row["positive"]) for row in rows[-count:]]
+    return [(row["query"], row["positive"]) for row in rows[len(rows) - count :]]  # the last ``count`` (0: none)
 
 
 def three_ways(model, question: str, text: str, max_new_tokens: int) -> dict[str, str]:
@@ -57,6 +64,26 @@ def three_ways(model, question: str, text: str, max_new_tokens: int) -> dict[str
         "plain text": grace_st.answer(model, question, context=text, max_new_tokens=max_new_tokens),
         "nothing": grace_st.answer(model, question, max_new_tokens=max_new_tokens),
     }
+
+
+@torch.no_grad()
+def reconstruction_losses(model, texts: list[str], read_from: list[int], max_tokens: int = 128) -> list[float]:
+    """L_Recons (Eq. 3) of each text, nats a token, teacher-forced: ❸ rebuilding ``texts[i]`` while it reads the
+    latents after ``texts[read_from[i]]`` (compressed as documents, as :func:`grace_st.compress` does)."""
+    encoder = model[0]
+    rows, span = encoder.prompt_token_ids(texts, task="document")
+    responses = encoder.engine.responses(rows, span, encoder.rationale_budget("document"))
+    prefixes = [[*row, *response] for row, response in zip(rows, responses)]
+    turns, starts = reconstruction_turns(encoder, texts, 0, max_tokens)
+    head = encoder.model.get_output_embeddings()
+    losses = []
+    for i, source in enumerate(read_from):  # one text a pass: token_loss is a mean over its rows
+        out = latent_pass(
+            encoder.model, encoder.latent_tokens, [prefixes[source]], [turns[i]], pad_token_id=encoder.pad_token_id,
+            hidden_layer=encoder.hidden_layer,
+        )
+        losses.append(token_loss(head, out.suffix_states, [turns[i]], [(starts[i], len(turns[i]))]).item())
+    return losses
 
 
 def bucket_of(tokens: int) -> str:
@@ -70,19 +97,22 @@ def main() -> None:
     parser.add_argument("--texts", type=int, default=40, help="texts of each source (STS-B dev, SciFact)")
     parser.add_argument("--questions", type=int, default=40, help="WikiQA questions")
     parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--no-generation", action="store_true", help="the teacher-forced losses only")
     parser.add_argument("--out", default="benchmarks/results/grc_memory.json")
     args = parser.parse_args()
     model = grace_st.load(args.model, device="cpu")
     tokenizer = model[0].tokenizer
     report = {"model": args.model, "num_latent_tokens": model[0].num_latent_tokens, "reconstruction": [], "qa": []}
     started = time.perf_counter()
-    for text in held_back_texts(args.texts):
+    texts = held_back_texts(args.texts)
+    report["teacher_forced"] = teacher_forced(model, texts, args.texts)
+    for text in [] if args.no_generation else texts:
         tokens = len(tokenizer.encode(text, add_special_tokens=False))
         answers = three_ways(model, RECONSTRUCTION_PROMPTS[0], text, min(args.max_new_tokens, tokens + 16))
         report["reconstruction"].append(
             {"tokens": tokens, "bucket": bucket_of(tokens), **{k: chrf(v, text) for k, v in answers.items()}}
         )
-    for question, sentence in wikiqa(args.questions):
+    for question, sentence in wikiqa(0 if args.no_generation else args.questions):
         answers = three_ways(model, question, sentence, args.max_new_tokens)
         report["qa"].append({"question": question, **{k: chrf(v, sentence) for k, v in answers.items()}})
     report["memory_bytes"] = grace_st.compress(model, ["x"])[0].nbytes
@@ -91,22 +121,47 @@ def main() -> None:
     print_tables(report)
 
 
-def mean_se(values: list[float]) -> str:
-    """Mean ± its standard error over the texts (the sample's noise; chrF is 0-100)."""
+def teacher_forced(model, texts: list[str], per_source: int) -> list[dict]:
+    """Each text's L_Recons from its own memory and from the next text's of the same source (STS-B, SciFact)."""
+    sources = [texts[:per_source], texts[per_source:]]
+    other = [offset + (i + 1) % len(group) for offset, group in ((0, sources[0]), (per_source, sources[1]))
+             for i in range(len(group))]
+    own = reconstruction_losses(model, texts, list(range(len(texts))))
+    others = reconstruction_losses(model, texts, other)
+    tokenizer = model[0].tokenizer
+    lengths = [len(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+    return [
+        {"tokens": n, "bucket": bucket_of(n), "own": a, "other": b} for n, a, b in zip(lengths, own, others)
+    ]
+
+
+def mean_se(values: list[float], digits: int = 1) -> str:
+    """Mean ± its standard error over the texts (the sample's noise; chrF is 0-100, losses in nats)."""
     se = np.std(values, ddof=1) / np.sqrt(len(values)) if len(values) > 1 else float("nan")
-    return f"{np.mean(values):.1f} ± {se:.1f}"
+    return f"{np.mean(values):.{digits}f} ± {se:.{digits}f}"
+
+
+def by_bucket(rows: list[dict]):
+    """(length bucket, its rows) in the order of :data:`BUCKETS`, the empty ones left out."""
+    for low, _ in BUCKETS:
+        label = bucket_of(low if low else 1)
+        group = [r for r in rows if r["bucket"] == label]
+        if group:
+            yield label, group
 
 
 def print_tables(report: dict) -> None:
     ways = ("memory", "plain text", "nothing")
     print(f"memory: {report['memory_bytes']:,} bytes a text (m = {report['num_latent_tokens']})\n")
-    print("| text length (tokens) | texts | chrF from memory (± SE) | from plain text | from nothing |")
-    print("|---|---|---|---|---|")
-    rows = report["reconstruction"]
-    for low, high in BUCKETS:
-        label = bucket_of(low if low else 1)
-        group = [r for r in rows if r["bucket"] == label]
-        if group:
+    print("| text length (tokens) | texts | L_Recons from its own memory (nats/token ± SE) | from another text's "
+          "| gap (paired ± SE) |\n|---|---|---|---|---|")
+    for label, group in by_bucket(report["teacher_forced"]):
+        own, other = mean_se([r["own"] for r in group], 3), mean_se([r["other"] for r in group], 3)
+        print(f"| {label} | {len(group)} | {own} | {other} | {mean_se([r['other'] - r['own'] for r in group], 3)} |")
+    if report["reconstruction"]:
+        print("\n| text length (tokens) | texts | chrF from memory (± SE) | from plain text | from nothing |")
+        print("|---|---|---|---|---|")
+        for label, group in by_bucket(report["reconstruction"]):
             means = " | ".join(mean_se([r[w] for r in group]) for w in ways)
             print(f"| {label} | {len(group)} | {means} |")
     if report["qa"]:

@@ -45,6 +45,8 @@ ALGORITHMS = ("grpo", "icr", "grc", "infonce")
 TRAINED_METHOD = {"grpo": "grace", "icr": "gircse", "grc": "grc", "infonce": "grace"}
 # The algorithms of the trainer whose loss is on embeddings directly (no rollouts, rewards or policy term).
 EMBEDDING_LOSS = ("icr", "grc")
+# Whose greedy response GRC's L_Gen teacher-forces: the model being trained, or the model training started from.
+GRC_RESPONSE_TARGETS = ("policy", "start")
 FINETUNE_MODES = ("full", "lora")
 CONTRASTIVE_ANCHORS = ("detached", "recompute", "recompute_prompts")
 BAD_ROWS = ("skip", "error")
@@ -261,6 +263,12 @@ class GRPOConfig:
     max_reconstruction_tokens: int = key(
         128, "the text's tokens the reconstruction turn rebuilds (grc; longer texts are cut)", AT_LEAST_ONE,
         resume=APPLIED, card=True,
+    )
+    grc_response_targets: str = key(
+        "policy", "whose greedy response y is L_Gen's target (grc, Eq. 2): `policy`, the model being trained (its "
+        "own answer, teacher-forced; the answers drift to \"None\" within 125 steps, lab/grc_study.md §3); "
+        "`start`, the start model's (the LoRA adapter disabled: the answer held where training began)",
+        one_of(GRC_RESPONSE_TARGETS), resume=FIXED, card=True,
     )
     prompt_format: str = key(
         "chat", "how the saved model wraps a text (the encoder's `prompt_format`): `chat`, the chat template; "
@@ -578,6 +586,11 @@ def _embedding_loss_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
             "algorithm",
             f"algorithm: {config.algorithm} has no rollouts, rewards or policy term; these keys would be ignored: "
             + ", ".join(_grpo_only_keys_set(config)),
+        ),
+        (
+            config.grc_response_targets == "policy" or config.finetune == "lora",
+            "grc_response_targets",
+            "grc_response_targets: start reads the start model as the LoRA adapter disabled: it needs finetune: lora",
         ),
     ]
 

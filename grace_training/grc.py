@@ -3,9 +3,10 @@
 Each text of a batch (queries, positives, hard negatives) is one sequence, laid out by
 :func:`grace_st.grc.latent_pass` (the pass ``encode`` runs):
 
-    ❶ P(x) ⊕ y      y: the model's own greedy response at the text's budget (no gradient: self-distillation meant to
-                    keep generation; measured to collapse to "None", lab/grc_study.md §3), or "None" at budget 0
-                    (documents, as the paper trains them)
+    ❶ P(x) ⊕ y      y: a greedy response at the text's budget, no gradient (:func:`response_targets`): the model's
+                    own (``grc_response_targets: policy``, self-distillation; measured to collapse to "None",
+                    lab/grc_study.md §3) or the start model's (``start``, the LoRA adapter disabled), or "None"
+                    at budget 0 (documents, as the paper trains them)
     ❷ r_1..r_m      the latents
     ❸ P_mem(r_p) ⊕ c ⊕ EOS   a reconstruction turn: a prompt r_p drawn from :data:`~grace_st.grc.RECONSTRUCTION_PROMPTS` in the
                     memory's conversation (:func:`grace_st.memory.memory_prompt`), then c, the text itself (cut at
@@ -52,6 +53,16 @@ def reconstruction_turns(encoder, texts: Sequence[str], seed: int, max_tokens: i
     return turns, starts
 
 
+def response_targets(encoder, rows: list[list[int]], instruction_length: int, budget: int, whose: str) -> list[list[int]]:
+    """y of each prompt, L_Gen's target: the greedy response ``encode`` writes at ``budget``, from the model being
+    trained (``whose="policy"``) or from the start model, its LoRA adapter disabled (``"start"``; the paper's y is
+    data, not the policy's: a fixed target keeps the answers from drifting with training)."""
+    if whose == "policy":
+        return encoder.engine.responses(rows, instruction_length, budget)
+    with encoder.model.disable_adapter():
+        return encoder.engine.responses(rows, instruction_length, budget)
+
+
 def token_loss(lm_head, states: Tensor, ids: Sequence[Sequence[int]], targets: Sequence[tuple[int, int]]) -> Tensor:
     """Mean cross-entropy of the tokens at columns [start, end) of each row of ``ids``, each predicted from the
     state one column before (states and ids laid out alike, (B, T, H) and B rows)."""
@@ -88,8 +99,7 @@ def grc_batch_loss(encoder, triplets: Sequence[Triplet], config, scores: Tensor 
             side_sizes.append(0)
             continue
         rows, span = encoder.prompt_token_ids(list(side_texts), task=task)
-        # y: the engine's greedy response at the budget (the one ``encode`` writes), no gradient, then teacher-forced
-        made = encoder.engine.responses(rows, span, encoder.rationale_budget(task or "default"))
+        made = response_targets(encoder, rows, span, encoder.rationale_budget(task or "default"), config.grc_response_targets)
         prefixes += [[*row, *response] for row, response in zip(rows, made)]
         response_spans += [len(response) for response in made]
         texts += list(side_texts)

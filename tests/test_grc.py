@@ -116,6 +116,31 @@ def test_training_reconstruction_reads_the_memory_compress_gives():
     assert memory.next_position == len(prompt) + 3
 
 
+def test_the_memory_benchmark_scores_a_text_read_from_its_own_memory_by_the_training_loss():
+    """benchmarks/grc_memory.py's teacher-forced L_Recons: the training pass and loss, one text at a time, and the
+    memory read is the one named (another text's changes the loss; its own gives the batch's value again)."""
+    import importlib.util
+    from pathlib import Path
+
+    from grace_training.grc import reconstruction_turns, token_loss
+
+    spec = importlib.util.spec_from_file_location("grc_memory", Path(__file__).parents[1] / "benchmarks" / "grc_memory.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    model = grc_model()
+    encoder = model[0]
+    own = bench.reconstruction_losses(model, TEXTS, [0, 1])
+    swapped = bench.reconstruction_losses(model, TEXTS, [1, 0])
+    assert all(math.isfinite(x) for x in own + swapped) and own != swapped
+    assert bench.reconstruction_losses(model, TEXTS, [0, 1]) == own  # deterministic
+    prefix = encoder.prompt_token_ids(TEXTS[:1], task="document")[0][0] + encoder.tokenizer.encode("None")
+    [turn], [start] = reconstruction_turns(encoder, TEXTS[:1], 0, 128)
+    with torch.no_grad():
+        out = latent_pass(encoder.model, encoder.latent_tokens, [prefix], [turn], pad_token_id=encoder.pad_token_id)
+        expected = token_loss(encoder.model.get_output_embeddings(), out.suffix_states, [turn], [(start, len(turn))])
+    assert own[0] == pytest.approx(expected.item(), rel=1e-5)
+
+
 def test_a_memory_is_the_same_size_for_any_text_and_answers_from_one_or_several(tmp_path):
     model = grc_model()
     config = model[0].model.config
@@ -238,6 +263,27 @@ def test_grc_trains_cosent_on_scored_pairs_and_refuses_grpo_keys(tmp_path):
     assert metrics["loss/representation"] > 0 and metrics["loss/reconstruction"] > 0
     with pytest.raises(ConfigError, match="would be ignored: contrastive_beta"):
         grc_config(tmp_path, "bad", 1, contrastive_beta=1.0).validate()
+
+
+def test_start_targets_are_the_start_models_answers_however_far_the_adapter_moved(tmp_path):
+    from grace_training.config import ConfigError
+    from grace_training.grc import response_targets
+
+    base = grc_model()
+    encoder = base[0]
+    rows, span = encoder.prompt_token_ids(TEXTS, task="query")
+    before = encoder.engine.responses(rows, span, 6)
+    trainer = GRPOTrainer(grc_config(tmp_path, "start", 1, grc_response_targets="start"), model=base, train_data=DATA)
+    with torch.no_grad():
+        for name, parameter in encoder.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 1.0)  # an adapter far from zero: the policy answers otherwise
+    assert response_targets(encoder, rows, span, 6, "policy") != before
+    assert response_targets(encoder, rows, span, 6, "start") == before
+    metrics = trainer.training_step(trainer.batch_for_step(0), 0)
+    assert math.isfinite(metrics["loss/generation"]) and metrics["loss/generation"] > 0
+    with pytest.raises(ConfigError, match="grc_response_targets: start .* needs finetune: lora"):
+        config(tmp_path, algorithm="grc", finetune="full", max_rationale_tokens=dict(BUDGETS), grc_response_targets="start")
 
 
 def test_the_generation_loss_is_taken_on_the_response_tokens_each_from_the_state_before_it():
