@@ -98,12 +98,23 @@ train-gircse: $(VENV)/.installed model
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/gircse_smollm2.yaml \
 		--resume --max-minutes 55
 
-# GRC (docs/grc.md): meta latent tokens trained by Eq. 5 on the same data, one chunk of at most 55 minutes a call,
-# resumed from its latest checkpoint; export with `python -m grace_training.export_adapter runs/grc/checkpoint-N
-# --into-package` (it goes to grace_st/grc_adapter, latents included).
+# GRC (docs/grc.md, lab/grc_study.md §9): meta latent tokens trained by Eq. 5 on the same data, fully fine-tuned
+# for 125 steps (0.9 CPU hours on one thread) in chunks of at most 55 minutes, each resumed from the latest
+# checkpoint; then the delta from the base cut to a rank-32 LoRA adapter (the plain SVD, latents carried whole) and
+# exported into grace_st/grc_adapter in bfloat16.
+GRC_RUN := runs/grc
+GRC_STEP := 125
+GRC_LOWRANK_DIR := runs/grc_lowrank32
 train-grc: $(VENV)/.installed model
-	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/grc_smollm2.yaml \
-		--resume --max-minutes 55
+	for chunk in 1 2 3 4; do \
+		[ -d $(GRC_RUN)/checkpoint-$$(printf %08d $(GRC_STEP)) ] && break; \
+		OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/grc_smollm2.yaml \
+			output_dir=$(GRC_RUN) max_steps=$(GRC_STEP) --resume --max-minutes 55 || exit 1; \
+	done
+	rm -rf $(GRC_LOWRANK_DIR)
+	$(PY) -m grace_training.lowrank_adapter $(GRC_RUN)/checkpoint-$$(printf %08d $(GRC_STEP)) --rank 32 \
+		--calibration 0 --out $(GRC_LOWRANK_DIR)
+	$(PY) -m grace_training.export_adapter $(GRC_LOWRANK_DIR) --into-package --bfloat16
 
 # On a machine with a CUDA GPU: HF vs vLLM encode, GRPO steps with vLLM rollouts in bf16, one JSON
 # report (benchmarks/results/gpu_check.json). vLLM brings its own CUDA torch, hence a venv of its

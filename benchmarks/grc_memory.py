@@ -10,7 +10,9 @@ training; they may have been drawn as negatives).
 Teacher-forced reconstruction (cheap, and it sees what greedy answers hide): Eq. 3's L_Recons of each held-back
 text in nats a token, the training pass and loss (:func:`grace_st.grc.latent_pass`,
 :func:`grace_training.grc.token_loss`), reading the latents after the text itself against the latents after
-another text of the same source. The gap is what the memory holds of its own text.
+another text of the same source. The gap is what the memory holds of its own text. Several memories: the same
+texts rebuilt through ``answer``'s own reading (:func:`grace_st.grc.turn_logits`) from their memory, another's, and
+both at once; what the second costs is how well one memory among several is still found.
 
 Question answering: WikiQA questions with their gold answer sentence as the text; chrF of the answer against that
 sentence, from the memory, from the plain text and from nothing. WikiQA's pairs are training data (as retrieval pairs
@@ -30,7 +32,7 @@ import numpy as np
 import torch
 
 import grace_st
-from grace_st.grc import RECONSTRUCTION_PROMPTS, latent_pass
+from grace_st.grc import RECONSTRUCTION_PROMPTS, latent_pass, turn_logits
 from grace_st.scoreboard import SIZES, data_dir, scifact, sts_pairs, write_json
 from grace_training.grc import reconstruction_turns, token_loss
 
@@ -101,13 +103,13 @@ def main() -> None:
     parser.add_argument("--out", default="benchmarks/results/grc_memory.json")
     args = parser.parse_args()
     model = grace_st.load(args.model, device="cpu")
-    tokenizer = model[0].tokenizer
     report = {"model": args.model, "num_latent_tokens": model[0].num_latent_tokens, "reconstruction": [], "qa": []}
     started = time.perf_counter()
     texts = held_back_texts(args.texts)
     report["teacher_forced"] = teacher_forced(model, texts, args.texts)
+    report["several_memories"] = several_memories(model, texts, args.texts)
     for text in [] if args.no_generation else texts:
-        tokens = len(tokenizer.encode(text, add_special_tokens=False))
+        [tokens] = token_counts(model, [text])
         answers = three_ways(model, RECONSTRUCTION_PROMPTS[0], text, min(args.max_new_tokens, tokens + 16))
         report["reconstruction"].append(
             {"tokens": tokens, "bucket": bucket_of(tokens), **{k: chrf(v, text) for k, v in answers.items()}}
@@ -121,17 +123,44 @@ def main() -> None:
     print_tables(report)
 
 
+def other_of_same_source(texts: list[str], per_source: int) -> list[int]:
+    """For each text, the next text of its source (STS-B sentences first, then SciFact abstracts), cyclically."""
+    groups = ((0, len(texts[:per_source])), (per_source, len(texts[per_source:])))
+    return [offset + (i + 1) % size for offset, size in groups for i in range(size)]
+
+
 def teacher_forced(model, texts: list[str], per_source: int) -> list[dict]:
     """Each text's L_Recons from its own memory and from the next text's of the same source (STS-B, SciFact)."""
-    sources = [texts[:per_source], texts[per_source:]]
-    other = [offset + (i + 1) % len(group) for offset, group in ((0, sources[0]), (per_source, sources[1]))
-             for i in range(len(group))]
     own = reconstruction_losses(model, texts, list(range(len(texts))))
-    others = reconstruction_losses(model, texts, other)
-    tokenizer = model[0].tokenizer
-    lengths = [len(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+    others = reconstruction_losses(model, texts, other_of_same_source(texts, per_source))
     return [
-        {"tokens": n, "bucket": bucket_of(n), "own": a, "other": b} for n, a, b in zip(lengths, own, others)
+        {"tokens": n, "bucket": bucket_of(n), "own": a, "other": b}
+        for n, a, b in zip(token_counts(model, texts), own, others)
+    ]
+
+
+def token_counts(model, texts: list[str]) -> list[int]:
+    tokenizer = model[0].tokenizer
+    return [len(tokenizer.encode(text, add_special_tokens=False)) for text in texts]
+
+
+@torch.no_grad()
+def several_memories(model, texts: list[str], per_source: int) -> list[dict]:
+    """Each text rebuilt (teacher-forced, nats a token) through ``answer``'s reading of memories
+    (:func:`grace_st.grc.turn_logits`): from its own memory, from another text's, and from both at once (the order
+    does not matter: each memory keeps its positions). What the second memory costs is ``both - own``."""
+    encoder = model[0]
+    memories = grace_st.compress(model, texts)
+    turns, starts = reconstruction_turns(encoder, texts, 0, 128)
+
+    def loss(i: int, read: list[int]) -> float:
+        logits = turn_logits(encoder.model, turns[i], [memories[j] for j in read])
+        targets = torch.tensor(turns[i][starts[i] :], device=logits.device)
+        return torch.nn.functional.cross_entropy(logits[starts[i] - 1 : -1].float(), targets).item()
+
+    return [
+        {"tokens": n, "bucket": bucket_of(n), "own": loss(i, [i]), "other": loss(i, [j]), "both": loss(i, [i, j])}
+        for i, (j, n) in enumerate(zip(other_of_same_source(texts, per_source), token_counts(model, texts)))
     ]
 
 
@@ -158,6 +187,13 @@ def print_tables(report: dict) -> None:
     for label, group in by_bucket(report["teacher_forced"]):
         own, other = mean_se([r["own"] for r in group], 3), mean_se([r["other"] for r in group], 3)
         print(f"| {label} | {len(group)} | {own} | {other} | {mean_se([r['other'] - r['own'] for r in group], 3)} |")
+    if report.get("several_memories"):
+        print("\n| text length (tokens) | texts | L_Recons read from its own memory | another's | both at once "
+              "| both − own (paired ± SE) |\n|---|---|---|---|---|---|")
+        for label, group in by_bucket(report["several_memories"]):
+            own, other, both = (mean_se([r[way] for r in group], 3) for way in ("own", "other", "both"))
+            cost = mean_se([r["both"] - r["own"] for r in group], 3)
+            print(f"| {label} | {len(group)} | {own} | {other} | {both} | {cost} |")
     if report["reconstruction"]:
         print("\n| text length (tokens) | texts | chrF from memory (± SE) | from plain text | from nothing |")
         print("|---|---|---|---|---|")

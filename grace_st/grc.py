@@ -241,6 +241,34 @@ def memory_cache(model, memories: Sequence[LatentMemory]):
     return cache
 
 
+def _open_memories(model, memories: Sequence[LatentMemory]):
+    """The cache a turn reads ``memories`` from, how many positions it holds, and where the turn's positions start
+    (after the memories: module docstring)."""
+    cache = memory_cache(model, memories) if memories else _new_cache()
+    past = sum(memory.keys.shape[2] for memory in memories)
+    return cache, past, max((memory.next_position for memory in memories), default=0)
+
+
+def _read(model, ids: Tensor, cache, past: int, position: int):
+    """One forward of ``ids`` (1 × width) after ``past`` cached positions, starting at rotary ``position``."""
+    width = ids.shape[1]
+    return model(
+        input_ids=ids,
+        attention_mask=torch.ones(1, past + width, dtype=torch.long, device=ids.device),
+        position_ids=torch.arange(position, position + width, device=ids.device)[None],
+        use_cache=True,
+        **cache_kwargs(model, cache),
+    )
+
+
+@torch.no_grad()
+def turn_logits(model, turn_ids: Sequence[int], memories: Sequence[LatentMemory]) -> Tensor:
+    """The LM's logits (width × vocabulary) at every token of a turn reading ``memories``, teacher-forced: the
+    reading :func:`answer_from_memory` does, scored on a known continuation (a reconstruction's text)."""
+    device = next(model.parameters()).device
+    return _read(model, torch.tensor([list(turn_ids)], device=device), *_open_memories(model, memories)).logits[0]
+
+
 @torch.no_grad()
 def answer_from_memory(
     model,
@@ -253,21 +281,12 @@ def answer_from_memory(
     """Greedy tokens after ``prompt_ids`` (a new turn), reading ``memories`` as past keys and values (none: the
     turn alone). Positions start after the memories (module docstring). One row: a question at a time."""
     device = next(model.parameters()).device
-    cache = memory_cache(model, memories) if memories else _new_cache()
-    past = sum(memory.keys.shape[2] for memory in memories)
-    position = max((memory.next_position for memory in memories), default=0)
+    cache, past, position = _open_memories(model, memories)
     ids = torch.tensor([list(prompt_ids)], device=device)
     stop, made = set(eos_token_ids), []
     for _ in range(max_new_tokens):
         width = ids.shape[1]
-        output = model(
-            input_ids=ids,
-            attention_mask=torch.ones(1, past + width, dtype=torch.long, device=device),
-            position_ids=torch.arange(position, position + width, device=device)[None],
-            use_cache=True,
-            **cache_kwargs(model, cache),
-        )
-        token = int(output.logits[0, -1].argmax())
+        token = int(_read(model, ids, cache, past, position).logits[0, -1].argmax())
         if token in stop:
             break
         made.append(token)

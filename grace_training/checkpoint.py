@@ -54,6 +54,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from grace_st.grc import LATENT_FILE
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -429,7 +431,8 @@ def load_checkpoint(checkpoint: str | Path, *, policy, optimizer, scheduler, acc
         return state
     weights = {}
     for file in sorted(checkpoint.glob("*.safetensors")):
-        weights.update(_load_safetensors(file))
+        if file.name != LATENT_FILE:  # GRC's latents and A are not the policy's: load_latent_tokens restores them
+            weights.update(_load_safetensors(file))
     try:
         missing, unexpected = policy.load_state_dict(weights, strict=False)
     except RuntimeError as error:  # a shape mismatch: the checkpoint is of another model
@@ -448,8 +451,6 @@ def load_checkpoint(checkpoint: str | Path, *, policy, optimizer, scheduler, acc
 def load_latent_tokens(checkpoint: str | Path, latents) -> None:
     """GRC's latent tokens and adapter A (``latent_tokens.safetensors``, :class:`grace_st.grc.LatentTokens`) into
     ``latents`` in place, where the optimiser holds them; a checkpoint without them, or with others, is refused."""
-    from grace_st.grc import LATENT_FILE
-
     file = Path(checkpoint) / LATENT_FILE
     if not file.is_file():
         raise CheckpointError(f"{checkpoint}: no {LATENT_FILE}, which a GRC run saves with every checkpoint")

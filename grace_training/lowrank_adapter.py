@@ -19,6 +19,9 @@ the calibration sequences (:func:`distill`).
     python -m grace_training.lowrank_adapter runs/yl_grace/checkpoint-00000100 --rank 32 --out runs/yl_lowrank32 \
         --config grace_training/configs/scale_grace.yaml --distill-steps 200 --distill-learning-rate 5e-5
 
+A GRC model's latent tokens and adapter A are carried whole (``latent_tokens.safetensors``); its cut is the plain
+SVD (its embedding reads the latents, which the calibration sequences leave out).
+
 The output is a saved GRACE adapter model on the base (``dev_eval.py PATH@saved`` scores it,
 ``export_adapter PATH --bfloat16`` ships it), with the tuned model's encoder settings and ``lowrank_from.json``: what
 it approximates and how much of the delta each kind of layer kept. The tuned model's embeddings and norm weights
@@ -319,6 +322,8 @@ def lowrank_adapter(
     _check_arguments(rank, out, config, calibration, distill_steps, distill_learning_rate)
     base = base or Path(default_model_path(trained=False))
     tuned_model, model, tuned_weights, base_weights = _load_models(tuned, base)
+    if calibration and tuned_model[0].method == "grc":  # its calibration sequences would leave out the latents
+        raise SystemExit(f"{tuned}: a GRC model is cut by the plain SVD, without the latents: give --calibration 0")
     tuned_lm, lm = tuned_model[0].model, model[0].model
     names = _target_layers(lm, base)
 
@@ -452,13 +457,14 @@ def _delta_energy(tuned_weights: dict, base_weights: dict, names: list[str]) -> 
 
 
 def _save_adapter_model(model, tuned_model, peft_model, tuned: Path, out: Path) -> None:
-    """The base model with the adapter and the tuned model's encoder settings, saved into ``out`` with the tuned
-    model's training state."""
+    """The base model with the adapter and the tuned model's encoder settings (and a GRC model's latent tokens),
+    saved into ``out`` with the tuned model's training state."""
     encoder, tuned_encoder = model[0], tuned_model[0]
     for key in encoder.config_keys:
         if key != "weights_revision":
             setattr(encoder, key, getattr(tuned_encoder, key))
     encoder.model = peft_model
+    encoder.latent_tokens = tuned_encoder.latent_tokens  # GRC's, trained in full: carried as they are
     model.save(str(out))
     _copy_training_state(tuned, out)
 
@@ -508,7 +514,7 @@ def _copy_training_state(tuned: Path, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
-        "tuned", type=Path, help="a saved GRACE model: full weights, or an adapter on a full-weight model"
+        "tuned", type=Path, help="a saved GRACE, GIRCSE or GRC model: full weights, or an adapter on a full-weight model"
     )
     parser.add_argument("--rank", type=int, required=True, help="the LoRA rank of every layer")
     parser.add_argument("--out", type=Path, required=True, help="a new directory")

@@ -3,6 +3,7 @@ Eq. 5 trains all three in one masked pass; on tiny random models."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -14,7 +15,7 @@ from test_training_quality import saved_base
 from test_training_trainer import DATA, config
 
 import grace_st
-from grace_st.grc import LatentTokens, latent_pass, segment_mask
+from grace_st.grc import LatentTokens, latent_pass, segment_mask, turn_logits
 from grace_st.memory import memory_prompt
 from grace_training.data import Triplet
 from grace_training.trainer import GRPOTrainer
@@ -103,17 +104,24 @@ def test_training_reconstruction_reads_the_memory_compress_gives():
     head = encoder.model.get_output_embeddings()
     with torch.no_grad():
         trained = head(latent_pass(encoder.model, encoder.latent_tokens, [prompt], [turn], pad_token_id=0).suffix_states)
-        from grace_st.grc import memory_cache
-        from grace_st.transformers_compat import cache_kwargs
-
-        cache = memory_cache(encoder.model, [memory])
-        positions = torch.arange(memory.next_position, memory.next_position + len(turn))[None]
-        read = encoder.model(
-            input_ids=torch.tensor([turn]), attention_mask=torch.ones(1, 3 + len(turn), dtype=torch.long),
-            position_ids=positions, use_cache=True, **cache_kwargs(encoder.model, cache),
-        ).logits
-    torch.testing.assert_close(read, trained, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(turn_logits(encoder.model, turn, [memory])[None], trained, atol=2e-5, rtol=1e-4)
     assert memory.next_position == len(prompt) + 3
+
+
+def test_several_memories_are_read_as_a_set_each_at_its_own_positions():
+    """Each memory keeps the rotary positions it was made at, so the order they are given in does not change
+    the reading; a second memory does change it."""
+    model = grc_model()
+    encoder = model[0]
+    first, second = grace_st.compress(model, TEXTS[:2])
+    question = "What were we discussing earlier?"
+    turn = memory_prompt(encoder, question)
+    both = turn_logits(encoder.model, turn, [first, second])
+    torch.testing.assert_close(turn_logits(encoder.model, turn, [second, first]), both, atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(turn_logits(encoder.model, turn, [first]), both, atol=1e-4)
+    assert grace_st.answer(model, question, [first, second], max_new_tokens=6) == grace_st.answer(
+        model, question, [second, first], max_new_tokens=6
+    )
 
 
 def test_the_memory_benchmark_scores_a_text_read_from_its_own_memory_by_the_training_loss():
@@ -139,6 +147,11 @@ def test_the_memory_benchmark_scores_a_text_read_from_its_own_memory_by_the_trai
         out = latent_pass(encoder.model, encoder.latent_tokens, [prefix], [turn], pad_token_id=encoder.pad_token_id)
         expected = token_loss(encoder.model.get_output_embeddings(), out.suffix_states, [turn], [(start, len(turn))])
     assert own[0] == pytest.approx(expected.item(), rel=1e-5)
+    # answer's reading of the memories gives the training loss too, and a second memory changes it
+    rows = bench.several_memories(model, TEXTS, per_source=2)
+    assert [r["own"] for r in rows] == pytest.approx(own, rel=1e-4)
+    assert [r["other"] for r in rows] == pytest.approx(swapped, rel=1e-4)
+    assert all(r["both"] not in (r["own"], r["other"]) for r in rows)
 
 
 def test_a_memory_is_the_same_size_for_any_text_and_answers_from_one_or_several(tmp_path):
@@ -220,15 +233,16 @@ def test_grc_through_the_rationale_cache_the_cli_and_mteb(tmp_path, capsys):
 
 def grc_config(tmp_path, out, steps, **overrides):
     return config(
-        tmp_path, algorithm="grc", finetune="lora", max_rationale_tokens=dict(BUDGETS), num_latent_tokens=3,
-        max_steps=steps, save_steps=1, learning_rate=1e-2, output_dir=str(tmp_path / out), **overrides,
+        tmp_path, algorithm="grc", max_rationale_tokens=dict(BUDGETS), num_latent_tokens=3, max_steps=steps,
+        save_steps=1, learning_rate=1e-2, output_dir=str(tmp_path / out), **{"finetune": "lora", **overrides},
     )
 
 
-def test_a_grc_run_logs_each_loss_checkpoints_a_grc_model_and_resumes_bit_identically(tmp_path):
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_a_grc_run_logs_each_loss_checkpoints_a_grc_model_and_resumes_bit_identically(tmp_path, finetune):
     base = saved_base(tmp_path)
     start = base[0]
-    result = GRPOTrainer(grc_config(tmp_path, "run", 2), model=base, train_data=DATA).train()
+    result = GRPOTrainer(grc_config(tmp_path, "run", 2, finetune=finetune), model=base, train_data=DATA).train()
     metrics = result["metrics"]
     assert {"loss/generation", "loss/reconstruction", "loss/representation", "time/step_cpu_s"} <= metrics.keys()
     assert all(math.isfinite(value) for value in metrics.values())
@@ -243,12 +257,14 @@ def test_a_grc_run_logs_each_loss_checkpoints_a_grc_model_and_resumes_bit_identi
         torch.as_tensor(loaded.encode(TEXTS)), torch.as_tensor(base.encode(TEXTS)), atol=1e-5, rtol=1e-4
     )
 
-    GRPOTrainer(grc_config(tmp_path, "resumed", 1), model=saved_base(tmp_path), train_data=DATA).train()
-    second = GRPOTrainer(grc_config(tmp_path, "resumed", 2), model=saved_base(tmp_path), train_data=DATA)
+    resumed_config = functools.partial(grc_config, tmp_path, "resumed", finetune=finetune)
+    GRPOTrainer(resumed_config(1), model=saved_base(tmp_path), train_data=DATA).train()
+    second = GRPOTrainer(resumed_config(2), model=saved_base(tmp_path), train_data=DATA)
     second.train(resume=True)
-    straight = {k: v for k, v in base[0].model.state_dict().items() if "lora_" in k}
-    again = {k: v for k, v in second.policy.state_dict().items() if "lora_" in k}
-    assert straight and all(torch.equal(again[k], v) for k, v in straight.items())
+    trained = "lora_" if finetune == "lora" else ""
+    straight = {k: v for k, v in base[0].model.state_dict().items() if trained in k}
+    again = {k: v for k, v in second.policy.state_dict().items() if trained in k}
+    assert straight and straight.keys() == again.keys() and all(torch.equal(again[k], v) for k, v in straight.items())
     latents, resumed = start.latent_tokens.state_dict(), second.encoder.latent_tokens.state_dict()
     assert all(torch.equal(resumed[k], v) for k, v in latents.items())
 

@@ -86,6 +86,22 @@ def test_an_adapter_of_the_delta_rank_encodes_as_the_tuned_model(tmp_path, calib
     assert json.loads((tmp_path / "adapter" / LOWRANK_FROM).read_text())["rank"] == 2
 
 
+def test_a_grc_model_is_cut_with_its_latents_by_the_plain_svd(tmp_path):
+    base = saved(tmp_path / "base")
+    tuned = SentenceTransformer(str(tuned_by_a_low_rank_delta(base, tmp_path / "lm")), trust_remote_code=True, device="cpu")
+    tuned[0].method, tuned[0].num_latent_tokens = "grc", 3
+    tuned[0].check_settings()  # fresh latents; moved, as training moves them
+    with torch.no_grad():
+        tuned[0].latent_tokens.latents.add_(0.5)
+    tuned.save(str(tmp_path / "tuned"))
+    with pytest.raises(SystemExit, match="plain SVD"):
+        lowrank_adapter(tmp_path / "tuned", tmp_path / "x", 2, base=base, config=write_config(tmp_path), calibration=4)
+    lowrank_adapter(tmp_path / "tuned", tmp_path / "adapter", 2, base=base, calibration=0)
+    cut = SentenceTransformer(str(tmp_path / "adapter"), trust_remote_code=True, device="cpu")
+    assert cut[0].method == "grc" and torch.equal(cut[0].latent_tokens.latents, tuned[0].latent_tokens.latents)
+    torch.testing.assert_close(encode(tmp_path / "adapter"), encode(tmp_path / "tuned"), atol=1e-5, rtol=1e-4)
+
+
 def test_distilling_the_cut_brings_it_nearer_the_tuned_model_and_keeps_the_best_step(tmp_path):
     base = saved(tmp_path / "base")
     tuned = tuned_by_a_low_rank_delta(base, tmp_path / "tuned", rank=4)
