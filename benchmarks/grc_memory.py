@@ -108,8 +108,7 @@ def main() -> None:
     texts = held_back_texts(args.texts)
     report["teacher_forced"] = teacher_forced(model, texts, args.texts)
     report["several_memories"] = several_memories(model, texts, args.texts)
-    for text in [] if args.no_generation else texts:
-        [tokens] = token_counts(model, [text])
+    for text, tokens in [] if args.no_generation else zip(texts, token_counts(model, texts)):
         answers = three_ways(model, RECONSTRUCTION_PROMPTS[0], text, min(args.max_new_tokens, tokens + 16))
         report["reconstruction"].append(
             {"tokens": tokens, "bucket": bucket_of(tokens), **{k: chrf(v, text) for k, v in answers.items()}}

@@ -54,8 +54,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from grace_st.grc import LATENT_FILE
-
 logger = logging.getLogger(__name__)
 
 CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -430,9 +428,9 @@ def load_checkpoint(checkpoint: str | Path, *, policy, optimizer, scheduler, acc
         _load_training_state(checkpoint, optimizer, scheduler)
         return state
     weights = {}
-    for file in sorted(checkpoint.glob("*.safetensors")):
-        if file.name != LATENT_FILE:  # GRC's latents and A are not the policy's: load_latent_tokens restores them
-            weights.update(_load_safetensors(file))
+    # the LM's weights only (model.safetensors or its shards): GRC's latents beside them are load_latent_tokens'
+    for file in sorted(checkpoint.glob("model*.safetensors")):
+        weights.update(_load_safetensors(file))
     try:
         missing, unexpected = policy.load_state_dict(weights, strict=False)
     except RuntimeError as error:  # a shape mismatch: the checkpoint is of another model
@@ -451,6 +449,8 @@ def load_checkpoint(checkpoint: str | Path, *, policy, optimizer, scheduler, acc
 def load_latent_tokens(checkpoint: str | Path, latents) -> None:
     """GRC's latent tokens and adapter A (``latent_tokens.safetensors``, :class:`grace_st.grc.LatentTokens`) into
     ``latents`` in place, where the optimiser holds them; a checkpoint without them, or with others, is refused."""
+    from grace_st.grc import LATENT_FILE
+
     file = Path(checkpoint) / LATENT_FILE
     if not file.is_file():
         raise CheckpointError(f"{checkpoint}: no {LATENT_FILE}, which a GRC run saves with every checkpoint")
