@@ -267,7 +267,8 @@ class GRPOConfig:
     grc_response_targets: str = key(
         "policy", "whose greedy response y is L_Gen's target (grc, Eq. 2): `policy`, the model being trained (its "
         "own answer, teacher-forced; the answers drift to \"None\" within 125 steps, lab/grc_study.md §3); "
-        "`start`, the start model's (the LoRA adapter disabled: the answer held where training began)",
+        "`start`, the start model's (the LoRA adapter disabled, or under full fine-tuning a frozen copy of the start "
+        "model: the answer held where training began)",
         one_of(GRC_RESPONSE_TARGETS), resume=FIXED, card=True,
     )
     prompt_format: str = key(
@@ -474,8 +475,12 @@ class GRPOConfig:
         return {"mode": self.reward_mode, **{name: getattr(self, name) for name in names}}
 
     def summary(self) -> dict[str, Any]:
-        """The settings worth a line on a model card (the keys marked ``card``; flat, JSON-friendly)."""
-        return {item.name: getattr(self, item.name) for item in dataclasses.fields(self) if item.metadata["card"]}
+        """The settings worth a line on a model card (the keys marked ``card``; flat, JSON-friendly). The LoRA keys
+        only where an adapter was trained: a fully fine-tuned model has none to describe."""
+        return {
+            item.name: getattr(self, item.name) for item in dataclasses.fields(self)
+            if item.metadata["card"] and not (self.finetune == "full" and item.name.startswith("lora_"))
+        }
 
     def __str__(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -586,11 +591,6 @@ def _embedding_loss_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
             "algorithm",
             f"algorithm: {config.algorithm} has no rollouts, rewards or policy term; these keys would be ignored: "
             + ", ".join(_grpo_only_keys_set(config)),
-        ),
-        (
-            config.grc_response_targets == "policy" or config.finetune == "lora",
-            "grc_response_targets",
-            "grc_response_targets: start reads the start model as the LoRA adapter disabled: it needs finetune: lora",
         ),
     ]
 

@@ -5,7 +5,7 @@ Each text of a batch (queries, positives, hard negatives) is one sequence, laid 
 
     ❶ P(x) ⊕ y      y: a greedy response at the text's budget, no gradient (:func:`response_targets`): the model's
                     own (``grc_response_targets: policy``, self-distillation; measured to collapse to "None",
-                    lab/grc_study.md §3) or the start model's (``start``, the LoRA adapter disabled), or "None"
+                    lab/grc_study.md §3) or the start model's (``start``, frozen where training began), or "None"
                     at budget 0 (documents, as the paper trains them)
     ❷ r_1..r_m      the latents
     ❸ P_mem(r_p) ⊕ c ⊕ EOS   a reconstruction turn: a prompt r_p drawn from :data:`~grace_st.grc.RECONSTRUCTION_PROMPTS` in the
@@ -53,14 +53,21 @@ def reconstruction_turns(encoder, texts: Sequence[str], seed: int, max_tokens: i
     return turns, starts
 
 
-def response_targets(encoder, rows: list[list[int]], instruction_length: int, budget: int, whose: str) -> list[list[int]]:
+def response_targets(
+    encoder, rows: list[list[int]], instruction_length: int, budget: int, whose: str, start_model=None
+) -> list[list[int]]:
     """y of each prompt, L_Gen's target: the greedy response ``encode`` writes at ``budget``, from the model being
-    trained (``whose="policy"``) or from the start model, its LoRA adapter disabled (``"start"``; the paper's y is
-    data, not the policy's: a fixed target keeps the answers from drifting with training)."""
+    trained (``whose="policy"``) or from the start model (``"start"``; the paper's y is data, not the policy's: a
+    fixed target keeps the answers from drifting with training): ``start_model``, the trainer's frozen copy under
+    full fine-tuning, or else the policy with its LoRA adapter disabled."""
+    engine = encoder.engine  # a view built on each call: pointing it at the frozen copy leaves the encoder alone
     if whose == "policy":
-        return encoder.engine.responses(rows, instruction_length, budget)
+        return engine.responses(rows, instruction_length, budget)
+    if start_model is not None:
+        engine.model = start_model
+        return engine.responses(rows, instruction_length, budget)
     with encoder.model.disable_adapter():
-        return encoder.engine.responses(rows, instruction_length, budget)
+        return engine.responses(rows, instruction_length, budget)
 
 
 def token_loss(lm_head, states: Tensor, ids: Sequence[Sequence[int]], targets: Sequence[tuple[int, int]]) -> Tensor:
@@ -89,9 +96,12 @@ def representation_loss(query: Tensor, documents: Tensor, scale: float, scores: 
     return F.cross_entropy(logits, torch.arange(len(query), device=logits.device))
 
 
-def grc_batch_loss(encoder, triplets: Sequence[Triplet], config, scores: Tensor | None, seed: int) -> dict[str, Tensor]:
+def grc_batch_loss(
+    encoder, triplets: Sequence[Triplet], config, scores: Tensor | None, seed: int, start_model=None
+) -> dict[str, Tensor]:
     """One batch's Eq. 5 with gradient: ``loss`` and its three terms ``generation``, ``reconstruction`` and
-    ``representation`` (unweighted)."""
+    ``representation`` (unweighted). ``start_model``: the frozen start model that writes ``start`` targets under
+    full fine-tuning (:func:`response_targets`)."""
     sides = triplet_sides(triplets, config.num_negatives, config.query_task, config.document_task)
     prefixes, texts, response_spans, side_sizes = [], [], [], []
     for side_texts, task in sides:
@@ -99,7 +109,8 @@ def grc_batch_loss(encoder, triplets: Sequence[Triplet], config, scores: Tensor 
             side_sizes.append(0)
             continue
         rows, span = encoder.prompt_token_ids(list(side_texts), task=task)
-        made = response_targets(encoder, rows, span, encoder.rationale_budget(task or "default"), config.grc_response_targets)
+        budget = encoder.rationale_budget(task or "default")
+        made = response_targets(encoder, rows, span, budget, config.grc_response_targets, start_model)
         prefixes += [[*row, *response] for row, response in zip(rows, made)]
         response_spans += [len(response) for response in made]
         texts += list(side_texts)

@@ -31,7 +31,10 @@ class GRCStep(TrainingStep):
         self.optimizer.zero_grad(set_to_none=True)
         with accelerator.autocast():
             self.policy_wrapped.train()
-            parts = grc_batch_loss(self.encoder, batch, cfg, self.run.graded_scores(step), seed=cfg.seed + step)
+            parts = grc_batch_loss(
+                self.encoder, batch, cfg, self.run.graded_scores(step), seed=cfg.seed + step,
+                start_model=self.run.reference,
+            )
         forwarded = time.perf_counter()
         accelerator.backward(parts["loss"])
         backwarded = time.perf_counter()

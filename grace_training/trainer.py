@@ -183,12 +183,14 @@ class GRPOTrainer:
             enable_activation_checkpointing(self.policy)
 
     def _build_optimisation(self) -> None:
-        """The KL reference (full fine-tuning only), the optimizer and the schedule; the policy prepared
+        """The frozen start model (full fine-tuning only), the optimizer and the schedule; the policy prepared
         by accelerate."""
         config = self.config
-        # KL reference: with LoRA the base is the adapter disabled (no second copy in memory).
+        # The start model, frozen: the KL reference, or GRC's `start` response targets. With LoRA it is the
+        # adapter disabled (no second copy in memory).
         self.reference = None
-        if (config.kl_coef > 0 or config.text_kl_coef > 0) and config.finetune == "full":
+        start_targets = config.algorithm == "grc" and config.grc_response_targets == "start"
+        if (config.kl_coef > 0 or config.text_kl_coef > 0 or start_targets) and config.finetune == "full":
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
         optimizer = build_optimizer(self.trained_parameters(), config)
         # The scheduler is stepped once per training step here, not through accelerate (which

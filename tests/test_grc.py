@@ -281,25 +281,28 @@ def test_grc_trains_cosent_on_scored_pairs_and_refuses_grpo_keys(tmp_path):
         grc_config(tmp_path, "bad", 1, contrastive_beta=1.0).validate()
 
 
-def test_start_targets_are_the_start_models_answers_however_far_the_adapter_moved(tmp_path):
-    from grace_training.config import ConfigError
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_start_targets_are_the_start_models_answers_however_far_the_policy_moved(tmp_path, finetune):
     from grace_training.grc import response_targets
 
     base = grc_model()
     encoder = base[0]
     rows, span = encoder.prompt_token_ids(TEXTS, task="query")
     before = encoder.engine.responses(rows, span, 6)
-    trainer = GRPOTrainer(grc_config(tmp_path, "start", 1, grc_response_targets="start"), model=base, train_data=DATA)
+    cfg = grc_config(tmp_path, "start", 1, grc_response_targets="start", finetune=finetune)
+    trainer = GRPOTrainer(cfg, model=base, train_data=DATA)
+    moved = "lora_B" if finetune == "lora" else "weight"  # a policy far from where it started answers otherwise
     with torch.no_grad():
         for name, parameter in encoder.model.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0.0, 1.0)  # an adapter far from zero: the policy answers otherwise
+            if moved in name:
+                parameter.add_(torch.randn_like(parameter))
+    # under full fine-tuning the start model is the trainer's frozen copy (with LoRA: the adapter disabled)
+    assert (trainer.reference is None) == (finetune == "lora")
     assert response_targets(encoder, rows, span, 6, "policy") != before
-    assert response_targets(encoder, rows, span, 6, "start") == before
+    assert response_targets(encoder, rows, span, 6, "start", trainer.reference) == before
+    assert encoder.engine.responses(rows, span, 6) != before  # the frozen copy answered; the encoder's model is the policy
     metrics = trainer.training_step(trainer.batch_for_step(0), 0)
     assert math.isfinite(metrics["loss/generation"]) and metrics["loss/generation"] > 0
-    with pytest.raises(ConfigError, match="grc_response_targets: start .* needs finetune: lora"):
-        config(tmp_path, algorithm="grc", finetune="full", max_rationale_tokens=dict(BUDGETS), grc_response_targets="start")
 
 
 def test_the_generation_loss_is_taken_on_the_response_tokens_each_from_the_state_before_it():

@@ -347,6 +347,12 @@ def test_every_config_key_has_its_help_rules_and_resume_kind_once_and_the_docs_t
     )
 
 
+def test_a_model_cards_training_summary_names_lora_settings_only_for_a_lora_run():
+    assert {"lora_r", "lora_alpha"} <= GRPOConfig(finetune="lora").summary().keys()
+    full = GRPOConfig(finetune="full").summary()
+    assert full["finetune"] == "full" and not any(name.startswith("lora_") for name in full)
+
+
 def test_the_old_budget_names_are_read_with_a_warning(caplog):
     old = GRPOConfig.from_dict({"max_prompt_tokens": 100, "max_response_tokens": {"default": 8, "document": 0}})
     assert old.max_input_tokens == 100 and old.max_rationale_tokens == {"default": 8, "document": 0}
