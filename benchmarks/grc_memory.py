@@ -37,6 +37,7 @@ from grace_st.scoreboard import SIZES, data_dir, scifact, sts_pairs, write_json
 from grace_training.grc import reconstruction_turns, token_loss
 
 BUCKETS = ((0, 16), (17, 32), (33, 64), (65, 128), (129, 10**9))
+RECONSTRUCTION_TOKENS = 128  # ❸ rebuilds a text's first 128 tokens, as training's max_reconstruction_tokens
 
 
 def chrf(hypothesis: str, reference: str) -> float:
@@ -69,7 +70,9 @@ def three_ways(model, question: str, text: str, max_new_tokens: int) -> dict[str
 
 
 @torch.no_grad()
-def reconstruction_losses(model, texts: list[str], read_from: list[int], max_tokens: int = 128) -> list[float]:
+def reconstruction_losses(
+    model, texts: list[str], read_from: list[int], max_tokens: int = RECONSTRUCTION_TOKENS
+) -> list[float]:
     """L_Recons (Eq. 3) of each text, nats a token, teacher-forced: ❸ rebuilding ``texts[i]`` while it reads the
     latents after ``texts[read_from[i]]`` (compressed as documents, as :func:`grace_st.compress` does)."""
     encoder = model[0]
@@ -106,9 +109,10 @@ def main() -> None:
     report = {"model": args.model, "num_latent_tokens": model[0].num_latent_tokens, "reconstruction": [], "qa": []}
     started = time.perf_counter()
     texts = held_back_texts(args.texts)
-    report["teacher_forced"] = teacher_forced(model, texts, args.texts)
-    report["several_memories"] = several_memories(model, texts, args.texts)
-    for text, tokens in [] if args.no_generation else zip(texts, token_counts(model, texts)):
+    lengths = token_counts(model, texts)
+    report["teacher_forced"] = teacher_forced(model, texts, args.texts, lengths)
+    report["several_memories"] = several_memories(model, texts, args.texts, lengths)
+    for text, tokens in [] if args.no_generation else zip(texts, lengths):
         answers = three_ways(model, RECONSTRUCTION_PROMPTS[0], text, min(args.max_new_tokens, tokens + 16))
         report["reconstruction"].append(
             {"tokens": tokens, "bucket": bucket_of(tokens), **{k: chrf(v, text) for k, v in answers.items()}}
@@ -128,13 +132,14 @@ def other_of_same_source(texts: list[str], per_source: int) -> list[int]:
     return [offset + (i + 1) % size for offset, size in groups for i in range(size)]
 
 
-def teacher_forced(model, texts: list[str], per_source: int) -> list[dict]:
-    """Each text's L_Recons from its own memory and from the next text's of the same source (STS-B, SciFact)."""
+def teacher_forced(model, texts: list[str], per_source: int, lengths: list[int]) -> list[dict]:
+    """Each text's L_Recons from its own memory and from the next text's of the same source (STS-B, SciFact);
+    ``lengths``: the texts' token counts (:func:`token_counts`)."""
     own = reconstruction_losses(model, texts, list(range(len(texts))))
     others = reconstruction_losses(model, texts, other_of_same_source(texts, per_source))
     return [
         {"tokens": n, "bucket": bucket_of(n), "own": a, "other": b}
-        for n, a, b in zip(token_counts(model, texts), own, others)
+        for n, a, b in zip(lengths, own, others)
     ]
 
 
@@ -144,13 +149,13 @@ def token_counts(model, texts: list[str]) -> list[int]:
 
 
 @torch.no_grad()
-def several_memories(model, texts: list[str], per_source: int) -> list[dict]:
+def several_memories(model, texts: list[str], per_source: int, lengths: list[int]) -> list[dict]:
     """Each text rebuilt (teacher-forced, nats a token) through ``answer``'s reading of memories
     (:func:`grace_st.grc.turn_logits`): from its own memory, from another text's, and from both at once (the order
     does not matter: each memory keeps its positions). What the second memory costs is ``both - own``."""
     encoder = model[0]
     memories = grace_st.compress(model, texts)
-    turns, starts = reconstruction_turns(encoder, texts, 0, 128)
+    turns, starts = reconstruction_turns(encoder, texts, 0, RECONSTRUCTION_TOKENS)
 
     def loss(i: int, read: list[int]) -> float:
         logits = turn_logits(encoder.model, turns[i], [memories[j] for j in read])
@@ -159,7 +164,7 @@ def several_memories(model, texts: list[str], per_source: int) -> list[dict]:
 
     return [
         {"tokens": n, "bucket": bucket_of(n), "own": loss(i, [i]), "other": loss(i, [j]), "both": loss(i, [i, j])}
-        for i, (j, n) in enumerate(zip(other_of_same_source(texts, per_source), token_counts(model, texts)))
+        for i, (j, n) in enumerate(zip(other_of_same_source(texts, per_source), lengths))
     ]
 
 

@@ -148,7 +148,7 @@ def test_the_memory_benchmark_scores_a_text_read_from_its_own_memory_by_the_trai
         expected = token_loss(encoder.model.get_output_embeddings(), out.suffix_states, [turn], [(start, len(turn))])
     assert own[0] == pytest.approx(expected.item(), rel=1e-5)
     # answer's reading of the memories gives the training loss too, and a second memory changes it
-    rows = bench.several_memories(model, TEXTS, per_source=2)
+    rows = bench.several_memories(model, TEXTS, per_source=2, lengths=bench.token_counts(model, TEXTS))
     assert [r["own"] for r in rows] == pytest.approx(own, rel=1e-4)
     assert [r["other"] for r in rows] == pytest.approx(swapped, rel=1e-4)
     assert all(r["both"] not in (r["own"], r["other"]) for r in rows)

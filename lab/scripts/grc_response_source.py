@@ -34,19 +34,19 @@ class ReadsAnswers:
     model's own when ``own``): the same pass ``encode`` runs, only y differs."""
 
     def __init__(self, trained, writer, budget: int, own: bool = False):
-        self.encoder, self.writer, self.budget, self.own = trained[0], writer, budget, own
+        self.encoder, self.writer = trained[0], writer
+        self.budget = budget if (own or writer is not None) else 0
 
     @torch.no_grad()
     def encode(self, texts, batch_size=32, normalize_embeddings=True, show_progress_bar=False):
         engine, out = self.encoder.engine, []
         for start in range(0, len(texts), batch_size):
             rows, span = self.encoder.prompt_token_ids(texts[start : start + batch_size])
-            budget = self.budget if (self.own or self.writer is not None) else 0
-            request = RolloutRequest(rows, [span] * len(rows), 0.0, 1.0, budget)
+            request = RolloutRequest(rows, [span] * len(rows), 0.0, 1.0, self.budget)
             if self.writer is None:
                 thoughts = engine.generate(request)
             else:
-                answers = response_targets(self.encoder, rows, span, budget, "start", self.writer)
+                answers = response_targets(self.encoder, rows, span, self.budget, "start", self.writer)
                 thoughts = Thoughts(Rationales(answers, [-1] * len(rows), [False] * len(rows)))
             out.append(torch.nn.functional.normalize(engine.embed(request, thoughts), dim=-1).numpy())
         return np.concatenate(out)
