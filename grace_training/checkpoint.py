@@ -243,7 +243,7 @@ def write_checkpoint(
     ``write_model(path)`` writes the model directory; ``write_extra(path)`` anything else
     (the model card). With an ``accelerator`` running several processes, every process calls
     this and ``accelerator.save_state`` writes the sharded optimizer; only the main process
-    writes the rest and renames. With ``family``, the checkpoint is marked as that run's, and a
+    writes the rest and renames, once every process has written its part. With ``family``, the checkpoint is marked as that run's, and a
     directory of another run under one of the names the save uses is refused, never replaced.
     """
     root = Path(output_dir)
@@ -263,6 +263,7 @@ def write_checkpoint(
     if distributed:
         accelerator.wait_for_everyone()
         accelerator.save_state(str(staging / STATE_DIR / "accelerate"))
+        accelerator.wait_for_everyone()  # each process writes its own random state: all in before the rename
     if main:
         write_model(staging)
         if write_extra is not None:

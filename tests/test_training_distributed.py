@@ -89,8 +89,19 @@ def grace_train(
 
 def run_ok(root: Path, name: str, *overrides: str, processes: int = 1, config: str = "config.yaml") -> Path:
     output, done = grace_train(root, name, *overrides, processes=processes, config=config)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure_report(done.stderr)
     return output
+
+
+def failure_report(stderr: str) -> str:
+    """Each process's own last lines, then the launcher's: the process that failed first is seldom
+    the one whose error ends the output (the others only see it go)."""
+    ranks: dict[str, list[str]] = {}
+    for line in stderr.splitlines():
+        if line.startswith("[rank"):
+            ranks.setdefault(line.split("]", 1)[0] + "]", []).append(line)
+    own = ["\n".join(lines[-25:]) for _, lines in sorted(ranks.items())]
+    return "\n\n".join([*own, stderr[-2000:]])
 
 
 def metrics(output: Path) -> list[dict]:
@@ -157,13 +168,15 @@ def test_two_processes_equal_one_and_a_resumed_run_equals_a_straight_one(workspa
     assert [m["step"] for m in metrics(two)] == [1, 2, 3, 4]
     state = two / "checkpoint-00000004" / "trainer_state"
     assert json.loads((state / "state.json").read_text())["step"] == 4
-    assert (state / "accelerate").is_dir()
+    assert sorted(p.name for p in (state / "accelerate").glob("random_states_*")) == [
+        "random_states_0.pkl", "random_states_1.pkl"
+    ]
     assert not list(two.glob(".tmp-*"))
 
     # interrupted after step 2's checkpoint, then resumed with two processes
     resumed = run_ok(workspace, "resumed", "max_steps=2", processes=2)
     output, done = grace_train(workspace, "resumed", "max_steps=4", "--resume", processes=2)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, failure_report(done.stderr)
     assert "resumed from" in done.stderr and "checkpoint-00000002" in done.stderr
     assert output == resumed
     assert_same_run(two, resumed, step=4, exact=True)

@@ -10,6 +10,8 @@ import logging
 import os
 import re
 import shutil
+import threading
+import time
 import types
 import typing
 from pathlib import Path
@@ -159,6 +161,54 @@ def test_a_kill_during_rotation_leaves_no_half_deleted_checkpoint_and_the_next_s
     assert (tmp_path / "checkpoint-00000002" / "marker.txt").read_text() == "2"
     assert [p.name for p in rotate_checkpoints(tmp_path, keep=1, family=mine)] == ["checkpoint-00000002"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".deleting-checkpoint-00000009", "checkpoint-00000003"]
+
+
+class ThreadProcess:
+    """One of two training processes, played by a thread: the barrier is shared, and ``save_state``
+    writes this process's own file as accelerate's does (each process its random state), process 1
+    late, as a loaded machine makes it."""
+
+    num_processes = 2
+
+    def __init__(self, index: int, barrier: threading.Barrier):
+        self.index, self.barrier = index, barrier
+        self.is_main_process = index == 0
+
+    def wait_for_everyone(self) -> None:
+        self.barrier.wait(timeout=60)
+
+    def save_state(self, output_dir: str) -> None:
+        if self.index:
+            time.sleep(0.5)
+        os.makedirs(output_dir, exist_ok=True)
+        (Path(output_dir) / f"random_states_{self.index}.pkl").write_bytes(b"state")
+
+
+def test_a_checkpoint_of_two_processes_holds_both_states_however_late_one_writes(tmp_path):
+    """The main process renames the staging directory only once every process has written its part
+    into it: a late process's state is in the checkpoint, never in a staging directory re-made
+    after the rename, and no process writes into a path that is gone."""
+    barrier, errors = threading.Barrier(2), []
+
+    def process(index: int) -> None:
+        try:
+            write_checkpoint(
+                tmp_path, 1, write_model=lambda path: (path / "marker.txt").write_text("model"),
+                trainer_state={"step": 1}, accelerator=ThreadProcess(index, barrier),
+            )
+        except Exception as error:  # noqa: BLE001 - reported below, with the other process's outcome
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=process, args=(index,)) for index in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert errors == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-00000001"]
+    state = tmp_path / "checkpoint-00000001" / "trainer_state" / "accelerate"
+    assert sorted(p.name for p in state.iterdir()) == ["random_states_0.pkl", "random_states_1.pkl"]
 
 
 # -- 6. the resume rewrite of metrics.jsonl is atomic ----------------------------------------------
