@@ -243,8 +243,9 @@ def write_checkpoint(
     ``write_model(path)`` writes the model directory; ``write_extra(path)`` anything else
     (the model card). With an ``accelerator`` running several processes, every process calls
     this and ``accelerator.save_state`` writes the sharded optimizer; only the main process
-    writes the rest and renames, once every process has written its part. With ``family``, the checkpoint is marked as that run's, and a
-    directory of another run under one of the names the save uses is refused, never replaced.
+    writes the rest and renames, once every process has written its part. With ``family``, the
+    checkpoint is marked as that run's, and a directory of another run under one of the names the
+    save uses is refused, never replaced.
     """
     root = Path(output_dir)
     root.mkdir(parents=True, exist_ok=True)
