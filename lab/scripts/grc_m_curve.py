@@ -1,13 +1,16 @@
 """GRC's m curve: quality, memory size and what the memory holds, by the number of latent tokens m, from the
-scorings already written (one seed, step 50, the same batches for every m):
+scorings already written (one seed, the same batches for every m), at one of two points:
 
-- quality: ``benchmarks/dev_eval.py``'s four short-text tasks, ``lab/results/grc_m{M}_step50_seed42.json``
-  (m = 16: ``grc_seeds_step50_seed42.json``);
-- memory: Eq. 6's bytes a text and the teacher-forced L_Recons gap (the loss rebuilding a held-back text from
-  another text's memory minus from its own, nats a token) of ``benchmarks/grc_memory.py --no-generation``,
-  ``lab/results/grc_memory_teacher_forced_grc_m{M}_s42_step50.json``, by text length.
+- ``--at lora50``: LoRA r 8 at step 50 (lab/grc_study.md §6);
+- ``--at full125``: the shipped recipe, full fine-tuning at step 125 (m = 16's memory is measured on the shipped
+  rank-32 cut of that checkpoint, the uncut one not being kept).
 
-    python lab/scripts/grc_m_curve.py --out lab/results/grc_m_curve_step50.json
+Quality is ``benchmarks/dev_eval.py``'s four short-text tasks; memory is Eq. 6's bytes a text and the
+teacher-forced L_Recons gap (the loss rebuilding a held-back text from another text's memory minus from its own,
+nats a token) of ``benchmarks/grc_memory.py --no-generation``, by text length.
+
+    python lab/scripts/grc_m_curve.py --at lora50 --out lab/results/grc_m_curve_step50.json
+    python lab/scripts/grc_m_curve.py --at full125 --m 8 16 32 --out lab/results/grc_m_curve_full_step125.json
 """
 
 from __future__ import annotations
@@ -19,7 +22,17 @@ from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 TASKS = ("STS-B dev", "SICK-R trial", "Banking77", "MRPC val")
-QUALITY = {16: "grc_seeds_step50_seed42.json"}
+# (quality, memory) result files by m at each point; "{m}" is filled in, an entry by m overrides the pattern
+FILES = {
+    "lora50": {
+        "pattern": ("grc_m{m}_step50_seed42.json", "grc_memory_teacher_forced_grc_m{m}_s42_step50.json"),
+        16: ("grc_seeds_step50_seed42.json", "grc_memory_teacher_forced_grc_m16_s42_step50.json"),
+    },
+    "full125": {
+        "pattern": ("grc_full_m{m}_step125_seed42.json", "grc_memory_teacher_forced_grc_m{m}_full_s42_step125.json"),
+        16: ("grc_full_step125_seed42.json", "grc_memory_teacher_forced_full_lowrank32.json"),
+    },
+}
 
 
 def gap(rows: list[dict]) -> dict[str, float]:
@@ -28,9 +41,8 @@ def gap(rows: list[dict]) -> dict[str, float]:
     return {"texts": len(rows), "gap": statistics.fmean(gaps), "se": se}
 
 
-def point(m: int) -> dict | None:
-    quality = RESULTS / QUALITY.get(m, f"grc_m{m}_step50_seed42.json")
-    memory = RESULTS / f"grc_memory_teacher_forced_grc_m{m}_s42_step50.json"
+def point(at: str, m: int) -> dict | None:
+    quality, memory = (RESULTS / name.format(m=m) for name in FILES[at].get(m, FILES[at]["pattern"]))
     if not quality.is_file() or not memory.is_file():
         return None
     scores = json.loads(quality.read_text())["rows"][0]["scores"]
@@ -48,10 +60,11 @@ def point(m: int) -> dict | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--at", choices=sorted(FILES), default="lora50", help="the recipe and step compared")
     parser.add_argument("--m", nargs="+", type=int, default=[4, 8, 16, 32])
     parser.add_argument("--out", default=str(RESULTS / "grc_m_curve_step50.json"))
     args = parser.parse_args()
-    points = [p for p in map(point, args.m) if p is not None]
+    points = [p for p in (point(args.at, m) for m in args.m) if p is not None]
     Path(args.out).write_text(json.dumps(points, indent=2) + "\n")
     print("| m | memory a text | " + " | ".join(TASKS) + " | mean of four | L_Recons gap, ≤ 32 tokens | > 128 tokens |")
     print("|---" * (len(TASKS) + 5) + "|")
