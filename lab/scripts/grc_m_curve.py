@@ -2,15 +2,15 @@
 scorings already written (one seed, the same batches for every m), at one of two points:
 
 - ``--at lora50``: LoRA r 8 at step 50 (lab/grc_study.md §6);
-- ``--at full125``: the shipped recipe, full fine-tuning at step 125 (m = 16's memory is measured on the shipped
-  rank-32 cut of that checkpoint, the uncut one not being kept).
+- ``--at full125``: the shipped recipe, full fine-tuning at step 125; the memory measured on each model's rank-32 cut
+  (``python -m grace_training.lowrank_adapter CHECKPOINT --rank 32 --calibration 0``), the form m = 16 ships in.
 
 Quality is ``benchmarks/dev_eval.py``'s four short-text tasks; memory is Eq. 6's bytes a text and the
 teacher-forced L_Recons gap (the loss rebuilding a held-back text from another text's memory minus from its own,
 nats a token) of ``benchmarks/grc_memory.py --no-generation``, by text length.
 
     python lab/scripts/grc_m_curve.py --at lora50 --out lab/results/grc_m_curve_step50.json
-    python lab/scripts/grc_m_curve.py --at full125 --m 8 16 32 --out lab/results/grc_m_curve_full_step125.json
+    python lab/scripts/grc_m_curve.py --at full125 --m 16 32 --out lab/results/grc_m_curve_full_step125.json
 """
 
 from __future__ import annotations
@@ -29,7 +29,10 @@ FILES = {
         16: ("grc_seeds_step50_seed42.json", "grc_memory_teacher_forced_grc_m16_s42_step50.json"),
     },
     "full125": {
-        "pattern": ("grc_full_m{m}_step125_seed42.json", "grc_memory_teacher_forced_grc_m{m}_full_s42_step125.json"),
+        "pattern": (
+            "grc_full_m{m}_step125_seed42.json",
+            "grc_memory_teacher_forced_grc_m{m}_full_lowrank32_s42_step125.json",
+        ),
         16: ("grc_full_step125_seed42.json", "grc_memory_teacher_forced_full_lowrank32.json"),
     },
 }
