@@ -36,6 +36,7 @@ FILES = {
         16: ("grc_full_step125_seed42.json", "grc_memory_teacher_forced_full_lowrank32.json"),
     },
 }
+OUT = {"lora50": "grc_m_curve_step50.json", "full125": "grc_m_curve_full_step125.json"}
 
 
 def gap(rows: list[dict]) -> dict[str, float]:
@@ -65,8 +66,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--at", choices=sorted(FILES), default="lora50", help="the recipe and step compared")
     parser.add_argument("--m", nargs="+", type=int, default=[4, 8, 16, 32])
-    parser.add_argument("--out", default=str(RESULTS / "grc_m_curve_step50.json"))
+    parser.add_argument("--out", help="the JSON written (default: lab/results/grc_m_curve_<point>.json)")
     args = parser.parse_args()
+    args.out = args.out or str(RESULTS / OUT[args.at])
     points = [p for p in (point(args.at, m) for m in args.m) if p is not None]
     Path(args.out).write_text(json.dumps(points, indent=2) + "\n")
     print("| m | memory a text | " + " | ".join(TASKS) + " | mean of four | L_Recons gap, ≤ 32 tokens | > 128 tokens |")
