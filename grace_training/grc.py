@@ -100,7 +100,7 @@ def grc_batch_loss(
     encoder, triplets: Sequence[Triplet], config, scores: Tensor | None, seed: int, start_model=None
 ) -> dict[str, Tensor]:
     """One batch's Eq. 5 with gradient: ``loss`` and its three terms ``generation``, ``reconstruction`` and
-    ``representation`` (unweighted). ``start_model``: the frozen start model that writes ``start`` targets under
+    ``representation`` (unweighted), and ``tokens``, the positions the masked forward ran (unpadded). ``start_model``: the frozen start model that writes ``start`` targets under
     full fine-tuning (:func:`response_targets`)."""
     sides = triplet_sides(triplets, config.num_negatives, config.query_task, config.document_task)
     prefixes, texts, response_spans, side_sizes = [], [], [], []
@@ -132,4 +132,8 @@ def grc_batch_loss(
         out.embeddings[:queries], out.embeddings[queries:], config.grc_scale, scores, config.graded_scale
     )
     loss = config.grc_alpha * generation + config.grc_beta * reconstruction + config.grc_gamma * representation
-    return {"loss": loss, "generation": generation, "reconstruction": reconstruction, "representation": representation}
+    tokens = sum(map(len, prefixes)) + sum(map(len, suffixes)) + len(prefixes) * encoder.latent_tokens.num_latent_tokens
+    return {
+        "loss": loss, "generation": generation, "reconstruction": reconstruction, "representation": representation,
+        "tokens": tokens,
+    }

@@ -48,6 +48,7 @@ class GRCStep(TrainingStep):
             "loss/generation": parts["generation"].item(),
             "loss/reconstruction": parts["reconstruction"].item(),
             "loss/representation": parts["representation"].item(),
+            "batch/tokens": parts["tokens"],
             **self.update_metrics(
                 step, lr, grad_norm, (start, forwarded, backwarded, done), time.process_time() - cpu_start
             ),

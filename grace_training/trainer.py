@@ -271,7 +271,7 @@ class GRPOTrainer:
                 self.last_scores = self.evaluate()
                 metrics = {**metrics, **self.last_scores}
             if self.step % cfg.logging_steps == 0 or self.step == self.total_steps:
-                self.metrics.log(self.step, metrics)
+                self.metrics.log(self.step, {**metrics, "batch/source": batch_source(batch)})
             if cfg.save_steps and self.step % cfg.save_steps == 0 and self.step < self.total_steps:
                 self.save_checkpoint()
                 saved_at = self.step
@@ -490,6 +490,12 @@ class GRPOTrainer:
                 self.steps_per_epoch,
             )
         return state
+
+
+def batch_source(batch: list[Triplet]) -> str:
+    """The source a step's batch came from (one under ``batch_sampling: by_source``; several joined by "+"):
+    logged beside the step's times, which differ by source as its texts' lengths do."""
+    return "+".join(sorted({row.source for row in batch}))
 
 
 def build_optimizer(parameters: list[torch.nn.Parameter], config: GRPOConfig) -> torch.optim.Optimizer:

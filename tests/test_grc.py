@@ -246,6 +246,8 @@ def test_a_grc_run_logs_each_loss_checkpoints_a_grc_model_and_resumes_bit_identi
     metrics = result["metrics"]
     assert {"loss/generation", "loss/reconstruction", "loss/representation", "time/step_cpu_s"} <= metrics.keys()
     assert all(math.isfinite(value) for value in metrics.values())
+    texts = 2 * (1 + 1 + 1)  # batch_size 2: a query, a positive and a negative each
+    assert isinstance(metrics["batch/tokens"], int) and metrics["batch/tokens"] > texts * 3  # beyond the m = 3 latents
     fresh = LatentTokens.initialised(3, start.model.get_input_embeddings().weight)
     assert not torch.equal(start.latent_tokens.latents, fresh.latents)  # the latents trained
     assert not torch.equal(start.latent_tokens.adapter.weight, fresh.adapter.weight)  # and A

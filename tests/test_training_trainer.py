@@ -72,6 +72,7 @@ def test_end_to_end_steps_write_metrics_and_a_loadable_checkpoint(tmp_path):
     assert [line["step"] for line in steps] == [1, 2, 3]
     for key in STEP_METRICS:
         assert all(isinstance(line[key], float) for line in steps), key
+    assert all(line["batch/source"] == "toy" for line in steps)  # which source each step's times belong to
     assert any("eval/toy/accuracy" in line for line in lines)
     assert list((tmp_path / "run" / "tensorboard").iterdir())
 
