@@ -1,20 +1,25 @@
-"""Reward curves and before/after evaluation of grace-train runs, from their metrics.jsonl.
+"""Training curves and before/after evaluation of grace-train runs (any algorithm), from their metrics.jsonl.
 
-    python benchmarks/training_report.py runs/cpu_paper runs/cpu_per_rollout --window 10
+    python benchmarks/training_report.py runs/cpu_paper runs/grc --window 10
 
-Prints markdown: per run, windowed means of the reward terms, advantage spread, truncation rate
-and step time (the share spent generating), then the evaluations the trainer ran.
+Prints markdown: per run, windowed means of the terms the run logs (GRPO's reward terms, advantage spread and
+truncation; ICR's and GRC's loss terms), the gradient norm and step time; the step cost by source
+(``batch/source``, with GRC's ``batch/tokens``), since a step's time follows its texts' lengths; then the
+evaluations the trainer ran.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
+from collections import defaultdict
 from pathlib import Path
 
 from grace_training.metrics import cpu_hours
 
 CURVE = [
+    ("loss", "loss"),
     ("reward/final", "R_final"),
     ("reward/contrastive", "R_CL"),
     ("reward/consistency", "R_consist"),
@@ -22,6 +27,11 @@ CURVE = [
     ("advantage/std", "A std"),
     ("rollout/truncation_rate", "truncated"),
     ("rollout/positive_length_mean", "len d+"),
+    ("loss/contrastive", "L_CL"),
+    ("loss/refinement", "L_ICR"),
+    ("loss/generation", "L_Gen"),
+    ("loss/reconstruction", "L_Recons"),
+    ("loss/representation", "L_Rep"),
     ("grad_norm", "grad norm"),
     ("time/step_s", "step s"),
     ("time/rollout_share", "gen share"),
@@ -30,28 +40,61 @@ CURVE = [
 
 def read(run: Path) -> tuple[list[dict], list[dict]]:
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [r for r in rows if "reward/final" in r], [r for r in rows if any(k.startswith("eval/") for k in r)]
+    return [r for r in rows if "loss" in r], [r for r in rows if any(k.startswith("eval/") for k in r)]
+
+
+def curve(steps: list[dict], window: int) -> list[str]:
+    columns = [(key, name) for key, name in CURVE if any(key in r for r in steps)]
+    lines = ["| steps | " + " | ".join(name for _, name in columns) + " |", "|---|" + "---|" * len(columns)]
+    for start in range(0, len(steps), window):
+        chunk = steps[start : start + window]
+        means = [sum(r.get(key, float("nan")) for r in chunk) / len(chunk) for key, _ in columns]
+        lines.append(f"| {chunk[0]['step']}–{chunk[-1]['step']} | " + " | ".join(f"{m:.4g}" for m in means) + " |")
+    total = sum(r["time/step_s"] for r in steps)
+    summary = f"{total / 60:.1f} min of steps, {total / len(steps):.1f} s/step"
+    if all("time/rollout_s" in r for r in steps):
+        summary += f", {100 * sum(r['time/rollout_s'] for r in steps) / total:.0f}% generating"
+    return [*lines, "", summary]
+
+
+def cost_by_source(steps: list[dict]) -> list[str]:
+    """Median wall and CPU seconds a step, and positions a step where logged, for each source's steps."""
+    by_source = defaultdict(list)
+    for r in steps:
+        if "batch/source" in r:
+            by_source[r["batch/source"]].append(r)
+    if not by_source:
+        return []
+    tokens = any("batch/tokens" in r for r in steps)
+    lines = [
+        "| source | steps | median s/step | median CPU s/step |"
+        + (" median positions | CPU s per 1,000 positions |" if tokens else "")
+    ]
+    lines.append("|---|---|---|---|" + ("---|---|" if tokens else ""))
+    for source, rows in sorted(by_source.items(), key=lambda item: -len(item[1])):
+        cpu = statistics.median(r["time/step_cpu_s"] for r in rows)
+        line = f"| {source} | {len(rows)} | {statistics.median(r['time/step_s'] for r in rows):.1f} | {cpu:.1f} |"
+        if tokens:
+            positions = statistics.median(r["batch/tokens"] for r in rows)
+            line += f" {positions:,.0f} | {1000 * cpu / positions:.2f} |"
+        lines.append(line)
+    return ["", *lines]
 
 
 def report(run: Path, window: int) -> str:
     steps, evals = read(run)
-    lines = [f"### {run.name}: {len(steps)} steps", "", "| steps | " + " | ".join(name for _, name in CURVE) + " |"]
-    lines.append("|---|" + "---|" * len(CURVE))
-    for start in range(0, len(steps), window):
-        chunk = steps[start : start + window]
-        means = [sum(r.get(key, float("nan")) for r in chunk) / len(chunk) for key, _ in CURVE]
-        lines.append(f"| {chunk[0]['step']}–{chunk[-1]['step']} | " + " | ".join(f"{m:.4g}" for m in means) + " |")
+    lines = [f"### {run.name}: {len(steps)} steps", ""]
     if steps:
-        total = sum(r["time/step_s"] for r in steps)
-        rollout = sum(r["time/rollout_s"] for r in steps)
-        lines += ["", f"{total / 60:.1f} min of steps, {total / len(steps):.1f} s/step, {100 * rollout / total:.0f}% generating"]
+        lines += curve(steps, window) + cost_by_source(steps)
     if evals:
         keys = sorted({k for r in evals for k in r if k.startswith("eval/") and not k.endswith(("/margin",))})
         cpu = cpu_hours(steps)
         lines += ["", "| step | CPU h | " + " | ".join(k[5:] for k in keys) + " |", "|---|---|" + "---|" * len(keys)]
         for r in evals:
             hours = f"{cpu.get(r['step'], 0.0):.2f}" if cpu else ""
-            lines.append(f"| {r['step']} | {hours} | " + " | ".join(f"{r[k]:.4f}" if k in r else "" for k in keys) + " |")
+            lines.append(
+                f"| {r['step']} | {hours} | " + " | ".join(f"{r[k]:.4f}" if k in r else "" for k in keys) + " |"
+            )
     return "\n".join(lines)
 
 

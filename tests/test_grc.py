@@ -4,7 +4,9 @@ Eq. 5 trains all three in one masked pass; on tiny random models."""
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,6 +24,14 @@ from grace_training.trainer import GRPOTrainer
 
 TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]
 BUDGETS = {"default": 4, "query": 4, "document": 0}
+
+
+def benchmark(name: str):
+    """A script of benchmarks/, imported as a module."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def grc_model(layers: int = 2, **settings):
@@ -127,14 +137,9 @@ def test_several_memories_are_read_as_a_set_each_at_its_own_positions():
 def test_the_memory_benchmark_scores_a_text_read_from_its_own_memory_by_the_training_loss():
     """benchmarks/grc_memory.py's teacher-forced L_Recons: the training pass and loss, one text at a time, and the
     memory read is the one named (another text's changes the loss; its own gives the batch's value again)."""
-    import importlib.util
-    from pathlib import Path
-
     from grace_training.grc import reconstruction_turns, token_loss
 
-    spec = importlib.util.spec_from_file_location("grc_memory", Path(__file__).parents[1] / "benchmarks" / "grc_memory.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark("grc_memory")
     model = grc_model()
     encoder = model[0]
     own = bench.reconstruction_losses(model, TEXTS, [0, 1])
@@ -248,6 +253,9 @@ def test_a_grc_run_logs_each_loss_checkpoints_a_grc_model_and_resumes_bit_identi
     assert all(math.isfinite(value) for value in metrics.values())
     texts = 2 * (1 + 1 + 1)  # batch_size 2: a query, a positive and a negative each
     assert isinstance(metrics["batch/tokens"], int) and metrics["batch/tokens"] > texts * 3  # beyond the m = 3 latents
+    report = benchmark("training_report").report(tmp_path / "run", window=1)
+    assert "L_Recons" in report and "| 2–2 |" in report
+    assert "| toy | 2 |" in report  # the step cost by source: both steps drew the one source
     fresh = LatentTokens.initialised(3, start.model.get_input_embeddings().weight)
     assert not torch.equal(start.latent_tokens.latents, fresh.latents)  # the latents trained
     assert not torch.equal(start.latent_tokens.adapter.weight, fresh.adapter.weight)  # and A
