@@ -10,7 +10,7 @@ teacher-forced L_Recons gap (the loss rebuilding a held-back text from another t
 nats a token) of ``benchmarks/grc_memory.py --no-generation``, by text length.
 
     python lab/scripts/grc_m_curve.py --at lora50 --out lab/results/grc_m_curve_step50.json
-    python lab/scripts/grc_m_curve.py --at full125 --m 8 16 32 --out lab/results/grc_m_curve_full_step125.json
+    python lab/scripts/grc_m_curve.py --at full125 --out lab/results/grc_m_curve_full_step125.json
 """
 
 from __future__ import annotations
