@@ -100,8 +100,9 @@ def grc_batch_loss(
     encoder, triplets: Sequence[Triplet], config, scores: Tensor | None, seed: int, start_model=None
 ) -> dict[str, Tensor]:
     """One batch's Eq. 5 with gradient: ``loss`` and its three terms ``generation``, ``reconstruction`` and
-    ``representation`` (unweighted), and ``tokens``, the positions the masked forward ran (unpadded). ``start_model``: the frozen start model that writes ``start`` targets under
-    full fine-tuning (:func:`response_targets`)."""
+    ``representation`` (unweighted), and ``tokens``, the positions the masked forward ran (unpadded).
+    ``start_model``: the frozen start model that writes ``start`` targets under full fine-tuning
+    (:func:`response_targets`)."""
     sides = triplet_sides(triplets, config.num_negatives, config.query_task, config.document_task)
     prefixes, texts, response_spans, side_sizes = [], [], [], []
     for side_texts, task in sides:
