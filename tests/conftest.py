@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib.util
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,6 +76,15 @@ def _trained_tokenizer_json() -> str:
     )
     tokenizer.train_from_iterator(CORPUS, trainer)
     return tokenizer.to_str()
+
+
+def load_benchmark(name: str):
+    """A script of benchmarks/, imported as a module (the folder is not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_tokenizer(template: str = "chatml"):

@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+from conftest import load_benchmark
 
 from grace_st import scoreboard
 from grace_st.data import id_fraction
 from grace_training.data import load_beir
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def dev_eval():
-    spec = importlib.util.spec_from_file_location("dev_eval", ROOT / "benchmarks" / "dev_eval.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("dev_eval")
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import shutil
 import subprocess
@@ -10,19 +9,12 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import CORPUS, make_st_model
+from conftest import CORPUS, load_benchmark, make_st_model
 from sentence_transformers import SentenceTransformer
 from test_vllm_backend import _FakeLLM, fake_vllm  # noqa: F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
-
-
-def _gpu_check_module():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _without_nvidia_smi() -> dict[str, str]:
@@ -54,7 +46,7 @@ def test_the_backend_comparison_on_a_stand_in_for_vllm(tmp_path, fake_vllm):  # 
     make_st_model(max_rationale_tokens=6).save(str(tmp_path))
     model = SentenceTransformer(str(tmp_path), trust_remote_code=True, device="cpu")
     _FakeLLM.model = model[0].model  # greedy with the same weights: the rationales agree
-    report = _gpu_check_module().compare_backends(model, CORPUS[:6], batch_size=4, dtype="float32")
+    report = load_benchmark("gpu_check").compare_backends(model, CORPUS[:6], batch_size=4, dtype="float32")
     assert report["passed"] and report["texts_within_tolerance"] == 6
     assert report["max_one_minus_cosine"] < 1e-5
     assert report["hf_texts_per_s"] > 0 and report["vllm_texts_per_s"] > 0

@@ -4,14 +4,12 @@ Eq. 5 trains all three in one masked pass; on tiny random models."""
 from __future__ import annotations
 
 import functools
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_model, make_st_model, make_tokenizer
+from conftest import load_benchmark, make_model, make_st_model, make_tokenizer
 from sentence_transformers import SentenceTransformer
 from test_training_quality import saved_base
 from test_training_trainer import DATA, config
@@ -24,14 +22,6 @@ from grace_training.trainer import GRPOTrainer
 
 TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]
 BUDGETS = {"default": 4, "query": 4, "document": 0}
-
-
-def benchmark(name: str):
-    """A script of benchmarks/, imported as a module."""
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def grc_model(layers: int = 2, **settings):
@@ -139,7 +129,7 @@ def test_the_memory_benchmark_scores_a_text_read_from_its_own_memory_by_the_trai
     memory read is the one named (another text's changes the loss; its own gives the batch's value again)."""
     from grace_training.grc import reconstruction_turns, token_loss
 
-    bench = benchmark("grc_memory")
+    bench = load_benchmark("grc_memory")
     model = grc_model()
     encoder = model[0]
     own = bench.reconstruction_losses(model, TEXTS, [0, 1])
@@ -253,7 +243,7 @@ def test_a_grc_run_logs_each_loss_checkpoints_a_grc_model_and_resumes_bit_identi
     assert all(math.isfinite(value) for value in metrics.values())
     texts = 2 * (1 + 1 + 1)  # batch_size 2: a query, a positive and a negative each
     assert isinstance(metrics["batch/tokens"], int) and metrics["batch/tokens"] > texts * 3  # beyond the m = 3 latents
-    report = benchmark("training_report").report(tmp_path / "run", window=1)
+    report = load_benchmark("training_report").report(tmp_path / "run", window=1)
     assert "L_Recons" in report and "| 2–2 |" in report
     assert "| toy | 2 |" in report  # the step cost by source: both steps drew the one source
     fresh = LatentTokens.initialised(3, start.model.get_input_embeddings().weight)
