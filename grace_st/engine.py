@@ -361,13 +361,15 @@ class LatentEngine(RationaleEngine):
         if not rows:
             return torch.zeros((0, self.hidden_size))
         step = batch_size or len(rows)
-        return torch.cat([
-            latent_pass(
-                self.model, self.latents, rows[start : start + step], pad_token_id=self.pad_token_id,
-                hidden_layer=self.hidden_layer,
-            ).embeddings
-            for start in range(0, len(rows), step)
-        ])
+        # the packed CPU kernels, as a rationale's prompt pass uses them (a no-op while autograd is on)
+        with packed_linears_for(self.model, self.options):
+            return torch.cat([
+                latent_pass(
+                    self.model, self.latents, rows[start : start + step], pad_token_id=self.pad_token_id,
+                    hidden_layer=self.hidden_layer,
+                ).embeddings
+                for start in range(0, len(rows), step)
+            ])
 
 
 # The engines a saved ``method`` setting names.

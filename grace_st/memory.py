@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .decoding import packed_linears_for
 from .explain import check_texts, find_generative_encoder
 from .grc import MEMORY_INSTRUCTION, LatentMemory, answer_from_memory, latent_pass
 
@@ -41,11 +42,12 @@ def compress(model, texts, *, prompt_name: str = "document", batch_size: int = 1
     responses = engine.responses(prompts, span, encoder.rationale_budget(kind))
     rows = [[*prompt, *response] for prompt, response in zip(prompts, responses)]
     memories: list[LatentMemory] = []
-    for start in range(0, len(rows), batch_size):
-        memories += latent_pass(
-            encoder.model, encoder.latent_tokens, rows[start : start + batch_size], pad_token_id=engine.pad_token_id,
-            hidden_layer=encoder.hidden_layer, with_memory=True,
-        ).memories
+    with packed_linears_for(encoder.model, engine.options):  # the kernels of the embedding's pass
+        for start in range(0, len(rows), batch_size):
+            memories += latent_pass(
+                encoder.model, encoder.latent_tokens, rows[start : start + batch_size],
+                pad_token_id=engine.pad_token_id, hidden_layer=encoder.hidden_layer, with_memory=True,
+            ).memories
     return memories
 
 
