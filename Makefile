@@ -98,7 +98,7 @@ train-gircse: $(VENV)/.installed model
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/gircse_smollm2.yaml \
 		--resume --max-minutes 55
 
-# GRC (docs/grc.md, lab/grc_study.md §9): meta latent tokens trained by Eq. 5 on the same data, fully fine-tuned
+# GRC (docs/grc.md, lab/grc_study.md §9, §12): meta latent tokens trained by Eq. 5 on the same data, fully fine-tuned
 # for 125 steps (0.9 CPU hours on one thread) in chunks of at most 55 minutes, each resumed from the latest
 # checkpoint; then the delta from the base cut to a rank-32 LoRA adapter (the plain SVD, latents carried whole) and
 # exported into grace_st/grc_adapter in bfloat16.
