@@ -47,7 +47,7 @@ from .batch import (
 )
 from .decoding import DecodeOptions, continuous_batching, decoder_states, packed_linears_for
 from .generation import RolloutSettings, generate_rollouts, stream_rollouts
-from .grc import DOCUMENT_RESPONSE, LatentTokens, latent_pass
+from .grc import DOCUMENT_RESPONSE, LatentPass, LatentTokens, latent_pass
 from .second_pass import pooled_embeddings, right_padded_states  # noqa: F401 (training reaches it here)
 from .soft_tokens import soft_token_rollouts, soft_token_states
 
@@ -360,16 +360,20 @@ class LatentEngine(RationaleEngine):
         rows = [[*prompt, *response] for prompt, response in zip(request.prompt_ids, thoughts.rationales.rationale_ids)]
         if not rows:
             return torch.zeros((0, self.hidden_size))
-        step = batch_size or len(rows)
-        # the packed CPU kernels, as a rationale's prompt pass uses them (a no-op while autograd is on)
+        return torch.cat([result.embeddings for result in self.latent_passes(rows, batch_size or len(rows))])
+
+    @torch.no_grad()
+    def latent_passes(self, rows: list[list[int]], batch_size: int, with_memory: bool = False) -> list[LatentPass]:
+        """:func:`~grace_st.grc.latent_pass` over ``rows`` (``P(x) ⊕ y`` token ids), ``batch_size`` at a time, on the
+        packed CPU kernels a rationale's prompt pass uses: what :meth:`embed` and :func:`grace_st.compress` read."""
         with packed_linears_for(self.model, self.options):
-            return torch.cat([
+            return [
                 latent_pass(
-                    self.model, self.latents, rows[start : start + step], pad_token_id=self.pad_token_id,
-                    hidden_layer=self.hidden_layer,
-                ).embeddings
-                for start in range(0, len(rows), step)
-            ])
+                    self.model, self.latents, rows[start : start + batch_size], pad_token_id=self.pad_token_id,
+                    hidden_layer=self.hidden_layer, with_memory=with_memory,
+                )
+                for start in range(0, len(rows), batch_size)
+            ]
 
 
 # The engines a saved ``method`` setting names.

@@ -13,9 +13,8 @@ from collections.abc import Sequence
 
 import torch
 
-from .decoding import packed_linears_for
 from .explain import check_texts, find_generative_encoder
-from .grc import MEMORY_INSTRUCTION, LatentMemory, answer_from_memory, latent_pass
+from .grc import MEMORY_INSTRUCTION, LatentMemory, answer_from_memory
 
 
 def _grc_encoder(model):
@@ -41,14 +40,7 @@ def compress(model, texts, *, prompt_name: str = "document", batch_size: int = 1
     engine = encoder.engine
     responses = engine.responses(prompts, span, encoder.rationale_budget(kind))
     rows = [[*prompt, *response] for prompt, response in zip(prompts, responses)]
-    memories: list[LatentMemory] = []
-    with packed_linears_for(encoder.model, engine.options):  # the kernels of the embedding's pass
-        for start in range(0, len(rows), batch_size):
-            memories += latent_pass(
-                encoder.model, encoder.latent_tokens, rows[start : start + batch_size],
-                pad_token_id=engine.pad_token_id, hidden_layer=encoder.hidden_layer, with_memory=True,
-            ).memories
-    return memories
+    return [memory for result in engine.latent_passes(rows, batch_size, with_memory=True) for memory in result.memories]
 
 
 def memory_prompt(encoder, question: str) -> list[int]:
