@@ -279,7 +279,12 @@ class IncrementalDecoder:
 
     def _forward(self, logits: bool = True, cache=None, **inputs) -> tuple[Tensor, Tensor | None]:
         """One forward pass that reads and extends the KV ``cache`` (None: none): (hidden states of the fed
-        tokens, next-token logits of each row's last one)."""
+        tokens, next-token logits of each row's last one). Given ``inputs_embeds``, the model reads those instead
+        of ``input_ids``' embeddings."""
+        if inputs.get("inputs_embeds") is None:
+            inputs.pop("inputs_embeds", None)
+        else:
+            inputs.pop("input_ids", None)
         if not logits:
             return decoder_states(self.model.get_decoder(), self.hidden_layer, cache, **inputs), None
         inputs.update(cache_kwargs(self.model, cache))
@@ -292,10 +297,16 @@ class IncrementalDecoder:
         return states, output.logits[:, -1, :]
 
     def prefill(
-        self, input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, max_new_tokens: int
+        self, input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, max_new_tokens: int,
+        inputs_embeds: Tensor | None = None, keep_cache: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         """The prompt pass: hidden states in the prompts' left-padded layout (zeros on padding)
         and the last position's logits (None when ``max_new_tokens`` is 0: the LM head is skipped).
+
+        ``inputs_embeds`` (B × T × d): the input vectors, in place of ``input_ids``' embeddings (GRC's latents,
+        which have no ids). The ids still say which rows and prefixes are the same, so rows with the same ids must
+        have the same vectors, and positions inside the instruction span their ids' own embeddings.
+        ``keep_cache``: the KV cache is kept even with nothing to generate (GRC's memory is read from it).
 
         With ``dedupe_prompts``, rows holding the same prompt are prefilled once: the pass runs on
         the distinct rows and its states, logits, mask and KV cache rows are then copied to every
@@ -306,17 +317,19 @@ class IncrementalDecoder:
                 first = torch.full((distinct.shape[0],), input_ids.shape[0], dtype=torch.long, device=index.device)
                 first = first.scatter_reduce(0, index, torch.arange(len(index), device=index.device), "amin")
                 states, logits = self._prefill(
-                    input_ids[first], attention_mask[first], instruction_lengths[first], max_new_tokens
+                    input_ids[first], attention_mask[first], instruction_lengths[first], max_new_tokens,
+                    None if inputs_embeds is None else inputs_embeds[first], keep_cache,
                 )
                 if self.kv_cache is not None:
                     self.kv_cache.batch_select_indices(index)
                 self.batch, self.rows = len(index), torch.arange(len(index), device=index.device)
                 self.mask = self.mask[index]
                 return states[index], None if logits is None else logits[index]
-        return self._prefill(input_ids, attention_mask, instruction_lengths, max_new_tokens)
+        return self._prefill(input_ids, attention_mask, instruction_lengths, max_new_tokens, inputs_embeds, keep_cache)
 
     def _prefill(
-        self, input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, max_new_tokens: int
+        self, input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, max_new_tokens: int,
+        inputs_embeds: Tensor | None = None, keep_cache: bool = False,
     ) -> tuple[Tensor, Tensor | None]:
         batch, width = input_ids.shape
         self.batch, self.rows = batch, torch.arange(batch, device=input_ids.device)
@@ -325,20 +338,20 @@ class IncrementalDecoder:
             shared = shared_prefix_length(input_ids, attention_mask, instruction_lengths)
         # With nothing to generate a KV cache is needed only to hold a shared prefix, or for the native
         # prompt pass, which writes into one: so that a prompt's states are the same bits alone or in a batch.
-        if max_new_tokens or shared or (self.options.preallocated_cache and self._native_model() is not None):
+        if max_new_tokens or keep_cache or shared or (self.options.preallocated_cache and self._native_model() is not None):
             if self.options.preallocated_cache:
                 self.kv_cache = preallocated_cache(self.model, width + max_new_tokens)
             else:
                 self.kv_cache = DynamicCache(config=self.model.config)
         if shared and not (self.options.preallocated_cache and _every_layer_preallocated(self.kv_cache)):
-            shared, self.kv_cache = 0, self.kv_cache if max_new_tokens else None
+            shared, self.kv_cache = 0, self.kv_cache if max_new_tokens or keep_cache else None
         logits = max_new_tokens > 0
         if shared:
-            states, last_logits, self.mask = self._prefill_shared(input_ids, attention_mask, shared, logits)
+            states, last_logits, self.mask = self._prefill_shared(input_ids, attention_mask, shared, logits, inputs_embeds)
         else:
             self.mask = attention_mask
             prompts = {
-                "input_ids": input_ids, "attention_mask": attention_mask,
+                "input_ids": input_ids, "inputs_embeds": inputs_embeds, "attention_mask": attention_mask,
                 "position_ids": position_ids_from_mask(attention_mask),
             }
             fed = self._native_prefill(logits, **prompts)
@@ -346,7 +359,7 @@ class IncrementalDecoder:
         return states.masked_fill(attention_mask[..., None] == 0, 0.0), last_logits
 
     def _prefill_shared(
-        self, input_ids: Tensor, attention_mask: Tensor, shared: int, logits: bool
+        self, input_ids: Tensor, attention_mask: Tensor, shared: int, logits: bool, inputs_embeds: Tensor | None
     ) -> tuple[Tensor, Tensor | None, Tensor]:
         """The prompt pass with the common prefix run once, on one row: its keys and values are
         copied into every row of the cache and only the rest of each prompt is fed.
@@ -381,6 +394,7 @@ class IncrementalDecoder:
         cache_mask = torch.cat([rest_mask.new_ones((batch, shared)), rest_mask], 1)
         rest = {
             "input_ids": input_ids[:, shared:], "attention_mask": cache_mask,
+            "inputs_embeds": None if inputs_embeds is None else inputs_embeds[:, shared:],
             "position_ids": (cache_mask.cumsum(-1)[:, shared:] - 1).clamp(min=0),
         }
         fed = self._native_prefill(logits, **rest)
@@ -513,7 +527,8 @@ class IncrementalDecoder:
         return native if native.applies(cache, rows, columns) else None
 
     def _native_prefill(
-        self, logits: bool, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache=None
+        self, logits: bool, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, cache=None,
+        inputs_embeds: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None] | None:
         """The prompts (after the shared prefix, if any) as one native call over their real tokens,
         padding skipped (:meth:`grace_st.native_step.NativeStep.prefill`), into ``cache`` (None: the
@@ -522,7 +537,9 @@ class IncrementalDecoder:
         native = self._native(*input_ids.shape, allocate=True, cache=cache)
         if native is None:
             return None
-        return native.prefill(input_ids, cache, attention_mask, position_ids, logits, torch.get_num_threads())
+        return native.prefill(
+            input_ids, cache, attention_mask, position_ids, logits, torch.get_num_threads(), inputs_embeds
+        )
 
     def _native_step(self, tokens: Tensor, positions: Tensor) -> tuple[Tensor, Tensor] | None:
         """The step as one native call (:mod:`grace_st.native_step`); None where it does not apply

@@ -364,16 +364,16 @@ class LatentEngine(RationaleEngine):
 
     @torch.no_grad()
     def latent_passes(self, rows: list[list[int]], batch_size: int, with_memory: bool = False) -> list[LatentPass]:
-        """:func:`~grace_st.grc.latent_pass` over ``rows`` (``P(x) ⊕ y`` token ids), ``batch_size`` at a time, on the
-        packed CPU kernels a rationale's prompt pass uses: what :meth:`embed` and :func:`grace_st.compress` read."""
-        with packed_linears_for(self.model, self.options):
-            return [
-                latent_pass(
-                    self.model, self.latents, rows[start : start + batch_size], pad_token_id=self.pad_token_id,
-                    hidden_layer=self.hidden_layer, with_memory=with_memory,
-                )
-                for start in range(0, len(rows), batch_size)
-            ]
+        """:func:`~grace_st.grc.latent_pass` over ``rows`` (``P(x) ⊕ y`` token ids), ``batch_size`` at a time, as
+        the prompt pass a rationale's prompts get (this engine's :class:`DecodeOptions`): what :meth:`embed` and
+        :func:`grace_st.compress` read."""
+        return [
+            latent_pass(
+                self.model, self.latents, rows[start : start + batch_size], pad_token_id=self.pad_token_id,
+                hidden_layer=self.hidden_layer, with_memory=with_memory, options=self.options,
+            )
+            for start in range(0, len(rows), batch_size)
+        ]
 
 
 # The engines a saved ``method`` setting names.

@@ -638,10 +638,14 @@ class NativeStep:
         states, logits = ran
         return states[:, None], logits
 
-    def prefill(self, input_ids: Tensor, kv_cache, mask: Tensor, positions: Tensor, logits: bool, threads: int):
+    def prefill(
+        self, input_ids: Tensor, kv_cache, mask: Tensor, positions: Tensor, logits: bool, threads: int,
+        inputs_embeds: Tensor | None = None,
+    ):
         """The prompt pass: feed left-padded ``input_ids`` (rows x width) at ``positions`` into the
         next ``width`` columns of ``kv_cache``, where ``mask`` (rows x (cache length + width)) has
-        the row's own tokens; padding is not computed (its columns are zeroed, and masked). Returns
+        the row's own tokens; padding is not computed (its columns are zeroed, and masked).
+        ``inputs_embeds`` (rows x width x hidden): the vectors fed, in place of the ids' embeddings. Returns
         the final normed states (rows, width, hidden; zeros on padding) and the last column's
         logits (None unless ``logits``), or None when the native step could not get its memory or
         threads (nothing written)."""
@@ -667,6 +671,7 @@ class NativeStep:
             last.to(torch.int32),
             threads,
             advance=width,
+            embedding=None if inputs_embeds is None else inputs_embeds[cache_rows, offsets],
         )
         if ran is None:
             return None
@@ -675,9 +680,13 @@ class NativeStep:
         padded[cache_rows, offsets] = states
         return padded, last_logits
 
-    def _run(self, kv_cache, tokens, cache_rows, columns, mask, positions, logit_index, threads, advance: int = 1):
+    def _run(
+        self, kv_cache, tokens, cache_rows, columns, mask, positions, logit_index, threads, advance: int = 1,
+        embedding: Tensor | None = None,
+    ):
         """grace_native_step over ``tokens`` (see native_step.c), logits for the tokens in ``logit_index`` (every
-        token if None; none if empty); moves the cache ``advance`` columns on."""
+        token if None; none if empty); moves the cache ``advance`` columns on. ``embedding``: the tokens' input
+        vectors, where they are not the ids' own (GRC's latents)."""
         layers = kv_cache.layers
         if not self._bind_cache(layers, int(mask.shape[0])):
             raise ValueError("the native step takes a contiguous float32 cache of a row a mask row (see applies)")
@@ -685,7 +694,9 @@ class NativeStep:
         if layers[0].length + advance > layers[0].capacity:
             raise RuntimeError(f"KV cache of {layers[0].capacity} positions cannot hold {layers[0].length + advance}")
         count = len(tokens)
-        embedding = self.decoder.embed_tokens.weight[tokens].contiguous()
+        if embedding is None:
+            embedding = self.decoder.embed_tokens.weight[tokens]
+        embedding = embedding.to(torch.float32).contiguous()
         cos, sin = self.decoder.rotary_emb(embedding[:, None], positions.reshape(count, 1))
         cos, sin = cos.reshape(count, -1).float().contiguous(), sin.reshape(count, -1).float().contiguous()
         mask_bytes = mask.to(torch.uint8).contiguous()

@@ -15,6 +15,7 @@ from test_training_quality import saved_base
 from test_training_trainer import DATA, config
 
 import grace_st
+from grace_st.decoding import DecodeOptions
 from grace_st.grc import LatentTokens, latent_pass, segment_mask, turn_logits
 from grace_st.memory import memory_prompt
 from grace_training.data import Triplet
@@ -63,6 +64,33 @@ def test_documents_answer_none_and_queries_think_and_the_embedding_is_determinis
     torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(model.encode(TEXTS, convert_to_tensor=True), batched, atol=0, rtol=0)
     assert torch.allclose(batched.norm(dim=1), torch.ones(2))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [DecodeOptions(), DecodeOptions(native_step=False), DecodeOptions(share_prefix=False, dedupe_prompts=False)],
+    ids=["native", "pytorch", "no-shared-prefix"],
+)
+def test_encode_and_compress_feed_the_latents_as_a_prompt_pass_equal_to_the_masked_pass(options):
+    """``encode`` and ``compress`` run the pass as a rationale's prompt pass (shared prefix, padding skipped, the
+    native kernels where they apply): the training pass's embeddings, memories and positions to float32 rounding,
+    a duplicated row included; on the native kernels a text's embedding is the same bits alone or batched."""
+    encoder = grc_model()[0]
+    rows, _ = encoder.prompt_token_ids([*TEXTS, TEXTS[0], "A third text, longer than the others by far."], task="query")
+    rows = [row + encoder.tokenizer.encode("None") for row in rows]
+    kwargs = {"pad_token_id": encoder.pad_token_id, "with_memory": True}
+    with torch.no_grad():
+        masked = latent_pass(encoder.model, encoder.latent_tokens, rows, **kwargs)
+        fed = latent_pass(encoder.model, encoder.latent_tokens, rows, options=options, **kwargs)
+        alone = [latent_pass(encoder.model, encoder.latent_tokens, [row], options=options, **kwargs) for row in rows]
+    torch.testing.assert_close(fed.embeddings, masked.embeddings, atol=1e-5, rtol=1e-4)
+    for mine, theirs in zip(fed.memories, masked.memories):
+        assert mine.next_position == theirs.next_position and mine.nbytes == theirs.nbytes
+        torch.testing.assert_close(mine.keys, theirs.keys, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(mine.values, theirs.values, atol=1e-5, rtol=1e-4)
+    if options.native_step:
+        assert torch.equal(torch.cat([one.embeddings for one in alone]), fed.embeddings)
+        assert torch.equal(fed.embeddings[0], fed.embeddings[2])
 
 
 def test_segment_3_never_attends_to_segment_1():
