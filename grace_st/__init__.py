@@ -18,7 +18,7 @@ from .loading import load
 from .memory import answer, compress
 from .prompts import DEFAULT_INSTRUCTIONS
 
-__version__ = "0.10.0"
+__version__ = "0.10.1"
 __all__ = [
     "DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "answer", "compress", "default_model_path", "explain", "from_causal_lm",
     "load", "load_memories", "save_memories",

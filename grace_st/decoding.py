@@ -336,9 +336,10 @@ class IncrementalDecoder:
         shared = 0
         if self.options.share_prefix:
             shared = shared_prefix_length(input_ids, attention_mask, instruction_lengths)
-        # With nothing to generate a KV cache is needed only to hold a shared prefix, or for the native
-        # prompt pass, which writes into one: so that a prompt's states are the same bits alone or in a batch.
-        if max_new_tokens or keep_cache or shared or (self.options.preallocated_cache and self._native_model() is not None):
+        # With nothing to generate a KV cache is needed only when asked for, to hold a shared prefix, or for the
+        # native prompt pass, which writes into one: so that a prompt's states are the same bits alone or in a batch.
+        native = self.options.preallocated_cache and self._native_model() is not None
+        if max_new_tokens or keep_cache or shared or native:
             if self.options.preallocated_cache:
                 self.kv_cache = preallocated_cache(self.model, width + max_new_tokens)
             else:

@@ -15,7 +15,8 @@ under a causal mask with one cut, ❸ never attends to ❶ (:func:`segment_mask`
   whatever the text's length), from which the model answers a new turn (:func:`answer_from_memory`).
 
 :func:`latent_pass` is that one pass: ``encode`` (:class:`grace_st.engine.LatentEngine`), :func:`compress` and
-training's Eq. 5 step (``grace_training.grc_step``) all call it, so the embedding trained is the embedding served.
+training's Eq. 5 step (``grace_training.grc_step``) all call it, so the embedding trained is the embedding served
+(to float32 rounding: below).
 
 Written here, not taken from a library: no package implements GRC's latents or its cut mask (the paper's code is
 unreleased). Training's pass is transformers' own forward, given ``inputs_embeds`` and a 4D additive mask. Without
@@ -255,7 +256,7 @@ def _memories(cache, columns: slice, next_positions: list[int]) -> list[LatentMe
     keys = torch.stack([layer.keys[:, :, columns] for layer in cache.layers], dim=1).detach().cpu()
     values = torch.stack([layer.values[:, :, columns] for layer in cache.layers], dim=1).detach().cpu()
     return [
-        LatentMemory(keys[row].contiguous(), values[row].contiguous(), int(position))
+        LatentMemory(keys[row].clone(), values[row].clone(), int(position))  # a copy each: not the batch's storage
         for row, position in enumerate(next_positions)
     ]
 

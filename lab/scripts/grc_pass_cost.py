@@ -68,7 +68,9 @@ def main() -> None:
         best, embeddings = {name: float("inf") for name in passes}, {}
         for _ in range(args.repeats):
             for name, run in passes.items():
-                seconds, embeddings[name] = timed(lambda run=run: torch.cat([run(rows) for rows in batches]))
+                seconds, embeddings[name] = timed(
+                    lambda run=run, batches=batches: torch.cat([run(part) for part in batches])
+                )
                 best[name] = min(best[name], seconds)
         cosine = F.cosine_similarity(embeddings["masked pass"], embeddings["prompt pass"]).min().item()
         cell = {
