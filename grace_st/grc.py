@@ -22,8 +22,8 @@ Written here, not taken from a library: no package implements GRC's latents or i
 unreleased). Training's pass is transformers' own forward, given ``inputs_embeds`` and a 4D additive mask. Without
 ❸ and without autograd (``encode``, ``compress``) the mask is plain causal, and the same pass runs as the prompt
 pass GRACE's prompts get (:mod:`grace_st.decoding`: the shared instruction prefix once a batch, padding skipped,
-the native kernels where they apply), 2.0–2.5 times faster on the shipped model and equal to float32 rounding
-(``tests/test_grc.py``).
+the native kernels where they apply): 2.5–2.8 times as fast on the shipped model (``lab/scripts/grc_pass_cost.py``)
+and equal to float32 rounding (``tests/test_grc.py``).
 
 What the paper leaves open, as chosen here (docs/grc.md lists them with the measurements):
 - no EOS between y and the latents (the paper reports it better without);

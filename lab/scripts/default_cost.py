@@ -28,20 +28,30 @@ def time_encode(model, texts: list[str], kind: str, batch_size: int) -> tuple[fl
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def cost_arguments(description: str) -> argparse.Namespace:
+    """The options of a side-by-side cost script: texts a prompt type, batch size, repeats (best kept), JSON out."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--texts", type=int, default=64, help="texts of each prompt type")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", required=True)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def texts_by_prompt_type(count: int) -> dict[str, list[str]]:
+    """``count`` dev texts of each prompt type: STS-B dev sentences, held-back SciFact claims and abstracts."""
     tasks = scoreboard.load_tasks(scoreboard.SIZES)
     queries, corpus, _ = tasks["SciFact"]
-    texts = {
-        "default": tasks["STS-B dev"][0][: args.texts],
-        "query": list(queries.values())[: args.texts],
-        "document": list(corpus.values())[: args.texts],
+    return {
+        "default": tasks["STS-B dev"][0][:count],
+        "query": list(queries.values())[:count],
+        "document": list(corpus.values())[:count],
     }
+
+
+def main() -> None:
+    args = cost_arguments(__doc__)
+    texts = texts_by_prompt_type(args.texts)
     models = {name: grace_st.load(grace_st.default_model_path(**kw)) for name, kw in MODELS.items()}
     report = {"threads": torch.get_num_threads(), "texts": args.texts, "batch_size": args.batch_size, "cells": {}}
     print("| prompt type | " + " | ".join(f"{name}: s a text (CPU s)" for name in models) + " | GRC / GRACE |")

@@ -10,11 +10,11 @@ SciFact claims (queries), SciFact abstracts (documents); each cell alternates th
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
 import torch.nn.functional as F
+from default_cost import cost_arguments, texts_by_prompt_type
 
 import grace_st
 from grace_st import scoreboard
@@ -30,19 +30,8 @@ def timed(run) -> tuple[float, torch.Tensor]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--texts", type=int, default=64, help="texts of each prompt type")
-    parser.add_argument("--batch-size", type=int, default=32)
-    parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", required=True)
-    args = parser.parse_args()
-    tasks = scoreboard.load_tasks(scoreboard.SIZES)
-    queries, corpus, _ = tasks["SciFact"]
-    texts = {
-        "default": tasks["STS-B dev"][0][: args.texts],
-        "query": list(queries.values())[: args.texts],
-        "document": list(corpus.values())[: args.texts],
-    }
+    args = cost_arguments(__doc__)
+    texts = texts_by_prompt_type(args.texts)
     encoder = grace_st.load(grace_st.default_model_path(method="grc"))[0]
     engine = encoder.engine
 
