@@ -308,12 +308,15 @@ class RolloutStream:
         return rows
 
     def _admit(self) -> None:
-        if not self.waiting:
+        # A row with a budget of 0 never takes a decoding slot: admitting it would feed it one token, which its
+        # mean would then pool. It waits for the next step's prompt pass instead.
+        decoding = [row for row in self.waiting if row.max_new_tokens > 0]
+        if not decoding:
             return
         empty = bool(self.done.all())
-        need = max(len(row.prompt_ids) + row.max_new_tokens for row in self.waiting)
+        need = max(len(row.prompt_ids) + row.max_new_tokens for row in decoding)
         live = 0 if empty else int((~self.done).sum())
-        count = max(1, self.slot_policy(live + len(self.waiting)))
+        count = max(1, self.slot_policy(live + len(decoding)))
         if empty and (self.decoder is None or need > self.capacity or count != len(self.done)):
             # a new cache, sized for what waits now
             self.close()
@@ -333,7 +336,7 @@ class RolloutStream:
             return
         free = self.done.nonzero().squeeze(1).tolist()
         rows = []
-        for row in list(self.waiting):
+        for row in decoding:
             if len(rows) == len(free):
                 break
             if len(row.prompt_ids) + row.max_new_tokens <= self.capacity:
