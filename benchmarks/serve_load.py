@@ -368,6 +368,10 @@ def main() -> None:
     markdown = table(report)
     Path(args.output).with_suffix(".md").write_text(markdown + "\n")
     print(markdown)
+    wrong = sum(cell.get("not_bit_equal", 0) for run in report["runs"] for cell in run["cells"])
+    wrong += sum(soak_run["wrong"] for soak_run in report["soak"].values())
+    if wrong:  # the server's contract is encode's embedding, bit for bit: a run that saw otherwise fails
+        sys.exit(f"{wrong} answers differ from encode's embedding")
 
 
 if __name__ == "__main__":

@@ -295,7 +295,7 @@ def load_source(
     path = resolve_path(spec.pop("path"), data_dir)
     spec.pop("name", None)
     spec.pop("weight", None)  # read by source_weights: how often the run draws a batch of this source
-    symmetric = spec.pop("symmetric", False)
+    symmetric = spec.pop("symmetric", kind == "text")  # raw texts are one kind of text, as encode embeds them
     if not isinstance(symmetric, bool):
         raise ValueError(f"{name}: 'symmetric' must be true or false, got {symmetric!r}")
     max_examples = spec.pop("max_examples", None)
@@ -386,10 +386,14 @@ def _columns(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_unsupervised(rows: list[Triplet]) -> list[Triplet]:
-    """Raw texts x (Eqs. 12–13) from any source: each distinct query and positive once."""
+    """Raw texts x (Eqs. 12–13) from any source: each distinct query and positive once, keeping its source's
+    ``symmetric`` (whether x is embedded with the ``"default"`` prompt type or as a query and a document)."""
     seen = dict.fromkeys(t for row in rows for t in (row.query, row.positive))
-    source = {t: row.source for row in rows for t in (row.query, row.positive)}
-    return [Triplet(t, t, (), source[t]) for t in seen]
+    origin: dict[str, Triplet] = {}
+    for row in rows:
+        origin.setdefault(row.query, row)
+        origin.setdefault(row.positive, row)
+    return [Triplet(t, t, (), origin[t].source, symmetric=origin[t].symmetric) for t in seen]
 
 
 def _issue_position(issue: str) -> tuple[str, int]:

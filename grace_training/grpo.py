@@ -145,8 +145,9 @@ def policy_pass(
     pooled = None
     if pool_from is not None:
         pooled = masked_mean(states, batch["pooling_mask"].to(states.device))
-    if generated == 0:
-        return PolicyPass(torch.zeros((batch["input_ids"].shape[0], 0), device=batch["input_ids"].device), pooled)
+    if generated == 0:  # every rationale ended at once: no completion token, the text's logits still count
+        empty = torch.zeros((batch["input_ids"].shape[0], 0), device=batch["input_ids"].device)
+        return PolicyPass(empty, pooled, text_logits)
     logits = logits.float()
     if temperature > 0 and temperature != 1.0:
         logits = logits / temperature
