@@ -19,10 +19,11 @@ training's Eq. 5 step (``grace_training.grc_step``) all call it, so the embeddin
 (to float32 rounding: below).
 
 Written here, not taken from a library: no package implements GRC's latents or its cut mask (the paper's code is
-unreleased). Training's pass is transformers' own forward, given ``inputs_embeds`` and a 4D additive mask. Without
-❸ and without autograd (``encode``, ``compress``) the mask is plain causal, and the same pass runs as the prompt
-pass GRACE's prompts get (:mod:`grace_st.decoding`: the shared instruction prefix once a batch, padding skipped,
-the native kernels where they apply): 2.5–2.8 times as fast on the shipped model (``lab/scripts/grc_pass_cost.py``)
+unreleased). Training's pass is transformers' own forward, given ``inputs_embeds`` and a 4D additive mask (one a
+kind of layer where some layers slide, each windowed as the model's own pass is: :func:`layer_masks`). Without ❸
+and without autograd (``encode``, ``compress``) the mask is plain causal, and the same pass runs as the prompt pass
+GRACE's prompts get (:mod:`grace_st.decoding`: the shared instruction prefix once a batch, padding skipped, the
+native kernels where they apply): 2.5–2.8 times as fast on the shipped model (``lab/scripts/grc_pass_cost.py``)
 and equal to float32 rounding (``tests/test_grc.py``).
 
 What the paper leaves open, as chosen here (docs/grc.md lists them with the measurements):
@@ -131,17 +132,58 @@ def latent_tokens_for(model, latents: LatentTokens | None, num_latent_tokens: in
     return latents
 
 
-def segment_mask(real: Tensor, segments: Tensor, dtype: torch.dtype) -> Tensor:
+def segment_mask(real: Tensor, segments: Tensor, dtype: torch.dtype, window: int | None = None) -> Tensor:
     """The additive 4D mask (B, 1, T, T) of Eq. 1: causal over real tokens, except that segment 3 does not attend
     to segment 1. ``real`` (B, T) marks tokens (not padding); ``segments`` (T,) holds 1, 2 or 3 by column. A padded
-    query row sees itself alone, so no row of the softmax is empty."""
+    query row sees itself alone, so no row of the softmax is empty. ``window``: a sliding-window layer's, by
+    transformers' rule (a query sees the ``window`` columns up to its own); a row's real tokens are contiguous
+    columns but for its cut, so a column's distance is its position's."""
     width = real.shape[1]
     causal = torch.ones(width, width, dtype=torch.bool, device=real.device).tril()
+    if window is not None:
+        from transformers.masking_utils import sliding_window_overlay
+
+        column = torch.arange(width, device=real.device)
+        causal &= sliding_window_overlay(window)(0, 0, column[:, None], column[None, :])
     cut = (segments[:, None] == 3) & (segments[None, :] == 1)
     allowed = causal & ~cut & real.bool()[:, None, :]
     allowed |= torch.eye(width, dtype=torch.bool, device=real.device)
     mask = torch.zeros(allowed.shape, dtype=dtype, device=real.device)
     return mask.masked_fill(~allowed, torch.finfo(dtype).min)[:, None]
+
+
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
+
+def sliding_window(config) -> int | None:
+    """The window of the model's sliding-window layers (None: it has none), as transformers applies it: per layer
+    by ``config.layer_types`` where the config lists them, else to every layer when ``config.sliding_window`` is
+    set (Mistral's rule). A kind of layer other than these two is refused: the masked pass could not mask it as
+    the model's own pass does."""
+    window = getattr(config, "sliding_window", None)
+    kinds = set(getattr(config, "layer_types", None) or ())
+    unknown = kinds - {FULL_ATTENTION, SLIDING_ATTENTION}
+    if unknown:
+        raise ValueError(
+            f"{type(config).__name__} has layers of kind {', '.join(sorted(unknown))}: GRC's masked pass (training, "
+            f"and the pass with a suffix) masks only {FULL_ATTENTION} and {SLIDING_ATTENTION} layers as the model does"
+        )
+    if kinds and SLIDING_ATTENTION not in kinds:
+        return None
+    return window
+
+
+def layer_masks(config, real: Tensor, segments: Tensor, dtype: torch.dtype) -> Tensor | dict[str, Tensor]:
+    """:func:`segment_mask` as each of the model's layers applies it (:func:`sliding_window`): one mask for
+    every layer, or, where the config lists its layers' kinds and some slide, one by kind, the mapping a
+    transformers model takes in place of the masks it would build."""
+    window = sliding_window(config)
+    if window is None:
+        return segment_mask(real, segments, dtype)
+    windowed = segment_mask(real, segments, dtype, window)
+    if not getattr(config, "layer_types", None):
+        return windowed
+    return {FULL_ATTENTION: segment_mask(real, segments, dtype), SLIDING_ATTENTION: windowed}
 
 
 @dataclass
@@ -182,8 +224,8 @@ def latent_pass(
     options: DecodeOptions | None = None,
 ) -> LatentPass:
     """One forward over ❶ ``prefixes`` (P(x) ⊕ y, token ids), ❷ the latents and ❸ ``suffixes`` (token ids, or
-    none) under :func:`segment_mask`; gradients flow when autograd is on (training), so call it under
-    ``torch.no_grad`` to embed.
+    none) under :func:`segment_mask`, windowed where the model's layers slide (:func:`layer_masks`); gradients
+    flow when autograd is on (training), so call it under ``torch.no_grad`` to embed.
 
     Given ``options``, without ❸ and with autograd off (``encode``, :func:`grace_st.memory.compress`), the pass
     is a prompt pass of :mod:`grace_st.decoding` (:func:`_latent_prompt_pass`): the same causal pass, fed as
@@ -209,9 +251,10 @@ def latent_pass(
     real = torch.cat([prefix_real, torch.ones(rows, m, dtype=torch.long), suffix_real], dim=1).to(device)
     segments = torch.tensor([1] * width + [2] * m + [3] * suffix_ids.shape[1], device=device)
     cache = _new_cache() if with_memory else None
+    decoder = model.get_decoder()
     states = decoder_states(
-        model.get_decoder(), hidden_layer, cache=cache, inputs_embeds=inputs,
-        attention_mask=segment_mask(real, segments, dtype), position_ids=position_ids_from_mask(real),
+        decoder, hidden_layer, cache=cache, inputs_embeds=inputs,
+        attention_mask=layer_masks(decoder.config, real, segments, dtype), position_ids=position_ids_from_mask(real),
     )
     memories = None
     if with_memory:

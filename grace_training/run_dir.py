@@ -14,8 +14,10 @@ Starting a run (:func:`claim_output_dir`) in a directory that is
   ``--resume`` it is refused, unless ``--overwrite-output-dir``, which deletes that run's own files
   (its checkpoints, metrics, config, marker) before the new one starts;
 - anything else that is not empty: refused, unless ``--overwrite-output-dir``: the run then writes
-  beside what is there, replacing the files under the names it writes (``RUN_FILES``) and nothing
+  beside what is there, replacing the files under the names it writes (:func:`run_files`) and nothing
   else; another run's ``checkpoint-*`` in the way of a save is refused, never replaced.
+
+Whatever the algorithm, every refusal comes from :func:`inspect_output_dir`, before anything is deleted.
 
 System and package directories are refused always (:func:`~grace_training.output_dirs.forbidden_output_dir`). Checkpoints
 carry the run's id (:class:`~grace_training.checkpoint.RunFamily`): rotation, cleanup and
@@ -49,7 +51,7 @@ from .checkpoint import (
     remove_incomplete,
     remove_path,
 )
-from .config import RESUME_CHANGES, ConfigError, canonical_keys, read_yaml_mapping
+from .config import ALGORITHMS, RESUME_CHANGES, ConfigError, canonical_keys, read_yaml_mapping
 
 logger = logging.getLogger(__name__)
 
@@ -57,13 +59,14 @@ MARKER = "grace_run.json"
 TRAINER = "grace-train"
 CONFIG_FILE = "config.yaml"
 CHANGES_FILE = "config_changes.jsonl"
-# What a run writes in its directory besides checkpoints, by algorithm: deleted with the run it
-# belongs to (--overwrite-output-dir on an earlier run), replaced when a new run shares a directory.
-RUN_FILES = {
-    "grpo": (CONFIG_FILE, CHANGES_FILE, "metrics.jsonl", "tensorboard", "hub_queue.json", "initial-model"),
-    "infonce": ("final", "trainer", ".tmp-final"),
-}
-RUN_FILES["icr"] = RUN_FILES["grpo"]  # the same loop, another step
+# What a run writes in its directory besides checkpoints: deleted with the run it belongs to
+# (--overwrite-output-dir on an earlier run), replaced when a new run shares a directory (run_files).
+# Every algorithm trains in the loop of grace_training.trainer, which writes the same files whatever its
+# step, except the InfoNCE yardstick, which trains through sentence-transformers' trainer (grace_training.contrastive).
+LOOP_FILES = (CONFIG_FILE, CHANGES_FILE, "metrics.jsonl", "tensorboard", "hub_queue.json", "initial-model")
+INFONCE_FILES = ("final", "trainer", ".tmp-final", "metrics.jsonl", "tensorboard")
+INFONCE = "infonce"
+
 
 class OutputDirError(RuntimeError):
     """An output directory the run may not take; the message names it and what is in it."""
@@ -71,6 +74,13 @@ class OutputDirError(RuntimeError):
 
 class ConfigChangeError(RuntimeError):
     """A resumed run's config differs from its checkpoint's in a way that needs a decision."""
+
+
+def run_files(algorithm: str) -> tuple[str, ...]:
+    """The names a run of ``algorithm`` (one of ``config.ALGORITHMS``) writes in its directory besides checkpoints."""
+    if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
+        raise OutputDirError(f"algorithm {algorithm!r} is not one grace-train trains (one of {', '.join(ALGORITHMS)})")
+    return INFONCE_FILES if algorithm == INFONCE else LOOP_FILES
 
 
 # -- the marker ------------------------------------------------------------------------------------
@@ -156,6 +166,7 @@ def inspect_output_dir(
     ``last_step``: the run's last step; another run's ``checkpoint-<step>`` at or below it would
     be in the way of a save, and is refused here rather than at that save."""
     root = Path(output_dir)
+    files = run_files(algorithm)
     entries = sorted(p.name for p in root.iterdir()) if root.is_dir() else []
     if not entries:
         return "new"
@@ -165,6 +176,7 @@ def inspect_output_dir(
     if earlier and resume and not other_algorithm:
         return "continue" if marker is not None else "adopt"
     if earlier and overwrite:
+        _check_replaceable(root, marker, last_step)
         return "replace"
     if earlier and resume:
         raise OutputDirError(
@@ -181,7 +193,7 @@ def inspect_output_dir(
         raise OutputDirError(
             f"{root} is not empty and is not a grace-train run (it holds {_listing(entries)}); choose a new "
             "or empty output_dir, or pass --overwrite-output-dir to write beside what is there (files named "
-            f"as the run's own, {', '.join(RUN_FILES[algorithm])}, are replaced; nothing else is deleted)"
+            f"as the run's own, {', '.join(files)}, are replaced; nothing else is deleted)"
         )
     in_the_way = _foreign_checkpoints(root, last_step)
     if in_the_way:
@@ -207,7 +219,7 @@ def claim_output_dir(
     if action == "replace":
         _delete_earlier_run(root)
     elif action == "share":
-        _clear_run_files(root, algorithm)
+        _clear_run_files(root, run_files(algorithm))
     family = _write_marker(root, algorithm, [])
     how = "new" if action == "new" else f"{action}, --overwrite-output-dir"
     logger.info("%s: run %s (%s)", root, family.run_id, how)
@@ -225,22 +237,50 @@ def _adopt(root: Path, algorithm: str) -> RunFamily:
     return family
 
 
+def _check_replaceable(root: Path, marker: Mapping[str, Any] | None, last_step: int | None) -> None:
+    """Refuse --overwrite-output-dir on an earlier run where the deletion would be followed by a refusal:
+    a run of an algorithm this version does not know (its files cannot be told from others), or another
+    run's checkpoint, which stays, at a step this run saves."""
+    try:
+        run_files(marker_algorithm(marker))
+    except OutputDirError as error:
+        raise OutputDirError(
+            f"{root} holds a grace-train run ({_describe(root, marker)}) whose {error}, so --overwrite-output-dir "
+            "cannot tell its files from others; move it away or choose another output_dir"
+        ) from None
+    family = family_of(marker)
+    deleted = {path.name for _, path in list_checkpoints(root, family)}
+
+    def stays(name: str) -> bool:  # as _delete_earlier_run leaves it: a family of None owns every checkpoint
+        if CHECKPOINT.match(name):
+            return name not in deleted
+        return family is not None and not family.owns(root / name)
+
+    in_the_way = [name for name in _foreign_checkpoints(root, last_step) if stays(name)]
+    if in_the_way:
+        raise OutputDirError(
+            f"{root}: {_listing(in_the_way)}, not the earlier run's, would be replaced by this run's checkpoints of "
+            "the same steps, and grace-train does not replace checkpoints it did not write: move them away"
+        )
+
+
 def _delete_earlier_run(root: Path) -> None:
-    """--overwrite-output-dir on an earlier run: its checkpoints (its own, by its marker), their
-    temporaries, its files and its marker go; anything else in the directory stays."""
+    """--overwrite-output-dir on an earlier run (:func:`_check_replaceable` passed): its checkpoints (its own,
+    by its marker), their temporaries, its files and its marker go; anything else in the directory stays."""
     marker = read_marker(root)
     family = family_of(marker)
+    files = run_files(marker_algorithm(marker))
     deleted = [path.name for path in remove_incomplete(root, family)]
     for _, path in list_checkpoints(root, family):
         remove_path(path)
         deleted.append(path.name)
-    deleted += _clear_run_files(root, marker_algorithm(marker))
+    deleted += _clear_run_files(root, files)
     remove_path(root / MARKER)
     logger.warning("--overwrite-output-dir: deleted the earlier run in %s: %s", root, ", ".join(deleted) or "no files")
 
 
-def _clear_run_files(root: Path, algorithm: str) -> list[str]:
-    found = [name for name in (*RUN_FILES[algorithm], MARKER) if (root / name).exists() or (root / name).is_symlink()]
+def _clear_run_files(root: Path, files: tuple[str, ...]) -> list[str]:
+    found = [name for name in (*files, MARKER) if (root / name).exists() or (root / name).is_symlink()]
     for name in found:
         remove_path(root / name)
     return found

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from grace_st.grc import sliding_window
 from grace_st.transformers_compat import enable_activation_checkpointing
 
 from .checkpoint import (
@@ -163,6 +164,10 @@ class GRPOTrainer:
         self.encoder.method = config.method  # how the saved model thinks: what the algorithm trains
         self.encoder.prompt_format = config.prompt_format
         if config.algorithm == "grc":
+            try:  # Eq. 5's masked pass masks each layer as the model's own pass does, or the model is refused here
+                sliding_window(self.encoder.model.config)
+            except ValueError as error:
+                raise ConfigError(f"algorithm: grc: {error}", key="algorithm") from None
             self.encoder.num_latent_tokens = config.num_latent_tokens
             self.encoder.check_settings()  # the latent tokens: the start model's, or fresh ones
         if config.instructions is not None:

@@ -121,6 +121,68 @@ def test_segment_3_never_attends_to_segment_1():
     ]
 
 
+def sliding_grc_model(kind: str, window: int):
+    """A tiny GRC model whose layers slide: Mistral's (every layer, by ``sliding_window``) or Qwen2's (the second
+    layer only, by ``layer_types``)."""
+    from transformers import MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = make_tokenizer()
+    settings = {
+        "vocab_size": len(tokenizer), "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024, "initializer_range": 0.3,
+        "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id, "bos_token_id": None,
+        "sliding_window": window,
+    }
+    torch.manual_seed(0)
+    if kind == "mistral":
+        causal_lm = MistralForCausalLM(MistralConfig(**settings))
+    else:
+        causal_lm = Qwen2ForCausalLM(Qwen2Config(**settings, use_sliding_window=True, max_window_layers=1))
+        assert causal_lm.config.layer_types == ["full_attention", "sliding_attention"]
+    return grace_st.from_causal_lm(
+        model=causal_lm.eval(), tokenizer=tokenizer, device="cpu", method="grc", num_latent_tokens=3,
+        max_rationale_tokens=dict(BUDGETS),
+    )
+
+
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_the_masked_pass_slides_as_the_model_does_for_texts_longer_than_its_window(kind):
+    """Training's masked pass applies the model's sliding window as ``encode``'s prompt pass and a memory's reading
+    do: the same embeddings, and ❸'s logits those of the turn read after the memory ``compress`` gives."""
+    window = 8
+    model = sliding_grc_model(kind, window)
+    encoder = model[0]
+    rows, _ = encoder.prompt_token_ids(TEXTS, task="document")
+    rows = [row + encoder.tokenizer.encode("None") for row in rows]
+    assert min(map(len, rows)) > 4 * window
+    turn = memory_prompt(encoder, "What were we discussing earlier?")
+    kwargs = {"pad_token_id": encoder.pad_token_id}
+    with torch.no_grad():
+        masked = latent_pass(encoder.model, encoder.latent_tokens, rows, [turn, turn], **kwargs)
+        fed = latent_pass(encoder.model, encoder.latent_tokens, rows, options=DecodeOptions(), **kwargs)
+    torch.testing.assert_close(masked.embeddings, fed.embeddings, atol=1e-5, rtol=1e-4)
+    encoded = model.encode_document(TEXTS, convert_to_tensor=True)
+    torch.testing.assert_close(F.normalize(masked.embeddings, dim=-1), encoded, atol=1e-5, rtol=1e-4)
+    memories = grace_st.compress(model, TEXTS)
+    head = encoder.model.get_output_embeddings()
+    for row, memory in enumerate(memories):
+        read = turn_logits(encoder.model, turn, [memory])
+        torch.testing.assert_close(head(masked.suffix_states[row]), read, atol=2e-5, rtol=1e-4)
+
+
+def test_grc_trains_a_sliding_window_model_and_refuses_layers_it_cannot_mask(tmp_path):
+    from grace_training.config import ConfigError
+
+    model = sliding_grc_model("qwen2", 8)
+    trainer = GRPOTrainer(grc_config(tmp_path, "sliding", 1, finetune="full"), model=model, train_data=DATA)
+    metrics = trainer.training_step(trainer.batch_for_step(0), 0)
+    assert all(math.isfinite(metrics[f"loss/{name}"]) for name in ("generation", "reconstruction", "representation"))
+    chunked = grc_model()
+    chunked[0].model.config.layer_types = ["full_attention", "chunked_attention"]
+    with pytest.raises(ConfigError, match="algorithm: grc: .* layers of kind chunked_attention"):
+        GRPOTrainer(grc_config(tmp_path, "chunked", 1), model=chunked, train_data=DATA)
+
+
 def test_training_reconstruction_reads_the_memory_compress_gives():
     """❸'s logits in the training pass equal those of the same turn decoded after the memory alone (two layers:
     the latents' deeper keys carry ❶), so what Eq. 3 trains is what ``answer`` uses."""

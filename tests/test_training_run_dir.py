@@ -18,11 +18,27 @@ from conftest import CORPUS, make_st_model
 from test_training_reliability import DATA, small_config
 
 import grace_training
-from grace_training.checkpoint import CheckpointError, RunFamily, list_checkpoints, read_run_id, write_checkpoint
+from grace_training.checkpoint import (
+    CheckpointError,
+    RunFamily,
+    checkpoint_name,
+    list_checkpoints,
+    read_run_id,
+    write_checkpoint,
+)
 from grace_training.cli import main
-from grace_training.config import RESUME_CHANGES, ConfigError, GRPOConfig, check_environment
+from grace_training.config import ALGORITHMS, RESUME_CHANGES, ConfigError, GRPOConfig, check_environment
 from grace_training.grpo_step import GRPOStep
-from grace_training.run_dir import MARKER, ConfigChangeError, OutputDirError, read_marker
+from grace_training.run_dir import (
+    INFONCE,
+    MARKER,
+    ConfigChangeError,
+    OutputDirError,
+    claim_output_dir,
+    read_marker,
+    run_files,
+)
+from grace_training.trainer import ALGORITHMS as TRAINER_ALGORITHMS
 from grace_training.trainer import GRPOTrainer
 
 
@@ -434,3 +450,92 @@ def test_the_old_method_key_and_flag_still_name_the_algorithm(tmp_path, caplog, 
     out = tmp_path / "run"
     assert cli(cli_setup, out, "--method", "infonce", "--dry-run") == 0
     assert "--method is now called --algorithm" in caplog.text
+
+
+# -- every algorithm in an existing directory ------------------------------------------------------
+
+
+def test_every_algorithm_trains_in_the_loop_or_is_the_infonce_yardstick_and_has_its_run_files():
+    """run_files covers config.ALGORITHMS by construction; this holds it to the loop's registry."""
+    assert set(TRAINER_ALGORITHMS) | {INFONCE} == set(ALGORITHMS) and INFONCE not in TRAINER_ALGORITHMS
+    for algorithm in ALGORITHMS:
+        assert "metrics.jsonl" in run_files(algorithm)
+    with pytest.raises(OutputDirError, match="'someday' is not one grace-train trains"):
+        run_files("someday")
+
+
+def train_cli(setup: Path, out: Path, algorithm: str, *flags: str) -> int:
+    return cli(setup, out, "max_steps=1", "num_latent_tokens=2", "--algorithm", algorithm, *flags)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_folder_that_is_not_a_run_is_refused_unless_overwrite_for_every_algorithm(
+    cli_setup, tmp_path, capsys, algorithm
+):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    before = listing(out)
+    for flags in (["--dry-run"], []):
+        assert train_cli(cli_setup, out, algorithm, *flags) == 2
+        error = one_error_line(capsys)
+        assert "not a grace-train run" in error and "notes.txt" in error and "metrics.jsonl" in error
+        assert listing(out) == before
+    assert train_cli(cli_setup, out, algorithm, "--dry-run", "--overwrite-output-dir") == 0
+    assert listing(out) == before
+    assert train_cli(cli_setup, out, algorithm, "--overwrite-output-dir") == 0
+    assert (out / "notes.txt").read_text() == "mine" and read_marker(out)["algorithm"] == algorithm
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_an_earlier_run_of_every_algorithm_is_refused_or_replaced_whole(cli_setup, tmp_path, capsys, algorithm):
+    out = tmp_path / "run"
+    assert train_cli(cli_setup, out, algorithm) == 0
+    (out / "notes.txt").write_text("mine")
+    earlier, before = read_marker(out)["run_id"], listing(out)
+    capsys.readouterr()
+    for flags in (["--dry-run"], []):
+        assert train_cli(cli_setup, out, algorithm, *flags) == 2
+        assert "holds an earlier grace-train run" in one_error_line(capsys)
+        assert listing(out) == before
+    assert train_cli(cli_setup, out, algorithm, "--dry-run", "--overwrite-output-dir") == 0
+    assert listing(out) == before
+    assert train_cli(cli_setup, out, algorithm, "--overwrite-output-dir") == 0
+    assert read_marker(out)["run_id"] != earlier and (out / "notes.txt").read_text() == "mine"
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    if algorithm != INFONCE:
+        assert read_run_id(out / checkpoint_name(1)) == read_marker(out)["run_id"]
+
+
+def marked_run(root: Path, algorithm: str, steps: tuple[int, ...] = (1, 2)) -> Path:
+    """A run of ``algorithm`` as it leaves its directory, without training it: its marker, files and checkpoints."""
+    family = claim_output_dir(root, algorithm=algorithm)
+    for name in run_files(algorithm):
+        (root / name).write_text("the run's")
+    for step in steps:
+        state = root / checkpoint_name(step) / "trainer_state"
+        state.mkdir(parents=True)
+        (state / "state.json").write_text(json.dumps({"step": step}))
+        (state / "run.json").write_text(json.dumps({"run_id": family.run_id}))
+    return root
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("obstacle", ["an unknown algorithm's run", "another run's checkpoint"])
+def test_overwrite_refuses_before_deleting_anything(tmp_path, algorithm, obstacle):
+    """What the earlier run's deletion would be followed by a refusal for is refused first, the run untouched."""
+    run = marked_run(tmp_path / "run", algorithm)
+    if obstacle == "an unknown algorithm's run":
+        marker = json.loads((run / MARKER).read_text())
+        (run / MARKER).write_text(json.dumps({**marker, "algorithm": "someday"}))
+        match = "'someday' is not one grace-train trains"
+    else:
+        state = run / checkpoint_name(3) / "trainer_state"
+        state.mkdir(parents=True)
+        (state / "state.json").write_text(json.dumps({"step": 3}))
+        (state / "run.json").write_text(json.dumps({"run_id": "another-run"}))
+        match = "checkpoint-00000003, not the earlier run's, would be replaced"
+    before = listing(run)
+    with pytest.raises(OutputDirError, match=match):
+        claim_output_dir(run, algorithm=algorithm, overwrite=True, last_step=3)
+    assert listing(run) == before
