@@ -179,6 +179,8 @@ class Scheduler:
     def submit(self, texts: list[str], prompt_type: str = "default", return_rationale: bool = False) -> Future:
         """A future for the embeddings of ``texts`` as ``prompt_type`` (:class:`Embedded`). Cancel it to
         drop the texts' remaining work."""
+        if not texts:
+            raise ValueError("no texts to embed")
         future: Future = Future()
         chars = sum(map(len, texts))
         with self._lock:

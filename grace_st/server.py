@@ -136,9 +136,9 @@ def _json_object(body: bytes) -> dict:
     except json.JSONDecodeError as error:
         raise RequestError(400, f"the body is not valid JSON: {error}") from None
     except RecursionError:
-        raise RequestError(400, "the body is not valid JSON here: arrays or objects nested too deeply") from None
+        raise RequestError(400, "the body cannot be read: arrays or objects nested too deeply") from None
     except ValueError:  # the int-conversion limit; JSONDecodeError is a ValueError too, caught above
-        raise RequestError(400, "the body is not valid JSON here: an integer literal with too many digits") from None
+        raise RequestError(400, "the body cannot be read: an integer literal with too many digits") from None
     if not isinstance(payload, dict):
         raise RequestError(400, f"the body must be a JSON object, not {type(payload).__name__}")
     return payload

@@ -385,6 +385,8 @@ def test_the_scheduler_refuses_past_its_bound_and_drops_a_cancelled_request_s_ro
     gone = scheduler.submit(["long text " * 20] * 4)
     with pytest.raises(QueueFull):
         scheduler.submit(["x"] * 3)
+    with pytest.raises(ValueError, match="no texts"):  # nothing would ever answer it
+        scheduler.submit([])
     assert gone.cancel()  # its client left before it was decoded
     kept = scheduler.submit(["cats"])
     scheduler.start()
@@ -599,6 +601,8 @@ def test_the_cli_serves_on_loopback(tmp_path):
             "tiny",
             "--log-level",
             "warning",
+            "--shutdown-grace",
+            "5",
         ],
         env={**os.environ, "GRACE_ST_API_KEY": KEY},
     )
