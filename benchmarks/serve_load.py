@@ -19,8 +19,10 @@ p50/p95/p99, and rows a decoding step / a prompt pass fed on average (the server
 answer is checked against the in-process model's embedding (bit for bit in float32).
 
 ``--soak N`` then sends N requests from 32 clients, a fifth of them bad (malformed JSON, token arrays,
-empty lists, unknown models, lone surrogates, texts over the limit), and reports wrong answers, 5xx and
-the server's resident memory at the start and the end.
+empty lists, unknown models, lone surrogates, texts over the limit, UTF-16 bodies, nesting and integers
+too deep or long for Python's parser, falsy fields), one in 40 an upload its client abandons half-way, and
+reports wrong answers, 5xx (as the clients saw them and as the server's ``/metrics`` counted them: a client
+that left is a 499 there, never a 5xx) and the server's resident memory at the start and the end.
 
 The clients run in this process, on the same cores as the server: on a 2-core machine they take a share
 of the CPU, so the ratios understate what a server with its own cores gets.
@@ -232,19 +234,46 @@ BAD_BODIES = [
     b'{"model": "gpt-4", "input": "x"}',
     b'{"model": "default", "input": "\\ud800"}',
     json.dumps({"model": "default", "input": "x" * 9000}).encode(),
+    json.dumps({"model": "default", "input": "x"}).encode("utf-16"),
+    b'{"model": "default", "input": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+    b'{"model": "default", "input": "x", "dimensions": ' + b"9" * 5000 + b"}",
+    b'{"model": "default", "input": "x", "encoding_format": ""}',
+    b'{"model": "default", "input": "x", "input_type": 0}',
 ]
+
+
+def abandoned_upload(server: Server) -> None:
+    """A client that announces a body and leaves half-way through sending it."""
+    with socket.create_connection(("127.0.0.1", server.port)) as client:
+        client.sendall(
+            b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 4000\r\n\r\n{"model": "default", "input": "half a body'
+        )
+        time.sleep(0.05)
+
+
+def server_5xx(server: Server) -> int:
+    """5xx answers of any route, as the server's own metrics count them."""
+    total = 0.0
+    for line in httpx.get(f"{server.url}/metrics").text.splitlines():
+        if line.startswith("grace_st_requests_total{") and 'status="5' in line:
+            total += float(line.split()[-1])
+    return int(total)
 
 
 def soak(server: Server, texts: list[str], reference: np.ndarray, count: int, clients: int = 32) -> dict:
     """``count`` requests from ``clients`` threads, every fifth bad; good ones checked against ``reference``."""
-    rss_start = server.rss_mb()
-    lock, tally = threading.Lock(), {"good": 0, "wrong": 0, "bad_4xx": 0, "5xx": 0, "other": 0}
+    rss_start, server_5xx_start = server.rss_mb(), server_5xx(server)
+    lock, tally = threading.Lock(), {"good": 0, "wrong": 0, "bad_4xx": 0, "5xx": 0, "other": 0, "left": 0}
     counter = iter(range(count))
 
     def client():
         with httpx.Client(timeout=300) as http:
             for number in counter:
-                if number % 5 == 4:
+                if number % 40 == 39:
+                    abandoned_upload(server)
+                    key = "left"
+                elif number % 5 == 4:
                     response = http.post(f"{server.url}/v1/embeddings", content=BAD_BODIES[number % len(BAD_BODIES)])
                     key = (
                         "bad_4xx"
@@ -276,6 +305,7 @@ def soak(server: Server, texts: list[str], reference: np.ndarray, count: int, cl
         "clients": clients,
         **tally,
         "seconds": time.perf_counter() - start,
+        "server_5xx": server_5xx(server) - server_5xx_start,
         "rss_start_mb": rss_start,
         "rss_end_mb": server.rss_mb(),
     }
@@ -300,7 +330,8 @@ def table(report: dict) -> str:
         lines.append(
             f"Soak ({weights}): {result['requests']} requests from {result['clients']} clients in "
             f"{result['seconds']:.0f} s: {result['good']} good answered bit for bit, {result['wrong']} wrong, "
-            f"{result['bad_4xx']} bad answered 4xx, {result['5xx']} 5xx; server memory {result['rss_start_mb']:.0f} MB "
+            f"{result['bad_4xx']} bad answered 4xx, {result['left']} uploads abandoned, {result['5xx']} 5xx "
+            f"({result['server_5xx']} in the server's metrics); server memory {result['rss_start_mb']:.0f} MB "
             f"at the start, {result['rss_end_mb']:.0f} MB at the end."
         )
     return "\n".join(lines)

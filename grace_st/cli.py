@@ -14,6 +14,16 @@ from .prompts import text_problem
 from .settings import SETTINGS, cli_flag
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, at least 0, got {text}")
+    return value
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -245,7 +255,7 @@ def _add_serve_command(commands) -> None:
     serve.add_argument(
         "--api-key",
         help="require 'Authorization: Bearer KEY' on every route but /health "
-        "(default: $GRACE_ST_API_KEY; none when unset)",
+        "(default: $GRACE_ST_API_KEY; none when unset; an empty key is an error, from either)",
     )
     serve.add_argument(
         "--model-name", help="the model's name in the API (default: MODEL as given, or grace-st-default)"
@@ -258,7 +268,27 @@ def _add_serve_command(commands) -> None:
         default=1024,
         help="texts waiting or decoding at most; a request over it gets 429 with Retry-After",
     )
+    serve.add_argument(
+        "--max-queue-chars",
+        type=_positive_int,
+        default=8 * 1024 * 1024,
+        help="characters of the texts waiting or decoding at most (429 over; 413 for a request over it alone)",
+    )
     serve.add_argument("--slots", type=_positive_int, default=32, help="rows decoded together at most")
+    serve.add_argument(
+        "--prompt-pass-tokens",
+        type=_positive_int,
+        default=2048,
+        help="prompt tokens a decoding step reads at most (at least one prompt): bounds how long a step holds "
+        "the model, so a request whose client left is dropped within one",
+    )
+    serve.add_argument(
+        "--shutdown-grace",
+        type=_seconds,
+        default=60.0,
+        metavar="SECONDS",
+        help="on SIGTERM or SIGINT, how long the requests in flight may take to finish; then each is answered 503",
+    )
     serve.add_argument("--weight-quantization", choices=["int8"], help="int8 weight-only quantization at load")
     serve.add_argument("--device", help="torch device, e.g. cpu or cuda")
     serve.add_argument("--cache", help="a rationale cache file (SQLite), shared by every request")
@@ -444,10 +474,16 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     try:
-        from .server import Limits, serve
+        from .server import Limits, api_key_from, serve
     except ImportError as error:
         raise SystemExit(f"grace-st serve: {error.name} is missing: pip install 'grace-st[server]'") from None
     from . import default_model_path
+
+    try:  # before the model loads: a key no client could send is a usage error, as argparse's are (exit 2)
+        api_key = api_key_from(args.api_key)
+    except ValueError as error:
+        print(f"grace-st serve: error: {error}", file=sys.stderr)
+        return 2
 
     if args.weight_quantization:
         args.model_kwargs = {"weight_quantization": args.weight_quantization}
@@ -459,10 +495,13 @@ def run_serve(args: argparse.Namespace) -> int:
         model_name=args.model_name or args.model or "grace-st-default",
         host=args.host,
         port=args.port,
-        api_key=args.api_key,
+        api_key=api_key,
         limits=Limits(max_texts=args.max_texts, max_chars=args.max_chars),
         max_queued_texts=args.max_queue,
+        max_queued_chars=args.max_queue_chars,
         max_slots=args.slots,
+        prompt_pass_tokens=args.prompt_pass_tokens,
+        shutdown_grace=args.shutdown_grace,
         log_level=args.log_level,
     )
     return 0

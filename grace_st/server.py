@@ -13,16 +13,18 @@ keeps the first N values, as sentence-transformers' ``truncate_dim`` does (no re
 
 Also ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus' text format: requests by
 route and status, texts, texts queued, rows fed a decoding step or a prompt pass, request latency). With an API key
-(``--api-key`` or ``GRACE_ST_API_KEY``) every route but ``/health`` wants ``Authorization: Bearer``.
+(``--api-key`` or ``GRACE_ST_API_KEY``; an empty one is refused at startup) every route but ``/health`` wants
+``Authorization: Bearer``.
 
 Every request's texts go to one :class:`~grace_st.scheduler.Scheduler`, the only thread that
 drives the model: texts of all requests decode together and each request is answered when its own
 texts are done, each embedding bit for bit ``model.encode``'s.
 
-Refused, in OpenAI's error-object shape, and the server goes on: malformed JSON, invalid UTF-8 or
-lone surrogates, wrong types, an empty list, token arrays (400); an unknown model (404); a body,
-a text count or a text over the limits (413); a full queue (429, ``Retry-After``); a server
-shutting down (503). A client that disconnects has its rows dropped from the decode.
+Refused, in OpenAI's error-object shape, and the server goes on: malformed JSON, a body not in UTF-8,
+nesting deeper or integer literals longer than Python reads, lone surrogates, wrong types, an empty list,
+token arrays (400); an unknown model (404); a body, a text count or a text over the limits (413); a full
+queue (429, ``Retry-After``); a server shutting down, and a request still unanswered when the shutdown grace
+ends (503). A client that disconnects has its rows dropped from the decode and is counted as 499.
 """
 
 from __future__ import annotations
@@ -33,16 +35,48 @@ import contextlib
 import hmac
 import json
 import os
+import reprlib
 import time
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.requests import ClientDisconnect
 
 from .prompts import text_problem
 from .scheduler import QueueFull, Scheduler, ShuttingDown
 
 API_KEY_ENV = "GRACE_ST_API_KEY"
+CLIENT_CLOSED = 499  # nginx's "client closed request": the client left before its answer; not the server's failure
+
+# A client's value quoted in an error message: a few levels, a few dozen characters (a body may hold 32 MiB of one)
+_quoted = reprlib.Repr()
+_quoted.maxlevel, _quoted.maxstring, _quoted.maxlong, _quoted.maxother = 2, 60, 40, 60
+_quoted.maxlist = _quoted.maxdict = 4
+
+
+def api_key_from(given: str | None) -> str | None:
+    """The API key the server requires: ``given`` (``--api-key``), else ``$GRACE_ST_API_KEY``, else none.
+
+    A key no client could send is a configuration error (ValueError), not a way to run without one: an empty
+    ``GRACE_ST_API_KEY`` would otherwise mean "no key" and an empty ``--api-key`` "no one gets in". Header values
+    are ASCII with the spaces around them stripped, so a key must be printable ASCII with none at either end.
+    """
+    if given is not None:
+        return _checked_api_key(given, "--api-key")
+    given = os.environ.get(API_KEY_ENV)
+    return None if given is None else _checked_api_key(given, API_KEY_ENV)
+
+
+def _checked_api_key(key: str, source: str) -> str:
+    if not key.strip():
+        raise ValueError(f"the API key ({source}) is empty: give a key, or unset {API_KEY_ENV} to serve without one")
+    if not (key.isascii() and key.isprintable()) or key != key.strip():
+        raise ValueError(
+            f"the API key ({source}) must be printable ASCII with no spaces at either end: a client sends it in an "
+            "HTTP header, which carries nothing else"
+        )
+    return key
 
 
 class RequestError(Exception):
@@ -88,13 +122,23 @@ def parse_request(body: bytes, *, model_name: str, prompt_types: set[str], dimen
 
 
 def _json_object(body: bytes) -> dict:
-    """The body as a JSON object; invalid UTF-8, invalid JSON and other JSON values are refused."""
+    """The body as a JSON object. JSON over a network is UTF-8 (RFC 8259; a leading byte-order mark is let
+    through): UTF-16 and UTF-32, which ``json.loads`` would take from bytes, are refused, as are invalid
+    UTF-8, invalid JSON, nesting deeper than the parser's recursion goes, integer literals longer than Python
+    converts (``sys.get_int_max_str_digits``), and JSON values other than an object."""
+    encoding = json.detect_encoding(body)
+    if encoding not in ("utf-8", "utf-8-sig"):
+        raise RequestError(400, f"the body is not UTF-8 (it reads as {encoding.upper()}): send JSON in UTF-8")
     try:
-        payload = json.loads(body)
+        payload = json.loads(body.decode(encoding))
     except UnicodeDecodeError as error:
         raise RequestError(400, f"the body is not valid UTF-8 (byte {error.start})") from None
     except json.JSONDecodeError as error:
         raise RequestError(400, f"the body is not valid JSON: {error}") from None
+    except RecursionError:
+        raise RequestError(400, "the body cannot be read: arrays or objects nested too deeply") from None
+    except ValueError:  # the int-conversion limit; JSONDecodeError is a ValueError too, caught above
+        raise RequestError(400, "the body cannot be read: an integer literal with too many digits") from None
     if not isinstance(payload, dict):
         raise RequestError(400, f"the body must be a JSON object, not {type(payload).__name__}")
     return payload
@@ -108,7 +152,7 @@ def _check_model(payload: dict, model_name: str) -> None:
     if model != model_name:
         raise RequestError(
             404,
-            f"the model '{model}' does not exist; this server has '{model_name}'",
+            f"the model {_quoted.repr(model)} does not exist; this server has '{model_name}'",
             param="model",
             code="model_not_found",
         )
@@ -141,6 +185,10 @@ def _check_text(index: int, text, limits: Limits) -> None:
         raise RequestError(
             400, f"input[{index}] is a token array: this server embeds text, send strings", param="input"
         )
+    if not isinstance(text, str):
+        raise RequestError(
+            400, f"input[{index}] is {type(text).__name__}, not str: {_quoted.repr(text)}", param="input"
+        )
     problem = text_problem(text)
     if problem is not None:
         raise RequestError(400, f"input[{index}] {problem}", param="input")
@@ -153,12 +201,21 @@ def _check_text(index: int, text, limits: Limits) -> None:
         )
 
 
+def _given(payload: dict, field: str, default):
+    """``payload[field]``, or ``default`` where it is left out or null; any other value (``""``, ``false``,
+    ``0``, ``[]``) is the caller's to check, never taken for the default."""
+    value = payload.get(field)
+    return default if value is None else value
+
+
 def _encoding_format(payload: dict) -> str:
     """``encoding_format``: ``float`` (the default) or ``base64``."""
-    encoding = payload.get("encoding_format") or "float"
-    if encoding not in ("float", "base64"):
+    encoding = _given(payload, "encoding_format", "float")
+    if not isinstance(encoding, str) or encoding not in ("float", "base64"):
         raise RequestError(
-            400, f"'encoding_format' must be 'float' or 'base64', not {encoding!r}", param="encoding_format"
+            400,
+            f"'encoding_format' must be 'float' or 'base64', not {_quoted.repr(encoding)}",
+            param="encoding_format",
         )
     return encoding
 
@@ -170,24 +227,28 @@ def _dimensions(payload: dict, dimension: int) -> int | None:
         not isinstance(dimensions, int) or isinstance(dimensions, bool) or not 1 <= dimensions <= dimension
     ):
         raise RequestError(
-            400, f"'dimensions' must be an integer from 1 to {dimension}, not {dimensions!r}", param="dimensions"
+            400,
+            f"'dimensions' must be an integer from 1 to {dimension}, not {_quoted.repr(dimensions)}",
+            param="dimensions",
         )
     return dimensions
 
 
 def _input_type(payload: dict, prompt_types: set[str]) -> str:
     """``input_type``: one of the model's prompt types, ``default`` when not given."""
-    prompt_type = payload.get("input_type") or "default"
+    prompt_type = _given(payload, "input_type", "default")
     if not isinstance(prompt_type, str) or prompt_type not in prompt_types:
         raise RequestError(
-            400, f"'input_type' must be one of {sorted(prompt_types)}, not {prompt_type!r}", param="input_type"
+            400,
+            f"'input_type' must be one of {sorted(prompt_types)}, not {_quoted.repr(prompt_type)}",
+            param="input_type",
         )
     return prompt_type
 
 
 def _return_rationale(payload: dict) -> bool:
     """``return_rationale``: a boolean, false when not given."""
-    return_rationale = payload.get("return_rationale", False)
+    return_rationale = _given(payload, "return_rationale", False)
     if not isinstance(return_rationale, bool):
         raise RequestError(400, "'return_rationale' must be true or false", param="return_rationale")
     return return_rationale
@@ -236,11 +297,15 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _answer(request: Request, future):
-    """The scheduler's answer, or None when the client left first (its rows are then dropped)."""
+    """The scheduler's answer, or None when the client left first. Either way out (the client gone, or this
+    task cancelled at shutdown), the future is cancelled, so the scheduler drops the rows."""
     waiter = asyncio.wrap_future(future)
     watcher = asyncio.ensure_future(_disconnected(request))
     try:
         done, _ = await asyncio.wait({waiter, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        future.cancel()
+        raise
     finally:
         watcher.cancel()
     if waiter in done:
@@ -304,14 +369,30 @@ class _EmbeddingService:
     """What the routes of :func:`create_app` do: one model, its scheduler and metrics, the API key and limits."""
 
     def __init__(
-        self, model, *, model_name: str, api_key: str | None, limits: Limits, max_queued_texts: int, max_slots: int
+        self,
+        model,
+        *,
+        model_name: str,
+        api_key: str | None,
+        limits: Limits,
+        max_queued_texts: int,
+        max_queued_chars: int,
+        max_slots: int,
+        prompt_pass_tokens: int,
     ):
         self.model_name, self.api_key = model_name, api_key
-        self.limits, self.max_queued_texts = limits, max_queued_texts
+        self.limits, self.max_queued_texts, self.max_queued_chars = limits, max_queued_texts, max_queued_chars
         self.metrics = _Metrics()
         self.scheduler = Scheduler(
-            model, max_slots=max_slots, max_queued_texts=max_queued_texts, on_step=self.metrics.on_step
+            model,
+            max_slots=max_slots,
+            max_queued_texts=max_queued_texts,
+            max_queued_chars=max_queued_chars,
+            prompt_pass_tokens=prompt_pass_tokens,
+            on_step=self.metrics.on_step,
         )
+        self.shutting_down = False
+        self._in_flight: set[asyncio.Future] = set()  # one a request running: done when the shutdown grace ends
         self.metrics.watch_queue(self.scheduler)
         encoder = model[0]
         self.prompt_types = set(encoder.instructions) | set(model.prompts) | {"default"}
@@ -326,6 +407,17 @@ class _EmbeddingService:
         self.scheduler.start()
         yield
         await asyncio.to_thread(self.scheduler.stop)  # what was submitted is finished first
+
+    def begin_shutdown(self, grace: float) -> None:
+        """The server stops taking connections: from now a new embeddings request is refused (503), and the
+        requests in flight have ``grace`` seconds to finish; then each is answered 503 and its rows dropped."""
+        self.shutting_down = True
+        asyncio.get_running_loop().call_later(grace, self._end_grace)
+
+    def _end_grace(self) -> None:
+        for grace_over in self._in_flight:
+            if not grace_over.done():
+                grace_over.set_result(None)
 
     async def count_and_authorise(self, request: Request, call_next):
         """Count every request by route and status; with an API key, refuse (401) one without it."""
@@ -342,7 +434,28 @@ class _EmbeddingService:
         return response
 
     async def embeddings(self, request: Request) -> Response:
-        """``POST /v1/embeddings``: refusals in OpenAI's error shape, 499 when the client left first."""
+        """``POST /v1/embeddings``: the answer, or a refusal in OpenAI's error shape; 499 when the client left
+        first; 503 when the shutdown grace ends before the answer."""
+        if self.shutting_down:
+            return _error_response(_shutting_down("the server is shutting down"))
+        work = asyncio.ensure_future(self._embeddings(request))
+        grace_over = asyncio.get_running_loop().create_future()
+        self._in_flight.add(grace_over)
+        try:
+            await asyncio.wait({work, grace_over}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            work.cancel()
+            raise
+        finally:
+            self._in_flight.discard(grace_over)
+        if work.done():
+            return work.result()
+        work.cancel()  # its scheduler future is cancelled with it (_answer): its rows are dropped
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+        return _error_response(_shutting_down("the server shut down before this request was answered"))
+
+    async def _embeddings(self, request: Request) -> Response:
         start = time.perf_counter()
         try:
             asked = parse_request(
@@ -359,20 +472,31 @@ class _EmbeddingService:
                 raise RequestError(400, str(error), param="input") from None
         except RequestError as error:
             return _error_response(error)
+        except ClientDisconnect:  # it left while sending its body: nothing to answer, and not a server error
+            return Response(status_code=CLIENT_CLOSED)
         except Exception as error:  # noqa: BLE001 (this request fails, the others go on)
             return _error_response(RequestError(500, f"{type(error).__name__}: {error}", kind="server_error"))
         if result is None:
-            return Response(status_code=499)  # nobody reads it; nginx's "client closed request"
+            return Response(status_code=CLIENT_CLOSED)  # nobody reads it
         return self._embeddings_response(asked, result, start)
 
     def _submit(self, asked: dict):
         """The request's texts handed to the scheduler; a full queue or a shutdown is the request's refusal."""
-        if len(asked["texts"]) > self.max_queued_texts:  # would wait forever: not a matter of retrying
+        # more than the queue ever holds would wait forever: 413, not a matter of retrying
+        if len(asked["texts"]) > self.max_queued_texts:
             raise RequestError(
                 413,
                 f"'input' has {len(asked['texts'])} texts; the server holds {self.max_queued_texts} at once",
                 param="input",
                 code="too_many_inputs",
+            )
+        chars = sum(map(len, asked["texts"]))
+        if chars > self.max_queued_chars:
+            raise RequestError(
+                413,
+                f"'input' has {chars} characters; the server holds {self.max_queued_chars} at once",
+                param="input",
+                code="input_too_long",
             )
         try:
             return self.scheduler.submit(asked["texts"], asked["prompt_type"], asked["return_rationale"])
@@ -385,7 +509,7 @@ class _EmbeddingService:
                 headers={"Retry-After": "1"},
             ) from None
         except ShuttingDown as error:
-            raise RequestError(503, str(error), kind="server_error", headers={"Retry-After": "5"}) from None
+            raise _shutting_down(str(error)) from None
 
     def _embeddings_response(self, asked: dict, result, start: float) -> JSONResponse:
         """The scheduler's result in OpenAI's shape, counted and timed from ``start``."""
@@ -426,6 +550,10 @@ class _EmbeddingService:
         return {"status": "ok", "model": self.model_name}
 
 
+def _shutting_down(message: str) -> RequestError:
+    return RequestError(503, message, kind="server_error", code="shutting_down", headers={"Retry-After": "5"})
+
+
 def create_app(
     model,
     *,
@@ -433,17 +561,24 @@ def create_app(
     api_key: str | None = None,
     limits: Limits | None = None,
     max_queued_texts: int = 1024,
+    max_queued_chars: int = 8 * 1024 * 1024,
     max_slots: int = 32,
+    prompt_pass_tokens: int = 2048,
 ):
     """The FastAPI app serving ``model`` (a GRACE SentenceTransformer) as ``model_name``; its scheduler
-    starts and stops with the app's lifespan."""
+    starts and stops with the app's lifespan. ``api_key``: None for none; a key no client could send
+    (empty, see :func:`api_key_from`) is a ValueError."""
+    if api_key is not None:
+        _checked_api_key(api_key, "api_key")
     service = _EmbeddingService(
         model,
         model_name=model_name,
         api_key=api_key,
         limits=limits or Limits(),
         max_queued_texts=max_queued_texts,
+        max_queued_chars=max_queued_chars,
         max_slots=max_slots,
+        prompt_pass_tokens=prompt_pass_tokens,
     )
     app = FastAPI(title="grace-st", lifespan=service.lifespan, docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -471,8 +606,30 @@ def create_app(
     async def metrics():
         return service.metrics.exposition()
 
-    app.state.scheduler = service.scheduler
+    app.state.scheduler, app.state.service = service.scheduler, service
     return app
+
+
+def create_server(
+    app, *, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info", shutdown_grace: float = 60
+):
+    """uvicorn's server for ``app`` (from :func:`create_app`). On SIGINT or SIGTERM it stops taking
+    connections; the requests in flight get ``shutdown_grace`` seconds, then each still unanswered gets a
+    503 in OpenAI's shape (never uvicorn's plain-text 500 and a traceback), and the process exits."""
+    import uvicorn
+
+    service = app.state.service
+
+    class Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            service.begin_shutdown(shutdown_grace)
+            await super().shutdown(sockets)
+
+    # uvicorn's own cancelling of what is left is the backstop only: by then every request has been answered
+    config = uvicorn.Config(
+        app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_grace + 10
+    )
+    return Server(config)
 
 
 def serve(
@@ -484,19 +641,22 @@ def serve(
     api_key: str | None = None,
     limits: Limits | None = None,
     max_queued_texts: int = 1024,
+    max_queued_chars: int = 8 * 1024 * 1024,
     max_slots: int = 32,
+    prompt_pass_tokens: int = 2048,
+    shutdown_grace: float = 60,
     log_level: str = "info",
 ) -> None:
-    """Serve ``model`` until interrupted; on SIGINT/SIGTERM the requests in flight are finished first."""
-    import uvicorn
-
-    api_key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+    """Serve ``model`` until interrupted; on SIGINT/SIGTERM the requests in flight get ``shutdown_grace``
+    seconds to finish (:func:`create_server`). ``api_key``: as :func:`api_key_from` reads it."""
     app = create_app(
         model,
         model_name=model_name,
-        api_key=api_key,
+        api_key=api_key_from(api_key),
         limits=limits,
         max_queued_texts=max_queued_texts,
+        max_queued_chars=max_queued_chars,
         max_slots=max_slots,
+        prompt_pass_tokens=prompt_pass_tokens,
     )
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=60)
+    create_server(app, host=host, port=port, log_level=log_level, shutdown_grace=shutdown_grace).run()

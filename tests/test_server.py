@@ -4,6 +4,7 @@ leave and shutdown, each answered without disturbing other requests. Loopback on
 
 import base64
 import json
+import logging
 import os
 import socket
 import subprocess
@@ -15,12 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 from conftest import make_model, make_tokenizer
 
 from grace_st import from_causal_lm, native_step
 from grace_st.scheduler import QueueFull, Scheduler
-from grace_st.server import Limits, create_app
+from grace_st.server import Limits, create_app, create_server
 
 needs_compiler = pytest.mark.skipif(native_step.library() is None, reason="no C compiler to build the native step")
 KEY = "test-key"
@@ -35,13 +35,13 @@ def tiny(**settings):
 
 
 class Running:
-    """A uvicorn server on a free loopback port, in a thread."""
+    """``grace-st serve``'s uvicorn server on a free loopback port, in a thread."""
 
-    def __init__(self, app):
+    def __init__(self, app, **options):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.server = create_server(app, host="127.0.0.1", port=self.port, log_level="warning", **options)
         self.thread = threading.Thread(target=self.server.run)
         self.thread.start()
         deadline = time.monotonic() + 30
@@ -161,6 +161,18 @@ BAD = [
     ({"model": "tiny", "input": "x", "dimensions": True}, 400, "dimensions"),
     ({"model": "tiny", "input": "x", "input_type": "passage"}, 400, "input_type"),
     ({"model": "tiny", "input": "x", "return_rationale": "yes"}, 400, "return_rationale"),
+    # JSON in another encoding than UTF-8, which json.loads would detect and read from bytes
+    (json.dumps({"model": "tiny", "input": "x"}).encode("utf-16"), 400, "not UTF-8 (it reads as UTF-16)"),
+    (json.dumps({"model": "tiny", "input": "x"}).encode("utf-16-le"), 400, "not UTF-8 (it reads as UTF-16-LE)"),
+    (json.dumps({"model": "tiny", "input": "x"}).encode("utf-32"), 400, "not UTF-8 (it reads as UTF-32)"),
+    # falsy values are not the default: a client that sends them meant something else
+    ({"model": "tiny", "input": "x", "encoding_format": ""}, 400, "'encoding_format' must be"),
+    ({"model": "tiny", "input": "x", "encoding_format": False}, 400, "'encoding_format' must be"),
+    ({"model": "tiny", "input": "x", "input_type": ""}, 400, "'input_type' must be"),
+    ({"model": "tiny", "input": "x", "input_type": []}, 400, "'input_type' must be"),
+    ({"model": "tiny", "input": "x", "input_type": 0}, 400, "'input_type' must be"),
+    ({"model": "tiny", "input": "x", "input_type": {"a": [[[[["deep"]]]]]}}, 400, "'input_type' must be"),
+    ({"model": "tiny", "input": ["ok", {"text": "x"}]}, 400, "input[1] is dict, not str"),
 ]
 
 
@@ -172,6 +184,69 @@ def test_bad_requests_get_a_4xx_in_openai_s_shape_and_the_server_goes_on(server,
     assert words in error["message"] and error["type"]
     good = server.post({"model": "tiny", "input": TEXTS[1]})
     assert np.array_equal(np.array(good.json()["data"][0]["embedding"], dtype=np.float32), model.encode(TEXTS[1:2])[0])
+
+
+def test_a_refusal_names_the_field_and_quotes_at_most_a_little_of_the_value(server):
+    for field, value in [("encoding_format", ""), ("input_type", 0), ("model", "m" * 3000)]:
+        error = server.post({"model": "tiny", "input": "x", field: value}).json()["error"]
+        assert error["param"] == field and len(error["message"]) < 300
+
+
+def test_null_is_a_field_left_out(server, model):
+    body = {"model": "tiny", "input": TEXTS[1], "encoding_format": None, "input_type": None, "dimensions": None}
+    response = server.post({**body, "return_rationale": None})
+    assert response.status_code == 200
+    assert np.array_equal(
+        np.array(response.json()["data"][0]["embedding"], dtype=np.float32), model.encode(TEXTS[1:2])[0]
+    )
+
+
+@pytest.fixture(scope="module")
+def roomy(model):
+    """A server with the default limits: a body of 32 MiB, room for what a parser cannot take."""
+    running = Running(create_app(model, model_name="tiny"))
+    yield running
+    running.stop()
+
+
+@pytest.mark.parametrize(
+    "body,words",
+    [
+        (b'{"model": "tiny", "input": ' + b"[" * 5000 + b"]" * 5000 + b"}", "nested too deeply"),
+        (
+            b'{"model": "tiny", "input": "x", "dimensions": ' + b"9" * 5000 + b"}",
+            "integer literal with too many digits",
+        ),
+        (b'{"model": "tiny", "input": ["x", ' + b"[" * 900 + b"]" * 900 + b"]}", "input[1] is a token array"),
+    ],
+)
+def test_json_that_python_cannot_read_is_a_400_not_a_500(roomy, model, body, words):
+    response = roomy.post(body, key=None)
+    assert response.status_code == 400 and words in response.json()["error"]["message"]
+    good = roomy.post({"model": "tiny", "input": TEXTS[1]}, key=None)
+    assert np.array_equal(np.array(good.json()["data"][0]["embedding"], dtype=np.float32), model.encode(TEXTS[1:2])[0])
+    assert 'status="500"' not in httpx.get(f"{roomy.url}/metrics").text
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_counted_as_499_not_500(roomy):
+    def counted(status):
+        metrics = httpx.get(f"{roomy.url}/metrics").text
+        line = f'grace_st_requests_total{{route="/v1/embeddings",status="{status}"}}'
+        return next((float(row.split()[-1]) for row in metrics.splitlines() if row.startswith(line)), 0.0)
+
+    before = counted("499")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", roomy.port)) as client:  # a slow client that gives up
+            client.sendall(
+                b"POST /v1/embeddings HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                b'Content-Length: 1000\r\n\r\n{"model": "tiny", "input": "'
+            )
+            time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while counted("499") < before + 3:
+        assert time.monotonic() < deadline, "the clients that left were not counted as 499"
+        time.sleep(0.05)
+    assert counted("500") == 0
 
 
 def test_every_route_but_health_wants_the_key(server):
@@ -217,11 +292,101 @@ def test_a_full_queue_answers_429_with_retry_after(model):
     assert client.get("/health").status_code == 503  # no scheduler thread: nothing would answer
 
 
+def test_the_queue_holds_so_many_characters(model):
+    from fastapi.testclient import TestClient
+
+    app = create_app(model, model_name="tiny", max_queued_chars=100)
+    client = TestClient(app)  # no lifespan: what is queued stays queued
+    app.state.scheduler.submit(["a" * 60])
+    busy = client.post("/v1/embeddings", json={"model": "tiny", "input": ["b" * 30, "c" * 20]})
+    assert busy.status_code == 429 and busy.json()["error"]["code"] == "queue_full" and "characters" in busy.text
+    assert client.post("/v1/embeddings", json={"model": "tiny", "input": "d" * 101}).status_code == 413
+    assert app.state.scheduler.queued_chars == 60
+
+
+@needs_compiler
+def test_a_request_cancelled_while_it_is_prepared_is_dropped_before_the_rest_of_it_is_tokenised(model):
+    """A request of many long texts: its client leaves while the first are tokenised; the rest never are."""
+    encoder, tokenised, steps = model[0], [], []
+    preprocess = encoder.preprocess
+    scheduler = Scheduler(model, on_step=lambda rows, **kind: steps.append(rows))
+    gone = scheduler.submit([f"text {i} " + "word " * 2000 for i in range(400)], "document")
+
+    def leaving(texts, **kwargs):
+        tokenised.append(len(texts))
+        gone.cancel()
+        return preprocess(texts, **kwargs)
+
+    encoder.preprocess = leaving
+    try:
+        scheduler.start()
+        deadline = time.monotonic() + 30
+        while scheduler.queued_texts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.queued_texts == 0 and sum(tokenised) <= 32 and sum(steps) <= 32
+        encoder.preprocess = preprocess
+        assert np.array_equal(scheduler.submit(["cats"]).result(60).embeddings, model.encode(["cats"]))
+    finally:
+        encoder.preprocess = preprocess
+        scheduler.stop(10)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["document", "default"])
+def test_a_small_request_is_not_queued_behind_a_large_one(model, kind):
+    """Rows are fed a request at a time in turn: a one-text request sent after 300 texts is answered first,
+    and both are encode's embeddings."""
+    big_texts = [f"a longer text, number {i}, of several words" for i in range(300)]
+    scheduler = Scheduler(model, max_slots=8)
+    big = scheduler.submit(big_texts, kind)
+    small = scheduler.submit(["cats"], kind)
+    big_done_first = []
+    small.add_done_callback(lambda _: big_done_first.append(big.done()))
+    scheduler.start()
+    try:
+        assert np.array_equal(small.result(60).embeddings, expected(model, ["cats"], kind))
+        assert np.array_equal(big.result(120).embeddings, expected(model, big_texts, kind))
+        assert big_done_first == [False]
+    finally:
+        scheduler.stop(10)
+
+
+@needs_compiler
+def test_a_row_s_states_are_let_go_when_it_ends_not_when_its_request_does(model, monkeypatch):
+    """What a queued request holds is bounded: a finished row is pooled at once, so its per-token states
+    (prompt and rationale) do not pile up until the request's last row ends."""
+    import gc
+    import weakref
+
+    from grace_st.generation import RolloutStream
+
+    ended, alive_after = [], []
+    step = RolloutStream.step
+
+    def watched(stream):
+        rows = step(stream)
+        gc.collect()
+        alive_after.append(sum(ref() is not None for ref in ended))
+        ended.extend(weakref.ref(row.prompt_states) for row in rows)
+        return rows
+
+    monkeypatch.setattr(RolloutStream, "step", watched)
+    scheduler = Scheduler(model, max_slots=4).start()
+    try:
+        texts = [f"text number {i} with a few more words" for i in range(64)]
+        assert np.array_equal(scheduler.submit(texts).result(120).embeddings, model.encode(texts))
+    finally:
+        scheduler.stop(10)
+    assert len(ended) == 64 and max(alive_after) <= 8  # a step's rows at most, never the request's
+
+
 def test_the_scheduler_refuses_past_its_bound_and_drops_a_cancelled_request_s_rows(model):
     scheduler = Scheduler(model, max_queued_texts=6)
     gone = scheduler.submit(["long text " * 20] * 4)
     with pytest.raises(QueueFull):
         scheduler.submit(["x"] * 3)
+    with pytest.raises(ValueError, match="no texts"):  # nothing would ever answer it
+        scheduler.submit([])
     assert gone.cancel()  # its client left before it was decoded
     kept = scheduler.submit(["cats"])
     scheduler.start()
@@ -280,18 +445,142 @@ def test_shutdown_finishes_the_requests_in_flight(model):
     assert response.status_code == 200 and len(response.json()["data"]) == 2 * len(TEXTS)
 
 
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records = []
+
+    def emit(self, record):
+        self.records.append(record)
+
+
+def test_a_request_unanswered_when_the_shutdown_grace_ends_gets_a_503_and_no_traceback(monkeypatch):
+    from grace_st.generation import RolloutStream
+
+    decode = RolloutStream._decode
+    monkeypatch.setattr(RolloutStream, "_decode", lambda stream: (time.sleep(0.02), decode(stream))[1])
+    slow = tiny(max_rationale_tokens=2000)  # 40 s of decoding: far past the grace
+    app = create_app(slow, model_name="tiny")
+    running = Running(app, shutdown_grace=0.5)
+    records = Records()
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "grace_st"):
+        logging.getLogger(name).addHandler(records)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(running.post, {"model": "tiny", "input": TEXTS[:2]}, None, timeout=60)
+            deadline = time.monotonic() + 30
+            while app.state.scheduler.queued_texts == 0:
+                assert time.monotonic() < deadline and not pending.done(), "the request never reached the scheduler"
+                time.sleep(0.005)
+            stopping = time.monotonic()
+            running.stop()
+            response = pending.result()
+        assert time.monotonic() - stopping < 10  # the grace and a step, not the whole decode
+        assert response.status_code == 503 and response.headers["retry-after"] == "5"
+        assert (
+            response.json()["error"]["code"] == "shutting_down" and "shut down" in response.json()["error"]["message"]
+        )
+        assert app.state.scheduler.queued_texts == 0 and not app.state.scheduler.alive  # its rows dropped, then done
+        assert not [r for r in records.records if r.levelno >= logging.ERROR or r.exc_info], [
+            r.getMessage() for r in records.records
+        ]
+    finally:
+        for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "grace_st"):
+            logging.getLogger(name).removeHandler(records)
+
+
+def test_a_request_that_arrives_during_the_shutdown_grace_gets_a_503():
+    from fastapi.testclient import TestClient
+
+    app = create_app(tiny(), model_name="tiny")
+    with TestClient(app) as client:
+        client.portal.call(app.state.service.begin_shutdown, 30)
+        response = client.post("/v1/embeddings", json={"model": "tiny", "input": "cats"})
+    assert response.status_code == 503 and response.json()["error"]["code"] == "shutting_down"
+
+
 @pytest.mark.parametrize("method", ["gircse", "grc"])
 def test_a_model_that_does_not_stream_is_served_by_whole_batches(method):
     """GIRCSE's soft tokens all run K steps; GRC embeds with its latents, not the decoding states a stream pools:
-    each request runs as encode's batch, still one thread."""
+    each request runs through encode, still one thread: encode's embeddings bit for bit."""
     model = tiny(method=method, max_rationale_tokens=3)
     scheduler = Scheduler(model).start()
     try:
-        futures = [scheduler.submit(TEXTS[:2]), scheduler.submit(TEXTS[2:], "query")]
-        assert np.allclose(futures[0].result(60).embeddings, model.encode(TEXTS[:2]), atol=1e-6)
-        assert np.allclose(futures[1].result(60).embeddings, model.encode_query(TEXTS[2:]), atol=1e-6)
+        futures = [scheduler.submit(TEXTS[:2], return_rationale=True), scheduler.submit(TEXTS[2:], "query")]
+        first = futures[0].result(60)
+        assert np.array_equal(first.embeddings, model.encode(TEXTS[:2]))
+        assert np.array_equal(futures[1].result(60).embeddings, model.encode_query(TEXTS[2:]))
+        full = model.encode(TEXTS[:2], output_value=None)
+        assert first.rationales == [model[0].decode_rationales(out["rationale_token_ids"][:1])[0] for out in full]
+        assert first.prompt_tokens == sum(len(ids) for ids in model[0].prompt_token_ids(TEXTS[:2])[0])
     finally:
         scheduler.stop(10)
+
+
+def test_a_request_served_through_encode_is_dropped_between_its_batches_once_cancelled():
+    model = tiny(method="gircse", max_rationale_tokens=3)
+    encoded = []
+    scheduler = Scheduler(model)
+    gone = scheduler.submit([f"text number {i}" for i in range(200)])
+
+    def first_batch_cancels(_module, args):
+        encoded.append(len(args[0]["input_ids"]))
+        gone.cancel()  # the client leaves while its first batch runs
+
+    handle = model[0].register_forward_pre_hook(first_batch_cancels)
+    scheduler.start()
+    try:
+        deadline = time.monotonic() + 30
+        while scheduler.queued_texts and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert scheduler.queued_texts == 0 and sum(encoded) <= 64  # two of encode's batches of 32 at most
+        handle.remove()
+        assert np.array_equal(scheduler.submit(["cats"]).result(60).embeddings, model.encode(["cats"]))
+    finally:
+        handle.remove()
+        scheduler.stop(10)
+
+
+@pytest.mark.parametrize(
+    "given,environment,words",
+    [
+        ("", None, "(--api-key) is empty"),
+        (None, "", "(GRACE_ST_API_KEY) is empty"),
+        (None, "   ", "(GRACE_ST_API_KEY) is empty"),
+        (" key", None, "no spaces at either end"),
+        ("clé", None, "printable ASCII"),
+    ],
+)
+def test_an_api_key_no_client_could_send_is_a_startup_error(monkeypatch, capsys, given, environment, words):
+    from grace_st import cli
+    from grace_st.server import api_key_from
+
+    if environment is None:
+        monkeypatch.delenv("GRACE_ST_API_KEY", raising=False)
+    else:
+        monkeypatch.setenv("GRACE_ST_API_KEY", environment)
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        api_key_from(given)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded: the key was not checked first")
+
+    monkeypatch.setattr(cli, "_load_model", no_model)
+    argv = ["serve"] + ([] if given is None else ["--api-key", given])
+    assert cli.main(argv) == 2
+    assert words in capsys.readouterr().err
+    if given is not None:
+        with pytest.raises(ValueError, match="API key"):
+            create_app(tiny(), model_name="tiny", api_key=given)
+
+
+def test_an_api_key_is_the_option_s_else_the_environment_s_else_none(monkeypatch):
+    from grace_st.server import api_key_from
+
+    monkeypatch.setenv("GRACE_ST_API_KEY", "from-environment")
+    assert api_key_from("from-option") == "from-option" and api_key_from(None) == "from-environment"
+    monkeypatch.delenv("GRACE_ST_API_KEY")
+    assert api_key_from(None) is None
 
 
 def test_the_cli_serves_on_loopback(tmp_path):
@@ -312,6 +601,8 @@ def test_the_cli_serves_on_loopback(tmp_path):
             "tiny",
             "--log-level",
             "warning",
+            "--shutdown-grace",
+            "5",
         ],
         env={**os.environ, "GRACE_ST_API_KEY": KEY},
     )
@@ -384,3 +675,24 @@ def test_the_rationale_cache_is_shared_with_encode(tmp_path):
     assert np.array_equal(served.embeddings, cached.encode(TEXTS))
     with RationaleCache(tmp_path / "rationales.sqlite") as cache:  # the server's misses were stored
         assert len(cache) == len(TEXTS)
+
+
+@needs_compiler
+def test_int8_weights_are_served_as_encode_embeds_them_bit_for_bit():
+    """int8 layers round differently for few rows (the kernel) and many (a matmul): a burst served through the
+    stream would mix its rows into wide steps. Each request is encode's own call instead, so every answer is
+    the in-process int8 encode's, bit for bit."""
+    from grace_st.quantization import quantize_weights
+
+    model = tiny(max_rationale_tokens={"default": 6, "query": 4, "document": 0})
+    quantize_weights(model[0].model, "int8")
+    kinds = ("default", "query", "document")
+    requests = [([TEXTS[(n + k) % len(TEXTS)] for k in range(1 + n % 3)], kinds[n % 3]) for n in range(24)]
+    scheduler = Scheduler(model)
+    futures = [scheduler.submit(texts, kind) for texts, kind in requests]  # a burst: all wait together
+    scheduler.start()
+    try:
+        for (texts, kind), future in zip(requests, futures):
+            assert np.array_equal(future.result(120).embeddings, expected(model, texts, kind)), (texts, kind)
+    finally:
+        scheduler.stop(10)
