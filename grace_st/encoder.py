@@ -358,6 +358,9 @@ class GenerativeEncoder(InputModule):
         instruction = self.instruction_for(task, prompt)
         cache_keys = None
         settings = self.generation_settings(kind)
+        # GRC reads its latents whatever the budget; the other methods pool the prompt itself at budget 0
+        pools_prompt = settings["max_rationale_tokens"] == 0 and self.method != "grc"
+        encoder_inputs.check_prompts(rows, instruction_span, pools_prompt)
         if self._rationale_cache is not None and is_deterministic(settings):
             cache_keys = CacheFile.keys(self.weights_key(), instruction, texts, rows, settings)
         repeats = settings["num_rationales"]
@@ -381,7 +384,9 @@ class GenerativeEncoder(InputModule):
         """
         encoder_inputs.check_texts(texts)
         template = self.prompt_template(self.instruction_for(task, prompt))
-        return template.rows(self.tokenizer, texts, self.max_input_tokens), template.instruction_span
+        rows = template.rows(self.tokenizer, texts, self.max_input_tokens)
+        encoder_inputs.check_prompts(rows, template.instruction_span)
+        return rows, template.instruction_span
 
     def tokenize(self, texts: list[str], **kwargs):
         """sentence-transformers 5.x entry point (6.x calls :meth:`preprocess`)."""
