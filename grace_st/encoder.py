@@ -23,6 +23,7 @@ revision (:mod:`grace_st.mteb_identity`), adapters (:mod:`grace_st.adapter`), se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
 from collections.abc import Iterator, Mapping, Sequence
@@ -137,7 +138,7 @@ class GenerativeEncoder(InputModule):
         self._vllm = None
         self._weights_to_save: dict[str, Tensor] | None = None  # see saving_weights
         self._adapter_to_save: tuple[str, str] | None = None  # see saving_adapter
-        self.decode_options = DecodeOptions()  # how rollouts feed the model: speed only, so not a saved setting
+        self._decode_options = DecodeOptions()  # how rollouts feed the model: speed only, so not a saved setting
         self._templates: dict[tuple[str, str], PromptTemplate | InstructTemplate] = {}
         # instruction text -> prompt type, for prompts that are our own instructions (see on_model_ready)
         self._instruction_prompts = {text: kind for kind, text in self.instructions.items()}
@@ -158,6 +159,21 @@ class GenerativeEncoder(InputModule):
                 setattr(self, name, value)
         if self.method == "grc":
             self.latent_tokens = latent_tokens_for(self.model, self.latent_tokens, self.num_latent_tokens)
+
+    @property
+    def decode_options(self) -> DecodeOptions:
+        """How rollouts feed the model (:class:`~grace_st.decoding.DecodeOptions`: speed only, not a saved setting).
+        With ``merge_adapter`` false a LoRA adapter stays apart here too: its layers run as PEFT runs them, base and
+        adapter products each on its own packed weight, never on a merged one (``merge_adapters`` off, whatever
+        was set); the native step, which only runs merged weights, is then left out for such a model."""
+        options = self._decode_options
+        if self.merge_adapter or not options.merge_adapters:
+            return options
+        return dataclasses.replace(options, merge_adapters=False)
+
+    @decode_options.setter
+    def decode_options(self, options: DecodeOptions) -> None:
+        self._decode_options = options
 
     @property
     def max_seq_length(self) -> int:

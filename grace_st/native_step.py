@@ -517,19 +517,23 @@ class NativeStep:
         self.local = threading.local()  # _bind_cache's table, one a thread
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> NativeStep | None:
+    def for_model(cls, model: nn.Module, merge_adapters: bool = True) -> NativeStep | None:
         """The step for ``model`` if it applies (module docstring), else None. Kept for the next call
         while the model's tensors are the same ones: the step reads them in place, so values written
         into them are seen; a LoRA layer's merged weight is a copy, so such a model is bound anew each call.
-        Under a lock: threads asking at once share one binding (the panels are a copy of the weights)."""
+        The step runs a LoRA layer only on its merged weight: without ``merge_adapters`` a model with one has
+        no step. Under a lock: threads asking at once share one binding (the panels are a copy of the weights)."""
         key = tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
         with _bind_lock:
+            lora_class = _lora_layer_class()
+            has_lora = lora_class is not None and any(isinstance(module, lora_class) for module in model.modules())
+            if has_lora and not merge_adapters:
+                return None
             cached = _steps.get(model)
             if cached is not None and cached[0] == key:
                 return cached[1]
             step = cls._bind(model)
-            lora_class = _lora_layer_class()
-            if lora_class is None or not any(isinstance(module, lora_class) for module in model.modules()):
+            if not has_lora:
                 _steps[model] = (key, step)
             return step
 

@@ -422,10 +422,9 @@ def test_soft_tokens_are_the_model_s_own_distribution_at_the_soft_token_temperat
 def authors_adapter(tmp_path):
     """A base (no chat template) and a LoRA adapter saved as the authors' releases are (``PeftModel.save_pretrained``:
     no tokenizer, no GRACE settings): (the adapter's folder, the adapted model, the base's tokenizer)."""
+    from conftest import make_model
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-
-    from conftest import make_model
 
     tokenizer = make_tokenizer()
     tokenizer.chat_template = None  # a base model: no chat template
