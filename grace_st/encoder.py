@@ -235,7 +235,7 @@ class GenerativeEncoder(InputModule):
     def is_task_instruction(self, prompt: str | None) -> bool:
         """Whether ``prompt`` is a task's own instruction: a value the model's ``prompts`` hold under a name that is
         not a prompt type's (``query``, ``document``, ``text``, ``passage``): an mteb task name, ``"<task>-query"`` or
-        ``"<task>-document"``, a task type such as ``"STS"``, as sentence-transformers' prompt names key them."""
+        ``"<task>-document"``, a task type such as ``"STS"``: the names mteb looks a task's prompt up by."""
         if not prompt:
             return False
         owner = self._owner() if self._owner is not None else None

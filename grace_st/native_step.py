@@ -458,6 +458,11 @@ def _product(module: nn.Module, lora_class) -> tuple[Tensor, Tensor | None] | No
 _steps: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, NativeStep | None]] = weakref.WeakKeyDictionary()
 
 
+def _has_lora(model: nn.Module) -> bool:
+    lora_class = _lora_layer_class()
+    return lora_class is not None and any(isinstance(module, lora_class) for module in model.modules())
+
+
 def _panels(weight: Tensor, width: int) -> Tensor:
     """``weight`` (outputs x inputs) as native_step.c's panels: ``width`` outputs a panel, each laid
     out input-major, the last one padded with zero rows."""
@@ -523,17 +528,15 @@ class NativeStep:
         into them are seen; a LoRA layer's merged weight is a copy, so such a model is bound anew each call.
         The step runs a LoRA layer only on its merged weight: without ``merge_adapters`` a model with one has
         no step. Under a lock: threads asking at once share one binding (the panels are a copy of the weights)."""
+        if not merge_adapters and _has_lora(model):
+            return None
         key = tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
         with _bind_lock:
-            lora_class = _lora_layer_class()
-            has_lora = lora_class is not None and any(isinstance(module, lora_class) for module in model.modules())
-            if has_lora and not merge_adapters:
-                return None
             cached = _steps.get(model)
             if cached is not None and cached[0] == key:
                 return cached[1]
             step = cls._bind(model)
-            if not has_lora:
+            if not _has_lora(model):
                 _steps[model] = (key, step)
             return step
 
