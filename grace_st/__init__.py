@@ -9,7 +9,7 @@ reads learned latent tokens after its response, whose keys and values are also a
 
 from __future__ import annotations
 
-from .build import from_causal_lm
+from .build import from_causal_lm, from_gircse_adapter
 from .default_model import default_model_path
 from .encoder import GenerativeEncoder
 from .explain import explain
@@ -21,5 +21,5 @@ from .prompts import DEFAULT_INSTRUCTIONS
 __version__ = "0.10.1"
 __all__ = [
     "DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "answer", "compress", "default_model_path", "explain", "from_causal_lm",
-    "load", "load_memories", "save_memories",
+    "from_gircse_adapter", "load", "load_memories", "save_memories",
 ]

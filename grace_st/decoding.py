@@ -509,7 +509,7 @@ class IncrementalDecoder:
     def _native_model(self) -> NativeStep | None:
         """The model's native step (built at first use), or None where it cannot run this model."""
         if self.native is True:
-            self.native = NativeStep.for_model(self.model) or False
+            self.native = NativeStep.for_model(self.model, merge_adapters=self.options.merge_adapters) or False
         return self.native or None
 
     def _native(self, rows: int, columns: int, allocate: bool = False, cache=None) -> NativeStep | None:

@@ -23,8 +23,10 @@ revision (:mod:`grace_st.mteb_identity`), adapters (:mod:`grace_st.adapter`), se
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import os
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -137,10 +139,13 @@ class GenerativeEncoder(InputModule):
         self._vllm = None
         self._weights_to_save: dict[str, Tensor] | None = None  # see saving_weights
         self._adapter_to_save: tuple[str, str] | None = None  # see saving_adapter
-        self.decode_options = DecodeOptions()  # how rollouts feed the model: speed only, so not a saved setting
+        self._decode_options = DecodeOptions()  # how rollouts feed the model: speed only, so not a saved setting
         self._templates: dict[tuple[str, str], PromptTemplate | InstructTemplate] = {}
         # instruction text -> prompt type, for prompts that are our own instructions (see on_model_ready)
         self._instruction_prompts = {text: kind for kind, text in self.instructions.items()}
+        # the SentenceTransformer's prompts (see on_model_ready): where a task's own instruction is found
+        self._owner: weakref.ref | None = None
+        self._owner_prompts: Mapping[str, str | None] = {}
         self.check_settings()
         # Fail at construction, not at the first encode, when the template cannot be split.
         self.prompt_template(self.instructions["default"])
@@ -158,6 +163,21 @@ class GenerativeEncoder(InputModule):
                 setattr(self, name, value)
         if self.method == "grc":
             self.latent_tokens = latent_tokens_for(self.model, self.latent_tokens, self.num_latent_tokens)
+
+    @property
+    def decode_options(self) -> DecodeOptions:
+        """How rollouts feed the model (:class:`~grace_st.decoding.DecodeOptions`: speed only, not a saved setting).
+        With ``merge_adapter`` false a LoRA adapter stays apart here too: its layers run as PEFT runs them, base and
+        adapter products each on its own packed weight, never on a merged one (``merge_adapters`` off, whatever
+        was set); the native step, which only runs merged weights, is then left out for such a model."""
+        options = self._decode_options
+        if self.merge_adapter or not options.merge_adapters:
+            return options
+        return dataclasses.replace(options, merge_adapters=False)
+
+    @decode_options.setter
+    def decode_options(self, options: DecodeOptions) -> None:
+        self._decode_options = options
 
     @property
     def max_seq_length(self) -> int:
@@ -212,16 +232,30 @@ class GenerativeEncoder(InputModule):
         kind = {text: kind for kind, text in self.instructions.items()}.get(prompt)
         return kind or self._instruction_prompts.get(prompt)
 
+    def is_task_instruction(self, prompt: str | None) -> bool:
+        """Whether ``prompt`` is a task's own instruction: a value the model's ``prompts`` hold under a name that is
+        not a prompt type's (``query``, ``document``, ``text``, ``passage``): an mteb task name, ``"<task>-query"`` or
+        ``"<task>-document"``, a task type such as ``"STS"``: the names mteb looks a task's prompt up by."""
+        if not prompt:
+            return False
+        owner = self._owner() if self._owner is not None else None
+        prompts = owner.prompts if owner is not None else self._owner_prompts
+        return any(text == prompt and name not in self.prompt_names for name, text in (prompts or {}).items())
+
     def instruction_for(self, task: str | None, prompt: str | None) -> str:
         """The system instruction for a call.
 
         A prompt that is one of this module's instructions (as :meth:`on_model_ready` puts them
-        in the model's prompts) selects that prompt type's *current* instruction; any other
-        prompt is appended to the instruction of ``task``.
+        in the model's prompts) selects that prompt type's *current* instruction; a task's own
+        instruction (:meth:`is_task_instruction`: mteb passes the one ``model.prompts`` holds for the
+        task) is the instruction, in place of the prompt type's; any other prompt is appended to the
+        instruction of ``task``.
         """
         kind = self._prompt_kind(prompt)
         if kind is not None:
             return self.instructions.get(kind, self.instructions["default"])
+        if self.is_task_instruction(prompt):
+            return prompt
         base = self.instructions.get(task or "default", self.instructions["default"])
         return compose_instruction(base, prompt)
 
@@ -258,6 +292,9 @@ class GenerativeEncoder(InputModule):
             if (name in ("query", "document") or name in model.prompts) and not model.prompts.get(name):
                 model.prompts[name] = self.instructions.get(kind, self.instructions["default"])
         self._instruction_prompts.update({text: kind for kind, text in self.instructions.items()})
+        # Weakly (no cycle keeps a dropped model alive), and the prompts dict itself for a copy or a pickle,
+        # which the reference does not survive: mteb may give the model a new prompts dict, the weak one follows it.
+        self._owner, self._owner_prompts = weakref.ref(model), model.prompts
         self.describe_for_mteb(model)
 
     def revision(self) -> str:
@@ -296,7 +333,7 @@ class GenerativeEncoder(InputModule):
     def __getstate__(self) -> dict:
         # A GPU engine does not travel to another process (nor does a cache connection: CacheFile).
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        return {**state, "_vllm": None}
+        return {**state, "_vllm": None, "_owner": None}
 
     def use_vllm(self, model_path: str | os.PathLike | None = None, **vllm_kwargs: Any) -> None:
         """Write rationales with vLLM (GPU, ``pip install "grace-st[vllm]"``) and pool them with one
@@ -358,6 +395,9 @@ class GenerativeEncoder(InputModule):
         instruction = self.instruction_for(task, prompt)
         cache_keys = None
         settings = self.generation_settings(kind)
+        # GRC reads its latents whatever the budget; the other methods pool the prompt itself at budget 0
+        pools_prompt = settings["max_rationale_tokens"] == 0 and self.method != "grc"
+        encoder_inputs.check_prompts(rows, instruction_span, pools_prompt)
         if self._rationale_cache is not None and is_deterministic(settings):
             cache_keys = CacheFile.keys(self.weights_key(), instruction, texts, rows, settings)
         repeats = settings["num_rationales"]
@@ -381,7 +421,9 @@ class GenerativeEncoder(InputModule):
         """
         encoder_inputs.check_texts(texts)
         template = self.prompt_template(self.instruction_for(task, prompt))
-        return template.rows(self.tokenizer, texts, self.max_input_tokens), template.instruction_span
+        rows = template.rows(self.tokenizer, texts, self.max_input_tokens)
+        encoder_inputs.check_prompts(rows, template.instruction_span)
+        return rows, template.instruction_span
 
     def tokenize(self, texts: list[str], **kwargs):
         """sentence-transformers 5.x entry point (6.x calls :meth:`preprocess`)."""

@@ -31,6 +31,28 @@ def check_texts(texts: Sequence[Any]) -> None:
             )
 
 
+def check_prompts(rows: Sequence[Sequence[int]], instruction_span: int, pools_prompt: bool = False) -> None:
+    """Refuse a prompt that leaves nothing to embed, naming the item. Only GIRCSE's reference format can make one
+    (a chat template always has tokens around the text): an empty text under an empty instruction is a prompt of
+    no token, which no model can be run on; and where the prompt itself is pooled (``pools_prompt``: a budget of 0,
+    Eq. 3 over t > L_sys), an empty text leaves no position after the instruction, whose mean would be a zero
+    vector standing in for an embedding."""
+    for index, row in enumerate(rows):
+        if not row:
+            raise ValueError(
+                f"GenerativeEncoder: item {index} of this batch (sorted by length) is an empty text under an empty "
+                "instruction: in prompt_format 'instruct' its prompt has no token to run the model on; give its "
+                "prompt type an instruction, or leave empty texts out"
+            )
+        if pools_prompt and len(row) <= instruction_span:
+            raise ValueError(
+                f"GenerativeEncoder: item {index} of this batch (sorted by length) leaves nothing to pool: with "
+                "max_rationale_tokens 0 the prompt after the instruction is pooled, and in prompt_format 'instruct' "
+                "an empty text has no token there (nor has any text once the instruction fills max_input_tokens); "
+                "give it soft tokens (max_rationale_tokens >= 1), or leave empty texts out"
+            )
+
+
 def features(
     rows: list[list[int]], instruction_span: int, repeats: int, budget: int, pad_token_id: int
 ) -> dict[str, Any]:

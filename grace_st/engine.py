@@ -169,6 +169,8 @@ class RationaleEngine:
                 self.pad_token_id,
                 self.hidden_layer,
                 batch_size=batch_size,
+                packed_linears=self.options.packed_linears,
+                merge_adapters=self.options.merge_adapters,
             )
         whole = thoughts.single_pass()
         if whole is not None:  # one pass in request order (encode's batch): as it is, on the model's device

@@ -458,6 +458,11 @@ def _product(module: nn.Module, lora_class) -> tuple[Tensor, Tensor | None] | No
 _steps: weakref.WeakKeyDictionary[nn.Module, tuple[tuple, NativeStep | None]] = weakref.WeakKeyDictionary()
 
 
+def _has_lora(model: nn.Module) -> bool:
+    lora_class = _lora_layer_class()
+    return lora_class is not None and any(isinstance(module, lora_class) for module in model.modules())
+
+
 def _panels(weight: Tensor, width: int) -> Tensor:
     """``weight`` (outputs x inputs) as native_step.c's panels: ``width`` outputs a panel, each laid
     out input-major, the last one padded with zero rows."""
@@ -517,19 +522,21 @@ class NativeStep:
         self.local = threading.local()  # _bind_cache's table, one a thread
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> NativeStep | None:
+    def for_model(cls, model: nn.Module, merge_adapters: bool = True) -> NativeStep | None:
         """The step for ``model`` if it applies (module docstring), else None. Kept for the next call
         while the model's tensors are the same ones: the step reads them in place, so values written
         into them are seen; a LoRA layer's merged weight is a copy, so such a model is bound anew each call.
-        Under a lock: threads asking at once share one binding (the panels are a copy of the weights)."""
+        The step runs a LoRA layer only on its merged weight: without ``merge_adapters`` a model with one has
+        no step. Under a lock: threads asking at once share one binding (the panels are a copy of the weights)."""
+        if not merge_adapters and _has_lora(model):
+            return None
         key = tuple((t.data_ptr(), t._version) for t in (*model.parameters(), *model.buffers()))
         with _bind_lock:
             cached = _steps.get(model)
             if cached is not None and cached[0] == key:
                 return cached[1]
             step = cls._bind(model)
-            lora_class = _lora_layer_class()
-            if lora_class is None or not any(isinstance(module, lora_class) for module in model.modules()):
+            if not _has_lora(model):
                 _steps[model] = (key, step)
             return step
 

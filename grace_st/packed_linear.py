@@ -27,13 +27,14 @@ Costs and limits, all deliberate:
 - the first packing in a process is checked against ``F.linear``; a kernel that disagrees, or
   a PyTorch without the operator, switches packing off with a warning.
 
-A PEFT LoRA layer (training's policy, or a model loaded with ``merge_adapter=False``) is packed
-merged: W + Σ ΔW of its active adapters (PEFT's ``get_delta_weight``), repacked whenever the
-adapter or the base weight changes, so the layer costs one product instead of three (the
-adapter's two skinny products were 10–15 % of a training step's rollouts, lab/training_recipe.md). That
-is the weight ``merge_and_unload`` gives, the one ``encode`` uses for a saved adapter; results
-differ from PEFT's own forward by float32 rounding. Adapters PEFT would not merge the same way
-(DoRA and other variants, a bias on B, dropout in training mode) keep PEFT's forward.
+A PEFT LoRA layer (training's policy) is packed merged: W + Σ ΔW of its active adapters (PEFT's
+``get_delta_weight``), repacked whenever the adapter or the base weight changes, so the layer costs one
+product instead of three (the adapter's two skinny products were 10–15 % of a training step's rollouts,
+lab/training_recipe.md). That is the weight ``merge_and_unload`` gives, the one ``encode`` uses for a saved
+adapter; results differ from PEFT's own forward by float32 rounding. Adapters PEFT would not merge the same
+way (DoRA and other variants, a bias on B, dropout in training mode) keep PEFT's forward. So does every LoRA
+layer of a model loaded with ``merge_adapter: false``, which asks for the adapter apart: its encoder's
+``decode_options`` turn ``merge_adapters`` off, and its base and adapter products are packed each on its own.
 
 A single row (a query decoded alone: every step of a search box's ``encode_query``) is a
 matrix-vector product. For a weight that is not square, MKL streams it faster along its longer

@@ -75,6 +75,7 @@ def pooled_embeddings(
     *,
     batch_size: int | None = None,
     packed_linears: bool = True,
+    merge_adapters: bool = True,
 ) -> Tensor:
     """Eqs. 2–3 over given rationales: one HF forward pass over each ``prompt ⊕ rationale`` and
     the mean of its hidden states at positions ``t >= instruction_lengths[i]`` (the user text,
@@ -84,7 +85,8 @@ def pooled_embeddings(
     elsewhere (vLLM) are embedded: right-padded rows, positions from 0, ``hidden_layer`` -1 the
     decoder's final (normed) states, other values an index into transformers' ``hidden_states``.
     With ``batch_size=None`` it is one batch; with a ``batch_size``, rows are batched by length (less padding), which
-    changes results only by floating-point noise. Returns (B, H) float32 on the model's device.
+    changes results only by floating-point noise. ``packed_linears`` and ``merge_adapters``: as
+    :class:`grace_st.decoding.DecodeOptions`' switches. Returns (B, H) float32 on the model's device.
     """
     if isinstance(instruction_lengths, Tensor):
         instruction_lengths = instruction_lengths.tolist()
@@ -101,7 +103,7 @@ def pooled_embeddings(
     if batch_size is not None and batch_size < 1:
         raise ValueError(f"batch_size must be >= 1 or None, got {batch_size!r}")
     # One packing check for all chunks: it reads every weight once (see grace_st.packed_linear).
-    with packed_linears_block(model, enabled=packed_linears):
+    with packed_linears_block(model, enabled=packed_linears, merge_adapters=merge_adapters):
         if batch_size is None:
             return _pool_rows(model, rows, spans, pad_token_id, hidden_layer)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]), reverse=True)

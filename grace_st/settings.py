@@ -253,7 +253,8 @@ SETTINGS: dict[str, Setting] = {
     "merge_adapter": Setting(
         True,
         "for a directory that holds a LoRA adapter: merge it into the base's weights at load (true: the "
-        "base's speed), or keep it apart as a peft.PeftModel (false: model.disable_adapter() gives the base)",
+        "base's speed), or keep it apart as a peft.PeftModel (false: model.disable_adapter() gives the base; "
+        "encode runs it apart too, never on a merged weight)",
         "true or false (a bool)",
         lambda v: isinstance(v, bool),
         **_WHAT,

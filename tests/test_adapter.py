@@ -109,6 +109,38 @@ def test_merge_adapter_false_is_saved_and_disabled_adapter_is_exactly_the_base(t
         assert not torch.equal(lm(input_ids=ids).logits, disabled)  # the adapter does something
 
 
+@pytest.mark.parametrize("method", ["grace", "gircse"])
+def test_merge_adapter_false_runs_the_adapter_apart_on_the_fast_path_too(tmp_path, monkeypatch, method):
+    """``merge_adapter: false`` asks for the adapter apart: the CPU fast path (packed kernels, native step) must not
+    run a LoRA layer on a merged weight, and the embedding is PyTorch's unmerged forward to float32 rounding."""
+    from grace_st import native_step, packed_linear
+    from grace_st.decoding import DecodeOptions
+
+    _, path = adapter_model(tmp_path)
+    config = json.loads((path / "grace_config.json").read_text())
+    (path / "grace_config.json").write_text(json.dumps({**config, "merge_adapter": False}))
+    apart = SentenceTransformer(str(path), trust_remote_code=True, device="cpu")
+    encoder = apart[0]
+    encoder.method, encoder.max_rationale_tokens = method, 3 if method == "gircse" else 6
+    merges, merge = [], packed_linear._merged_weight
+
+    def merged_weight(module, adapters):
+        merges.append(module)
+        return merge(module, adapters)
+
+    monkeypatch.setattr(packed_linear, "_merged_weight", merged_weight)
+    monkeypatch.setattr(native_step, "_merged_weight", merged_weight)
+    encoder.decode_options = DecodeOptions()  # every optimisation asked for, merging included
+    assert not encoder.decode_options.merge_adapters
+    fast = torch.as_tensor(apart.encode(TEXTS))
+    lora = [m for m in encoder.model.modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")]
+    assert lora and not merges and not any(m.merged for m in lora)
+    assert not any(m in packed_linear._packed for m in lora)  # no merged packing kept for a LoRA layer
+    encoder.decode_options = DecodeOptions.plain()  # PyTorch's own forward through PEFT, nothing packed
+    torch.testing.assert_close(fast, torch.as_tensor(apart.encode(TEXTS)), atol=1e-5, rtol=1e-4)
+    assert not merges
+
+
 def test_adapter_directory_is_a_causal_lm_that_generates(tmp_path):
     from transformers import AutoModelForCausalLM
 

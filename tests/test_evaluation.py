@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import pickle
 import tempfile
 
 import pytest
@@ -356,3 +357,65 @@ def test_eval_cli_malformed_file_names_file_and_line(saved_model, tmp_path):
     with pytest.raises(SystemExit) as raised:
         main(["eval", saved_model, "--sts", str(bad), "--cache-dir", str(tmp_path / "cache")])
     assert str(raised.value) == f"grace-st eval: {bad}, line 3: score 'n/a' is not a number"
+
+
+# -- instructions: a task's own, else the prompt type's --------------------------------------------
+
+
+def test_a_task_s_own_instruction_is_used_and_a_task_without_one_gets_the_prompt_type_s(tmp_path, monkeypatch):
+    """model.prompts keyed by a task's name (or ``<name>-query``) give that task its own instruction, used in place
+    of the prompt type's, local tasks included (mteb alone drops prompts keyed by names outside its registry);
+    a task without one gets the GenerativeEncoder's instruction for the prompt type."""
+    from grace_st.evaluation import mteb_wrapper, run_evaluation
+    from grace_st.prompts import DEFAULT_INSTRUCTIONS
+
+    model = make_st_model(max_rationale_tokens=0)
+    encoder = model[0]
+    tasks = {
+        "with-instruction": sts_task(sts_file(tmp_path, "a/one.tsv"), name="with-instruction"),
+        "without-instruction": sts_task(sts_file(tmp_path, "b/two.tsv"), name="without-instruction"),
+        "claims": retrieval_task(beir_dir(tmp_path), name="claims"),
+    }
+    own = {"with-instruction": "Retrieve sentences that mean the same.", "claims-query": "Given a claim, find its proof."}
+    model.prompts.update(own)
+    prompts = dict(model.prompts)
+    used, template = set(), encoder.prompt_template
+
+    def spy(instruction):
+        used.add(instruction)
+        return template(instruction)
+
+    monkeypatch.setattr(encoder, "prompt_template", spy)
+    expected = {
+        "with-instruction": {own["with-instruction"]},
+        "without-instruction": {DEFAULT_INSTRUCTIONS["default"]},
+        "claims": {own["claims-query"], DEFAULT_INSTRUCTIONS["document"]},
+    }
+    for name, task in tasks.items():
+        used.clear()
+        report = run_evaluation(model, [task], cache_dir=tmp_path / "cache", show_progress_bar=False)
+        assert report["tasks"][0]["error"] is None
+        assert used == expected[name], name
+    assert model.prompts == prompts and list(model.prompts) == list(prompts)  # as they were, in order
+    assert mteb_wrapper(model, [tasks["claims"]]).model_prompts["claims-query"] == own["claims-query"]
+    # mteb's own wrapper drops the local task's prompt: its instruction would not be used
+    used.clear()
+    run(model, tasks["with-instruction"])
+    assert used == {DEFAULT_INSTRUCTIONS["default"]}
+
+
+def test_a_task_instruction_replaces_the_prompt_type_s_and_any_other_prompt_joins_it():
+    model = make_st_model(max_rationale_tokens={"default": 0, "query": 2, "document": 0})
+    encoder = model[0]
+    model.prompts["STSBenchmark"] = "Retrieve semantically similar text."
+    model.prompts["SciFact-query"] = "Given a scientific claim, retrieve documents that support it."
+    assert encoder.instruction_for(None, "Retrieve semantically similar text.") == "Retrieve semantically similar text."
+    query = "Given a scientific claim, retrieve documents that support it."
+    assert encoder.instruction_for("query", query) == query
+    assert encoder.prompt_type("query", query) == "query"  # the call's prompt type still picks the budget
+    assert int(model.encode_query(["a claim"], prompt=query, output_value=None)[0]["rationale_budget"]) == 2
+    assert encoder.instruction_for(None, "Be brief.") == f"{encoder.instructions['default']}\nBe brief."
+    model.prompts["query"] = "Answer the query."  # a prompt type's prompt (LlamaIndex's query_instruction) joins
+    assert encoder.instruction_for("query", "Answer the query.").endswith("\nAnswer the query.")
+    copied = pickle.loads(pickle.dumps(model))  # a copy still knows its own prompts
+    assert copied[0].instruction_for(None, "Retrieve semantically similar text.") == "Retrieve semantically similar text."

@@ -85,6 +85,28 @@ def test_k_is_the_budget_by_prompt_type_and_k_0_pools_the_prompt():
     )
 
 
+def test_an_empty_text_that_leaves_nothing_to_embed_is_refused_naming_its_item():
+    """The reference format has no template around the text: an empty text under an empty instruction is a prompt
+    of no token, and at K = 0 an empty text has no position after the instruction to pool. Both are refused (as
+    encode sorts a batch by length, the item is the batch's); the chat format, like GRACE, embeds an empty text
+    from the template around it."""
+    budgets = {"default": 2, "query": 0, "document": 2}
+    model = gircse_model(steps=budgets, prompt_format="instruct", instructions={"document": ""})
+    with pytest.raises(ValueError, match=r"item 1 of this batch \(sorted by length\) is an empty text under an empty"):
+        model.encode_document(["a text", ""])
+    with pytest.raises(ValueError, match=r"item 1 of this batch \(sorted by length\) leaves nothing to pool"):
+        model.encode_query(["a text", ""])
+    with pytest.raises(ValueError, match="empty text under an empty instruction"):
+        grace_st.explain(model, [""], task="document")
+    found = model.encode(["", "a text"], convert_to_tensor=True)  # soft tokens follow "Instruct: ...\nQuery:"
+    torch.testing.assert_close(found[0], model.encode([""], convert_to_tensor=True)[0], atol=5e-5, rtol=1e-3)
+    torch.testing.assert_close(found.norm(dim=-1), torch.ones(2))
+    chat = gircse_model(steps=budgets, instructions={"document": ""})
+    for call in (chat.encode, chat.encode_query, chat.encode_document):
+        assert torch.isfinite(call(["", "a text"], convert_to_tensor=True)).all()
+        torch.testing.assert_close(call(["", "a text"], convert_to_tensor=True).norm(dim=-1), torch.ones(2))
+
+
 def test_explain_gives_each_steps_top_tokens_with_their_probabilities():
     model = gircse_model(steps=3)
     item = grace_st.explain(model, TEXTS[:1])[0]
@@ -397,14 +419,12 @@ def test_soft_tokens_are_the_model_s_own_distribution_at_the_soft_token_temperat
         gircse_model(soft_token_temperature=0.0)
 
 
-def test_a_gircse_adapter_in_the_authors_layout_loads_and_encodes_offline(tmp_path):
-    """The authors' released adapters are PEFT LoRA folders (``PeftModel.save_pretrained``: no tokenizer, no
-    GRACE settings) on base models without a chat template: a base and adapter saved so here load as a GIRCSE
-    model in the reference format, encode as the adapted model does, and save and load back."""
+def authors_adapter(tmp_path):
+    """A base (no chat template) and a LoRA adapter saved as the authors' releases are (``PeftModel.save_pretrained``:
+    no tokenizer, no GRACE settings): (the adapter's folder, the adapted model, the base's tokenizer)."""
+    from conftest import make_model
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
-
-    from conftest import make_model
 
     tokenizer = make_tokenizer()
     tokenizer.chat_template = None  # a base model: no chat template
@@ -419,15 +439,21 @@ def test_a_gircse_adapter_in_the_authors_layout_loads_and_encodes_offline(tmp_pa
             torch.nn.init.normal_(parameter, std=0.1)
     adapted.save_pretrained(tmp_path / "adapter")
     assert not (tmp_path / "adapter" / "tokenizer_config.json").exists()
+    return str(tmp_path / "adapter"), adapted.eval(), tokenizer
 
+
+def test_a_gircse_adapter_in_the_authors_layout_loads_and_encodes_offline(tmp_path):
+    """The authors' released adapters are PEFT LoRA folders on base models without a chat template: a base and
+    adapter saved so here load as a GIRCSE model in the reference format, encode as the adapted model does, and
+    save and load back."""
+    adapter, adapted, tokenizer = authors_adapter(tmp_path)
     instructions = {"default": "Retrieve semantically similar text", "query": "Given a question, find answers"}
     model = grace_st.from_causal_lm(
-        str(tmp_path / "adapter"), device="cpu", method="gircse", prompt_format="instruct", max_rationale_tokens=1,
+        adapter, device="cpu", method="gircse", prompt_format="instruct", max_rationale_tokens=1,
         instructions={**instructions, "document": ""},
     )
     texts = ["A cat sat on the mat.", "Proteins fold."]
     found = torch.as_tensor(model.encode_query(texts))
-    adapted.eval()
     for row, text in enumerate(texts):
         expected = reference_gircse(adapted, tokenizer, text, instructions["query"], 1)
         assert (found[row] - expected).abs().max() <= 1e-5
@@ -435,6 +461,40 @@ def test_a_gircse_adapter_in_the_authors_layout_loads_and_encodes_offline(tmp_pa
     loaded = grace_st.load(str(tmp_path / "grace"), device="cpu")
     assert loaded[0].prompt_format == "instruct" and loaded[0].instructions["document"] == ""
     assert torch.allclose(torch.as_tensor(loaded.encode_query(texts)), found, atol=1e-6)
+
+
+def test_the_authors_adapters_load_with_their_code_s_settings_and_512_token_prompts(tmp_path):
+    """``from_gircse_adapter`` encodes as the reference code: its prompt string, K = 3, the corpus bare, and the
+    formatted prompt cut at 512 tokens (the reference tokenizes with ``max_length=512``)."""
+    from grace_st.build import GIRCSE_REFERENCE_INSTRUCTIONS
+
+    adapter, adapted, tokenizer = authors_adapter(tmp_path)
+    model = grace_st.from_gircse_adapter(adapter, device="cpu")
+    encoder = model[0]
+    assert model.max_seq_length == encoder.max_input_tokens == 512
+    assert (encoder.method, encoder.prompt_format, encoder.max_rationale_tokens) == ("gircse", "instruct", 3)
+    assert encoder.instructions == GIRCSE_REFERENCE_INSTRUCTIONS
+    long = "The cat sat on the mat and looked at the garden. " * 80
+    instruction = GIRCSE_REFERENCE_INSTRUCTIONS["query"]
+    ids = tokenizer(f"Instruct: {instruction}\nQuery:{long}", add_special_tokens=False)["input_ids"]
+    assert len(ids) > 600
+    (row,), _ = encoder.prompt_token_ids([long], task="query")
+    assert row == ids[:512]
+    with torch.no_grad():
+        table = adapted.get_input_embeddings()
+        sequence = table(torch.tensor(ids[:512]))[None]
+        for _ in range(3):
+            distribution = torch.softmax(adapted(inputs_embeds=sequence).logits[:, -1].float(), dim=-1)
+            sequence = torch.cat([sequence, (distribution @ table.weight)[:, None]], dim=1)
+        states = adapted.get_decoder()(inputs_embeds=sequence).last_hidden_state[:, -3:]
+    expected = F.normalize(states.mean(dim=1), dim=-1)[0]
+    # float32 rounding carried through K = 3 fed-back distributions (test_the_instruct_format_is_the_reference_...)
+    assert (torch.as_tensor(model.encode_query([long])[0]) - expected).abs().max() <= 5e-5
+    documents = torch.as_tensor(model.encode_document(["Proteins fold."]))[0]
+    assert (documents - reference_gircse(adapted, tokenizer, "Proteins fold.", "", 3)).abs().max() <= 5e-5
+    custom = grace_st.from_gircse_adapter(adapter, device="cpu", instructions={"query": "Find it"}, max_input_tokens=64)
+    assert custom[0].instructions == {**GIRCSE_REFERENCE_INSTRUCTIONS, "query": "Find it"}
+    assert custom.max_seq_length == 64
 
 
 def test_a_gircse_model_without_a_saved_k_gets_the_measured_default(tmp_path):

@@ -2,10 +2,12 @@
 
 ```python
 import mteb
-from grace_st.evaluation import sts_task, retrieval_task
+from grace_st.evaluation import mteb_wrapper, retrieval_task, sts_task
 
 tasks = [sts_task("stsb/dev.tsv", limit=200), retrieval_task("scifact", split="train", limit=50)]
 results = mteb.evaluate(model, tasks, encode_kwargs={"batch_size": 16})
+# with instructions of their own in model.prompts (mteb drops those of tasks outside its registry):
+results = mteb.evaluate(mteb_wrapper(model, tasks), tasks, encode_kwargs={"batch_size": 16})
 ```
 
 Needs the ``mteb`` extra (``pip install grace-st[mteb]``).
@@ -15,6 +17,6 @@ from __future__ import annotations
 
 from . import local_tasks
 from .local_tasks import *  # noqa: F403 -- the task classes and builders, listed in local_tasks.__all__
-from .runner import default_cache_dir, format_table, run_evaluation
+from .runner import default_cache_dir, format_table, mteb_wrapper, run_evaluation
 
-__all__ = [*local_tasks.__all__, "default_cache_dir", "format_table", "run_evaluation"]
+__all__ = [*local_tasks.__all__, "default_cache_dir", "format_table", "mteb_wrapper", "run_evaluation"]

@@ -76,6 +76,41 @@ def _runnable(tasks: Sequence, task_names: Sequence[str]) -> list[tuple[Any, dic
     return runnable
 
 
+def _task_of_prompt(name: str) -> str:
+    """The task a prompt name keys (mteb's ``"<task>"``, ``"<task>-query"``, ``"<task>-document"``)."""
+    for suffix in ("-query", "-document"):
+        if name.endswith(suffix):
+            return name[: -len(suffix)]
+    return name
+
+
+def mteb_wrapper(model, tasks: Sequence = ()):
+    """``model`` (a SentenceTransformer) as mteb's ``SentenceTransformerEncoderWrapper`` wraps it for
+    ``mteb.evaluate``, keeping the prompts ``model.prompts`` holds for ``tasks`` by name (``"<name>"``,
+    ``"<name>-query"``, ``"<name>-document"``). mteb keeps only prompts keyed by names it knows (its registry's tasks,
+    task types, prompt types) and drops, with a warning, those of the local tasks, whose own instruction would then
+    not be used. The prompt a call gets is mteb's choice among them: the task's for its prompt type, the task's, its
+    type's, the prompt type's (the GenerativeEncoder's query or document instruction)."""
+    from mteb.models import SentenceTransformerEncoderWrapper
+
+    names = {task.metadata.name for task in tasks}
+    prompts = getattr(model, "prompts", None)
+    if not isinstance(prompts, dict):
+        return SentenceTransformerEncoderWrapper(model)
+    everything = dict(prompts)
+    own = {name: text for name, text in everything.items() if _task_of_prompt(name) in names}
+    for name in own:  # out of sight of mteb's check, which would warn that they are ignored
+        del prompts[name]
+    try:
+        wrapped = SentenceTransformerEncoderWrapper(model)
+    finally:
+        prompts.clear()
+        prompts.update(everything)
+    if own:
+        wrapped.model_prompts = {**(wrapped.model_prompts or {}), **own}
+    return wrapped
+
+
 def run_evaluation(
     model,
     tasks: Sequence = (),
@@ -96,6 +131,9 @@ def run_evaluation(
     revision, which a locally changed model does not change: mteb's default
     (``"only-missing"``) would silently return the previous model's scores.
 
+    A task's own instruction in ``model.prompts`` (keyed by its name, or ``"<name>-query"`` / ``"<name>-document"``)
+    is used for it, local tasks included (:func:`mteb_wrapper`).
+
     Returns a JSON-ready dict: ``model`` (``name``, ``revision`` as mteb reports them),
     ``mteb_version``, ``cache_dir``, ``encoder`` (the GenerativeEncoder settings, if any) and
     ``tasks``: one entry per task in order, with ``name``, ``type``, ``main_metric``,
@@ -103,13 +141,13 @@ def run_evaluation(
     and ``error`` (``None`` on success).
     """
     import mteb
-    from mteb.models import SentenceTransformerEncoderWrapper
     from sentence_transformers import SentenceTransformer
     from tqdm.auto import tqdm
 
     runnable = _runnable(tasks, task_names)
     entries: list[dict[str, Any]] = []
-    wrapped = SentenceTransformerEncoderWrapper(model) if isinstance(model, SentenceTransformer) else model
+    evaluated = [task for task, _ in runnable if task is not None]
+    wrapped = mteb_wrapper(model, evaluated) if isinstance(model, SentenceTransformer) else model
     model_name, model_revision = wrapped.mteb_model_meta.name, wrapped.mteb_model_meta.revision
     cache_path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     run = {
