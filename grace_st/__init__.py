@@ -13,13 +13,13 @@ from .build import from_causal_lm, from_gircse_adapter
 from .default_model import default_model_path
 from .encoder import GenerativeEncoder
 from .explain import explain
-from .grc import load_memories, save_memories
+from .grc import MemoryFileError, load_memories, save_memories
 from .loading import load
 from .memory import answer, compress
 from .prompts import DEFAULT_INSTRUCTIONS
 
 __version__ = "0.10.1"
 __all__ = [
-    "DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "answer", "compress", "default_model_path", "explain", "from_causal_lm",
-    "from_gircse_adapter", "load", "load_memories", "save_memories",
+    "DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "MemoryFileError", "answer", "compress", "default_model_path",
+    "explain", "from_causal_lm", "from_gircse_adapter", "load", "load_memories", "save_memories",
 ]

@@ -30,6 +30,8 @@ from .hub import hub_snapshot, is_offline, is_repo_id
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
+# The sha256 of an adapter folder's learned-state files as saved (learned_state_files), checked at load
+LEARNED_STATE_RECORD = "learned_state.json"
 
 
 def is_adapter_dir(path: str | os.PathLike | None) -> bool:
@@ -208,3 +210,67 @@ def copy_adapter(adapter_dir: str | os.PathLike, output_path: str | os.PathLike,
     os.makedirs(output_path, exist_ok=True)
     shutil.copyfile(Path(adapter_dir) / ADAPTER_WEIGHTS, Path(output_path) / ADAPTER_WEIGHTS)
     (Path(output_path) / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def learned_state_files(folder: str | os.PathLike) -> list[str]:
+    """The files of an adapter folder that hold what training learned: its config and every safetensors file at
+    its top (the LoRA weights, GRC's latents and A, and whatever a method saves beside them)."""
+    entries = os.scandir(folder)
+    return [ADAPTER_CONFIG, *sorted(e.name for e in entries if e.name.endswith(".safetensors") and e.is_file())]
+
+
+def _learned_state_digest(path: Path) -> str:
+    """sha256 of a learned-state file; of an adapter config, of its settings less ``base_model_name_or_path``,
+    which names where the base lies, not what was learned (a base moved and named again stays the same model)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    if path.name == ADAPTER_CONFIG:
+        try:
+            config = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            config = None
+        if isinstance(config, dict):
+            config.pop("base_model_name_or_path", None)
+            digest.update(json.dumps(config, sort_keys=True).encode())
+            return digest.hexdigest()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def record_learned_state(folder: str | os.PathLike) -> None:
+    """Write ``folder``'s :data:`LEARNED_STATE_RECORD`: the digest of each of its :func:`learned_state_files`."""
+    digests = {name: _learned_state_digest(Path(folder) / name) for name in learned_state_files(folder)}
+    text = json.dumps({"sha256": digests}, indent=2, sort_keys=True) + "\n"
+    (Path(folder) / LEARNED_STATE_RECORD).write_text(text, encoding="utf-8")
+
+
+def check_learned_state(folder: str | os.PathLike) -> None:
+    """Refuse an adapter folder whose learned-state files are not the ones its :data:`LEARNED_STATE_RECORD` holds:
+    one edited, replaced, removed or added since it was saved, named. A folder without the record (PEFT's own
+    ``save_pretrained`` writes none) is not checked. An adapter loads merged, and a merge gives other
+    float bits on other hardware, so its files are checked rather than the fingerprint of the weights they give."""
+    record = Path(folder) / LEARNED_STATE_RECORD
+    if not record.is_file():
+        return
+    fix = f"Restore it; after a deliberate edit, remove {record} and save the model again to record the files."
+    try:
+        recorded = json.loads(record.read_text(encoding="utf-8"))["sha256"]
+        if not isinstance(recorded, dict):
+            raise TypeError("sha256 is not an object")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as error:
+        raise ValueError(f"{record}: unreadable ({error}); restore it, or remove it and save the model again") from None
+    found = learned_state_files(folder)
+    for name in sorted(set(recorded) | set(found)):
+        path = Path(folder) / name
+        if name not in found:
+            raise FileNotFoundError(f"{path}: missing, though {record.name} records it (saved with the model). {fix}")
+        if name not in recorded:
+            raise ValueError(f"{path}: not in {record.name}: added after the model was saved. {fix}")
+        if _learned_state_digest(path) != recorded[name]:
+            raise ValueError(
+                f"{path}: not the file the model was saved with ({record.name} records another sha256): replaced "
+                f"or edited after saving. {fix}"
+            )

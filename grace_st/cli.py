@@ -228,7 +228,15 @@ def _add_memory_commands(commands) -> None:
     )
     compress.add_argument("texts", nargs="+", help="texts to compress; '-' reads one text a line from stdin")
     compress.add_argument("--model", required=True, help="a GRC model directory or Hub id (method 'grc')")
-    compress.add_argument("--out", required=True, help="the memory file written (safetensors)")
+    compress.add_argument(
+        "--out", required=True,
+        help="the memory file written (safetensors): a new file outside any model's folder, unless --overwrite",
+    )
+    compress.add_argument("--overwrite", action="store_true", help="replace --out if it exists")
+    compress.add_argument(
+        "--keep-texts", action="store_true",
+        help="also store the texts in the file's metadata (by default the file holds the memories, not the texts)",
+    )
     compress.add_argument("--batch-size", type=_positive_int, default=16)
     compress.add_argument("--device", help="torch device, e.g. cpu or cuda")
     compress.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
@@ -297,7 +305,7 @@ def _add_serve_command(commands) -> None:
     _encoder_options(serve)
 
 
-def _stdin_lines() -> list[str]:
+def _stdin_lines(command: str = "encode") -> list[str]:
     """One text a line, every line: a blank line is an empty text, so output row i is input line
     i + 1. CRLF and LF endings alike, invalid UTF-8 named by line. Read a line at a time under the
     data files' limits (``grace_st.data.files``: 8 MiB a line, 1 GiB in all), so ``/dev/zero``
@@ -315,7 +323,7 @@ def _stdin_lines() -> list[str]:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as error:
             raise SystemExit(
-                f"grace-st encode: stdin line {number} is not valid UTF-8 (byte {raw[error.start]:#04x} at "
+                f"grace-st {command}: stdin line {number} is not valid UTF-8 (byte {raw[error.start]:#04x} at "
                 f"column {error.start + 1}); convert the input, e.g. iconv -f latin1 -t utf-8"
             ) from None
         line = line.removeprefix("\ufeff") if number == 1 else line
@@ -325,7 +333,7 @@ def _stdin_lines() -> list[str]:
 
 def _read_texts(arguments: list[str], command: str = "encode") -> list[str]:
     if arguments == ["-"]:
-        return _stdin_lines()
+        return _stdin_lines(command)
     if "-" in arguments:
         raise SystemExit(f"grace-st {command}: '-' must be the only text argument")
     for index, text in enumerate(arguments, start=1):
@@ -515,14 +523,16 @@ def _load_grc_model(args: argparse.Namespace):
 
 
 def run_compress(args: argparse.Namespace) -> int:
-    from .grc import save_memories
+    from .grc import check_memory_out, save_memories
     from .memory import compress
 
     texts = _read_texts(args.texts, "compress")
-    _check_writable(args.out, "grace-st compress: --out")
+    if not texts:
+        raise SystemExit("grace-st compress: no texts to compress")
+    check_memory_out(args.out, args.overwrite)  # before the work, not after it
     memories = compress(_load_grc_model(args), texts, batch_size=args.batch_size)
-    save_memories(args.out, memories, texts)
-    size = memories[0].nbytes if memories else 0
+    save_memories(args.out, memories, texts=texts if args.keep_texts else None, overwrite=args.overwrite)
+    size = memories[0].nbytes
     print(f"{len(memories)} memories of {size:,} bytes each ({size * len(memories):,} in all) to {args.out}")
     return 0
 
@@ -531,7 +541,7 @@ def run_ask(args: argparse.Namespace) -> int:
     from .grc import load_memories
     from .memory import answer
 
-    memories = [memory for path in args.memory for memory in load_memories(path)]
+    memories = [memory for path in args.memory for memory in load_memories(path)]  # checked before the model loads
     print(answer(_load_grc_model(args), args.question, memories, max_new_tokens=args.max_new_tokens))
     return 0
 
@@ -543,14 +553,21 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run a command. An error ends in one line naming the problem and exit status 1, never a
-    traceback (``GRACE_ST_DEBUG=1`` shows it)."""
+    """Run a command. An error ends in one line naming the problem and exit status 1 (2 for a memory file that
+    cannot be read or written, bad input as a bad option is), never a traceback (``GRACE_ST_DEBUG=1`` shows it)."""
     args = build_parser().parse_args(argv)
+    from .grc import MemoryFileError
+
     try:
         return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print(f"grace-st {args.command}: interrupted", file=sys.stderr)
         return 130
+    except MemoryFileError as error:
+        if os.environ.get("GRACE_ST_DEBUG"):
+            raise
+        print(f"grace-st {args.command}: error: {error}", file=sys.stderr)
+        return 2
     except Exception as error:
         if os.environ.get("GRACE_ST_DEBUG"):
             raise

@@ -15,7 +15,16 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 from . import quantization
-from .adapter import adapter_base, copy_adapter, is_adapter_dir, is_peft_model, load_base_and_adapter, save_adapter
+from .adapter import (
+    adapter_base,
+    check_learned_state,
+    copy_adapter,
+    is_adapter_dir,
+    is_peft_model,
+    load_base_and_adapter,
+    record_learned_state,
+    save_adapter,
+)
 from .settings import read_settings_file
 from .weights import weights_fingerprint
 
@@ -143,6 +152,8 @@ def save(encoder: GenerativeEncoder, output_path: str, *args, safe_serialization
         encoder.model.save_pretrained(output_path, state_dict=encoder._weights_to_save)
     if encoder.latent_tokens is not None:  # GRC's latents and adapter A, beside the weights or the adapter
         encoder.latent_tokens.save(output_path)
+    if is_adapter_dir(output_path):  # weights_revision is not checked for adapters: their files are
+        record_learned_state(output_path)
     encoder.tokenizer.save_pretrained(output_path)
     encoder.save_config(output_path)
 
@@ -230,6 +241,8 @@ def load(
         revision=revision,
         local_files_only=local_files_only,
     )
+    if is_adapter_dir(model_name_or_path):  # before the weights load: an edited file costs no time
+        check_learned_state(model_name_or_path)
     # sentence-transformers 6 passes trust_remote_code=True for importing this class at all; it
     # is not a wish to run the base's own code (grace_st.loading). model_kwargs says that.
     trusted = bool((model_kwargs or {}).get("trust_remote_code", False))
@@ -251,8 +264,8 @@ def check_weights_revision(encoder: GenerativeEncoder, path: str) -> None:
     """The weights (and config) loaded are the ones :func:`save` fingerprinted: a config.json or
     model.safetensors swapped or edited since would otherwise give other embeddings under the
     saved name, cache keys and mteb revision. One fingerprint pass (0.3 s a 135M model), which
-    the rationale cache and mteb reuse. Not for adapters (saved unmerged, loaded merged) nor
-    for loads that convert the weights (:data:`CHANGES_WEIGHTS`)."""
+    the rationale cache and mteb reuse. Not for adapters (saved unmerged, loaded merged: their files are checked,
+    :func:`grace_st.adapter.check_learned_state`) nor for loads that convert the weights (:data:`CHANGES_WEIGHTS`)."""
     if encoder.weights_revision is None:
         return
     found = encoder.weights_key()[:16]

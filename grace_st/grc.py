@@ -36,9 +36,13 @@ What the paper leaves open, as chosen here (docs/grc.md lists them with the meas
 
 from __future__ import annotations
 
+import contextlib
 import json
+import numbers
+import os
+import secrets
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 import torch
@@ -186,19 +190,115 @@ def layer_masks(config, real: Tensor, segments: Tensor, dtype: torch.dtype) -> T
     return {FULL_ATTENTION: segment_mask(real, segments, dtype), SLIDING_ATTENTION: windowed}
 
 
+# The dtypes a model computes keys and values in (a memory's are the model's own).
+MEMORY_DTYPES = {
+    "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64,
+}
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+class MemoryFileError(ValueError):
+    """A memory, or a memory file, that cannot be read or written as given: the message starts with the file (and
+    the memory's index in it) or the memory, then says the problem."""
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    """The model a memory was made by, written into its file and compared with the model that reads it: its
+    weights' revision (the ``weights_revision`` it was saved with, else its weights' own fingerprint, which covers
+    the latents) and the shape and dtype of the keys and values its layers give."""
+
+    weights_revision: str
+    num_latent_tokens: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """A memory's keys (and values): layers × key-value heads × m × head size."""
+        return (self.layers, self.kv_heads, self.num_latent_tokens, self.head_dim)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> MemoryModel:
+        """The model a file names; a ``ValueError`` saying what is wrong with the entry."""
+        try:
+            values = json.loads(text)
+        except (TypeError, json.JSONDecodeError):
+            raise ValueError("is not JSON") from None
+        names = [field.name for field in fields(cls)]
+        if not isinstance(values, dict) or set(values) != set(names):
+            raise ValueError(f"is not an object of exactly {', '.join(names)}")
+        if not isinstance(values["weights_revision"], str) or not values["weights_revision"]:
+            raise ValueError("has no weights_revision string")
+        for name in ("num_latent_tokens", "layers", "kv_heads", "head_dim"):
+            if not _is_int(values[name]) or not 1 <= values[name] <= 1 << 20:
+                raise ValueError(f"has {name} {values[name]!r:.40}, not a positive integer")
+        if not isinstance(values["dtype"], str) or values["dtype"] not in MEMORY_DTYPES:
+            raise ValueError(f"has dtype {values['dtype']!r:.40}, not one of {', '.join(MEMORY_DTYPES)}")
+        return cls(**values)
+
+    def differences(self, reader: MemoryModel) -> list[str]:
+        """How this model differs from ``reader``'s, one phrase an entry."""
+        return [
+            f"its {name} is {getattr(self, name)}, this model's {getattr(reader, name)}"
+            for name in (field.name for field in fields(self))
+            if getattr(self, name) != getattr(reader, name)
+        ]
+
+
 @dataclass
 class LatentMemory:
     """One text's compressed memory: the keys and values of its m latent positions at every layer,
-    (layers, kv_heads, m, head_dim) each, and the position a turn reading it starts at (k + m)."""
+    (layers, kv_heads, m, head_dim) each, and the position a turn reading it starts at (k + m). ``model`` is the
+    model that made it (:func:`grace_st.memory.compress` sets it; a memory file must name it), ``source`` where it
+    was read from (named in errors)."""
 
     keys: Tensor
     values: Tensor
     next_position: int
+    model: MemoryModel | None = None
+    source: str | None = None
 
     @property
     def nbytes(self) -> int:
         """Eq. 6: 2 · L · H_kv · d_h · m · bytes per value, the same for any text length."""
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+def memory_problem(memory: LatentMemory, model: MemoryModel, max_position: int | None = None) -> str | None:
+    """What keeps a model of identity ``model`` from reading ``memory``, or None: keys and values that are not
+    tensors of its shape and dtype, or not finite; a next position that is not an integer above m (at least one
+    token, then the m latents) and, given ``max_position``, within the model's positions."""
+    for name in ("keys", "values"):
+        tensor = getattr(memory, name)
+        if not isinstance(tensor, Tensor):
+            return f"its {name} are a {type(tensor).__name__}, not a tensor"
+        dtype = str(tensor.dtype).removeprefix("torch.")
+        if dtype != model.dtype:
+            return f"its {name} are {dtype}, not {model.dtype}"
+        if tuple(tensor.shape) != model.shape:
+            return (
+                f"its {name} have shape {tuple(tensor.shape)}, not {model.shape} ({model.layers} layers × "
+                f"{model.kv_heads} key-value heads × m {model.num_latent_tokens} × head size {model.head_dim})"
+            )
+        if not bool(torch.isfinite(tensor).all()):
+            return f"its {name} hold NaN or infinite values"
+    position = memory.next_position
+    if not _is_int(position):
+        return f"its next position is {position!r:.40}, not an integer"
+    if position <= model.num_latent_tokens:
+        return f"its next position is {position}, not above m = {model.num_latent_tokens} (a text, then the latents)"
+    if max_position is not None and position > max_position:
+        return f"its next position is {position}, beyond the model's {max_position} positions"
+    return None
 
 
 @dataclass
@@ -372,34 +472,152 @@ def answer_from_memory(
     return made
 
 
-def save_memories(path: str | Path, memories: Sequence[LatentMemory], texts: Sequence[str] | None = None) -> None:
-    """``memories`` in one safetensors file (``memory.{i}.keys`` / ``.values``), their positions (and the texts,
-    when given) in its metadata."""
+MEMORY_FORMAT = "grace-st-latent-memory"
+# Files that make a folder a model's (a causal LM, a LoRA adapter, a sentence-transformers or GRACE model): a memory
+# file is never written among them, where it could replace one or be taken for one.
+MODEL_FOLDER_FILES = (
+    "config.json", "modules.json", "adapter_config.json", "grace_config.json", "config_sentence_transformers.json",
+    "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", LATENT_FILE,
+    "pytorch_model.bin", "tokenizer_config.json",
+)
+
+
+def check_memory_out(path: str | Path, overwrite: bool = False) -> Path:
+    """``path`` as a memory file about to be written, or a :class:`MemoryFileError`: a directory, a path whose folder
+    is missing, unwritable or a model's folder (:data:`MODEL_FOLDER_FILES`), or an existing file unless
+    ``overwrite``."""
+    path = Path(path)
+    if path.is_dir():
+        raise MemoryFileError(f"{path}: a directory; give a file name")
+    folder = path.parent
+    if not folder.is_dir():
+        raise MemoryFileError(f"{path}: its folder {folder} does not exist")
+    marker = next((name for name in MODEL_FOLDER_FILES if (folder / name).exists()), None)
+    if marker is not None:
+        raise MemoryFileError(
+            f"{path}: {folder} holds a model ({marker}); a memory file is never written into a model's folder, "
+            "give a path outside it"
+        )
+    if os.path.lexists(path) and not overwrite:
+        raise MemoryFileError(f"{path}: exists; give another path, or overwrite it (--overwrite, overwrite=True)")
+    if not os.access(folder, os.W_OK):
+        raise MemoryFileError(f"{path}: cannot be written (no write permission in {folder})")
+    return path
+
+
+def save_memories(
+    path: str | Path, memories: Sequence[LatentMemory], *, texts: Sequence[str] | None = None, overwrite: bool = False
+) -> None:
+    """``memories`` (of one model, as :func:`grace_st.memory.compress` made them) in one safetensors file:
+    ``memory.{i}.keys`` / ``.values``, and in its metadata the format, the model that made them
+    (:class:`MemoryModel`) and their next positions. The texts are kept only when given (``texts``): a memory
+    stands in for its text, and its file holds no text otherwise.
+
+    An existing ``path`` is refused unless ``overwrite``, and so is a path in a model's folder
+    (:func:`check_memory_out`); the file is written beside its destination and moved into place, so an
+    interrupted save leaves no half-written file."""
     from safetensors.torch import save_file
 
+    memories = list(memories)
+    if not memories:
+        raise MemoryFileError(f"{path}: no memories to save")
+    model = memories[0].model
+    for index, memory in enumerate(memories):
+        if memory.model is None:
+            raise MemoryFileError(f"memory {index}: names no model that made it; save memories grace_st.compress made")
+        if memory.model != model:
+            differences = "; ".join(memory.model.differences(model))
+            raise MemoryFileError(f"memory {index}: made by another model than memory 0 ({differences})")
+        problem = memory_problem(memory, model)
+        if problem is not None:
+            raise MemoryFileError(f"memory {index}: {problem}")
+    metadata = {
+        "format": MEMORY_FORMAT,
+        "model": model.to_json(),
+        "next_positions": json.dumps([memory.next_position for memory in memories]),
+    }
+    if texts is not None:
+        texts = list(texts)
+        if len(texts) != len(memories) or not all(isinstance(text, str) for text in texts):
+            raise ValueError(f"texts must be {len(memories)} strings, one a memory")
+        metadata["texts"] = json.dumps(texts, ensure_ascii=False)
+    path = check_memory_out(path, overwrite)
     tensors = {}
     for i, memory in enumerate(memories):
         tensors[f"memory.{i}.keys"] = memory.keys.contiguous()
         tensors[f"memory.{i}.values"] = memory.values.contiguous()
-    metadata = {"format": "grace-st-latent-memory", "next_positions": json.dumps([m.next_position for m in memories])}
-    if texts is not None:
-        metadata["texts"] = json.dumps(list(texts), ensure_ascii=False)
-    save_file(tensors, str(path), metadata=metadata)
+    staged = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+    try:
+        save_file(tensors, str(staged), metadata=metadata)
+        os.replace(staged, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            staged.unlink()
+        raise
 
 
 def load_memories(path: str | Path) -> list[LatentMemory]:
-    """The memories :func:`save_memories` wrote, in order (safetensors only)."""
+    """The memories :func:`save_memories` wrote, in order, each checked against the model the file names
+    (:func:`memory_problem`): anything else is a :class:`MemoryFileError` naming the file and the problem. A
+    regular safetensors file only: a directory, a device or a FIFO is refused before it is read."""
     from safetensors import SafetensorError, safe_open
 
+    from .data.files import open_regular_file
+
+    try:
+        with open_regular_file(path, "a latent memory"):
+            pass
+    except ValueError as error:
+        raise MemoryFileError(str(error)) from None
+    except OSError as error:
+        raise MemoryFileError(f"{path}: cannot be read ({error.strerror or error})") from None
     try:
         with safe_open(str(path), framework="pt") as file:
             metadata = file.metadata() or {}
-            if metadata.get("format") != "grace-st-latent-memory":
-                raise ValueError(f"{path}: not a latent memory file (grace-st compress writes them)")
-            positions = json.loads(metadata["next_positions"])
-            return [
-                LatentMemory(file.get_tensor(f"memory.{i}.keys"), file.get_tensor(f"memory.{i}.values"), int(position))
+            if metadata.get("format") != MEMORY_FORMAT:
+                raise MemoryFileError(f"{path}: not a latent memory file (grace-st compress writes them)")
+            if "model" not in metadata:
+                raise MemoryFileError(
+                    f"{path}: names no model that made it, so no model can check it is its own; compress the texts "
+                    "again"
+                )
+            try:
+                model = MemoryModel.from_json(metadata["model"])
+            except ValueError as error:
+                raise MemoryFileError(f"{path}: its model entry {error}") from None
+            positions = _next_positions(path, metadata.get("next_positions"))
+            expected = {f"memory.{i}.{part}" for i in range(len(positions)) for part in ("keys", "values")}
+            found = set(file.keys())
+            if found != expected:
+                named = (("no", sorted(expected - found)), ("unexpected", sorted(found - expected)))
+                problem = "; ".join(f"{what} {', '.join(names[:4])}" for what, names in named if names)
+                raise MemoryFileError(f"{path}: tensors do not match its {len(positions)} next positions ({problem})")
+            memories = [
+                LatentMemory(
+                    file.get_tensor(f"memory.{i}.keys"), file.get_tensor(f"memory.{i}.values"), position, model,
+                    f"{path}, memory {i}",
+                )
                 for i, position in enumerate(positions)
             ]
     except SafetensorError as error:
-        raise ValueError(f"{path}: a truncated or corrupt memory file ({error})") from error
+        raise MemoryFileError(f"{path}: a truncated or corrupt memory file ({error})") from error
+    for memory in memories:
+        problem = memory_problem(memory, model)
+        if problem is not None:
+            raise MemoryFileError(f"{memory.source}: {problem}")
+    return memories
+
+
+def _next_positions(path, text) -> list:
+    """The metadata's next positions: a non-empty JSON list (each entry is checked with its memory)."""
+    if text is None:
+        raise MemoryFileError(f"{path}: no next_positions in its metadata")
+    try:
+        positions = json.loads(text)
+    except json.JSONDecodeError:
+        raise MemoryFileError(f"{path}: next_positions is not JSON ({text!r:.40})") from None
+    if not isinstance(positions, list):
+        raise MemoryFileError(f"{path}: next_positions is {positions!r:.40}, not a list")
+    if not positions:
+        raise MemoryFileError(f"{path}: holds no memories (next_positions is empty)")
+    return positions

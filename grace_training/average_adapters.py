@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from grace_st.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base
+from grace_st.adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, adapter_base, record_learned_state
 
 from .checkpoint import TRAINING_FILES
 
@@ -80,6 +80,7 @@ def average_adapters(sources: list[Path], out: Path, rank: int | None = None) ->
     config = json.loads((out / ADAPTER_CONFIG).read_text(encoding="utf-8"))
     config["base_model_name_or_path"] = base_path
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    record_learned_state(out)  # the copied record is the last source's adapter's
     summary = {
         "sources": [str(source) for source in sources],
         "rank": rank,

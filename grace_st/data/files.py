@@ -85,20 +85,20 @@ _NOT_REGULAR = (
 )
 
 
-def open_data_file(path: str | os.PathLike):
-    """``path`` opened for binary reading, once the open file is known to be a regular file of at
-    most :data:`MAX_FILE_BYTES`. Checked on the opened descriptor, not the name, and opened without
-    blocking, so a FIFO is refused instead of waiting for a writer."""
+def open_regular_file(path: str | os.PathLike, what: str = "data", max_bytes: int | None = None):
+    """``path`` opened for binary reading, once the open file is known to be a regular file (of at most
+    ``max_bytes``, when given). Checked on the opened descriptor, not the name, and opened without blocking, so a
+    FIFO is refused instead of waiting for a writer. ``what`` names the kind of file in the errors."""
     flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
     descriptor = os.open(path, flags)
     try:
         info = os.fstat(descriptor)
         if not stat.S_ISREG(info.st_mode):
             kind = next((name for test, name in _NOT_REGULAR if test(info.st_mode)), "a special file")
-            raise ValueError(f"{path}: {kind}, not a regular file; data is read from regular files only")
-        if info.st_size > MAX_FILE_BYTES:
+            raise ValueError(f"{path}: {kind}, not a regular file; {what} is read from regular files only")
+        if max_bytes is not None and info.st_size > max_bytes:
             raise ValueError(
-                f"{path}: {info.st_size:,} bytes, over the {_amount(MAX_FILE_BYTES)} limit of a data file "
+                f"{path}: {info.st_size:,} bytes, over the {_amount(max_bytes)} limit of a data file "
                 "(grace_st.data.files.MAX_FILE_BYTES); split it, or take a sample"
             )
         if flags & getattr(os, "O_NONBLOCK", 0):
@@ -107,6 +107,12 @@ def open_data_file(path: str | os.PathLike):
     except BaseException:
         os.close(descriptor)
         raise
+
+
+def open_data_file(path: str | os.PathLike):
+    """``path`` opened for binary reading, once the open file is known to be a regular file of at
+    most :data:`MAX_FILE_BYTES` (:func:`open_regular_file`)."""
+    return open_regular_file(path, max_bytes=MAX_FILE_BYTES)
 
 
 def bounded_lines(source: str | os.PathLike, handle, on_error: OnError = None) -> Iterator[tuple[int, bytes]]:
