@@ -567,7 +567,9 @@ def run_encode_corpus(args: argparse.Namespace) -> int:
         + (f", {summary['incomplete_shards_removed']} incomplete shards removed"
            if summary["incomplete_shards_removed"] else "")
     )
-    print(f"output: {summary['output']} ({summary['output_rows']:,} rows)")
+    extra = summary["ids_in_output_not_in_input"]
+    print(f"output: {summary['output']} ({summary['output_rows']:,} rows"
+          + (f"; {extra:,} of its ids are not in INPUT" if extra else "") + ")")
     return 0
 
 

@@ -425,16 +425,18 @@ class CorpusEncoder:
     (``encode_query``, ``encode``), so a text's embedding is the one that call gives in process. Checks, once
     loaded, that the model is the one the driver named in the output's metadata."""
 
-    def __init__(self, model: str, overrides: dict, prompt_type: str, dtype: str, rationale: bool, threads: int,
-                 device: str | None, trust_remote_code: bool, truncate: bool, expected: dict, name: str):
+    def __init__(self, model: str | None, overrides: dict, prompt_type: str, dtype: str, rationale: bool,
+                 threads: int, device: str | None, trust_remote_code: bool, truncate: bool, expected: dict, name: str):
         import torch
 
-        from . import __version__
+        from . import __version__, default_model_path
         from .cli import _merged
         from .loading import load
         from .settings import SETTINGS
 
         torch.set_num_threads(threads)
+        # The embedded default is built on each node from the installed package (its own cache folder there).
+        model = model or default_model_path()
         self.model = load(model, device=device, trust_remote_code=trust_remote_code)
         encoder = self.encoder = self.model[0]
         if not hasattr(encoder, "check_settings"):
@@ -709,17 +711,19 @@ def encode_corpus(
     from . import default_model_path
 
     name = model or "grace-st-default"
-    model = model or default_model_path()
+    path = model or default_model_path()
     overrides = dict(settings or {})
-    expected = identity(saved_settings(model, overrides), prompt_type, dtype, rationale, id_column)
+    expected = identity(saved_settings(path, overrides), prompt_type, dtype, rationale, id_column)
     columns = Columns(text_column, id_column, make_ids)
     fs, files = corpus_files(input)
     out = read_output(output)
     if not overwrite:
         _check_output(out, output, expected)
 
-    length_check = None if truncate else _length_check(model, expected, trust_remote_code)
+    length_check = None if truncate else _length_check(path, expected, trust_remote_code)
+    checking = time.perf_counter()
     checked = check_input(fs, files, columns, limit, length_check)
+    check_seconds = time.perf_counter() - checking
     report = bad_row_report or os.path.join(output, SKIPPED_REPORT)
     if checked.bad and on_bad_row == "fail":
         shown = "\n  ".join(_describe(bad) for bad in checked.bad[:SHOWN_PROBLEMS])
@@ -742,7 +746,7 @@ def encode_corpus(
         "input_rows": len(checked.ids) + len(checked.bad), "encoded": len(wanted) - len(done),
         "already_done": len(done), "skipped": len(checked.bad), "bad_row_report": report if checked.bad else None,
         "incomplete_shards_removed": len(out.incomplete), "ids_in_output_not_in_input": len(present - wanted),
-        "actors": 0, "output": output,
+        "actors": 0, "output": output, "check_seconds": round(check_seconds, 2),
     }
     if summary["encoded"]:
         summary.update(_run(

@@ -21,7 +21,7 @@ ray = pytest.importorskip("ray")
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 
-from grace_st.corpus import CorpusError, encode_corpus, read_output  # noqa: E402
+from grace_st.corpus import CorpusError, encode_corpus, read_output
 
 REPO = Path(__file__).resolve().parents[1]
 # A short instruction and a 64-token prompt limit: the tiny tokenizer spends ~3 tokens a word.
@@ -55,8 +55,7 @@ def reference(model_dir):
 def _write_jsonl(path: Path, rows: list[dict] | list[bytes]) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "wb") as handle:
-        for row in rows:
-            handle.write((row if isinstance(row, bytes) else json.dumps(row).encode()) + b"\n")
+        handle.writelines((row if isinstance(row, bytes) else json.dumps(row).encode()) + b"\n" for row in rows)
     return str(path)
 
 
