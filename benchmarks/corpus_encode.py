@@ -120,13 +120,16 @@ def main() -> None:
             cells.append(base)
             run = os.path.join(folder, f"g{budget}")
             common = (corpus, run, model_path, budget, args.batch_size)
-            shapes = [("b 1 actor", 1, cpus)] + ([("c 2 actors", 2, 1), ("d two-node cluster", 2, 1)] if cpus >= 2 else [])
+            shapes = [("b 1 actor", 1, cpus)]
+            if cpus >= 2:
+                shapes += [("c 2 actors", 2, 1), ("d two-node cluster", 2, 1)]
             for label, actors, threads in shapes:
                 if label.startswith("d"):
                     cell, found = two_node_cell(*common)
                 else:
                     cell, found = ray_cell(label, *common, actors=actors, threads=threads)
-                cell["max_abs_difference"] = float(max(np.abs(found[i] - reference[i]).max() for i in range(len(texts))))
+                difference = max(np.abs(found[i] - reference[i]).max() for i in range(len(texts)))
+                cell["max_abs_difference"] = float(difference)
                 cells.append(cell)
                 print(f"G={budget} {cell['cell']}: {cell['seconds']:.1f} s", flush=True)
             for cell in cells:

@@ -44,7 +44,7 @@ PARQUET_SUFFIXES = (".parquet",)
 SKIPPED_REPORT = "_skipped_rows.jsonl"  # inside OUTPUT; readers of a Parquet folder pass over "_" files
 # Problems listed in a "fail" error at most (the report file of --on-bad-row skip lists them all).
 SHOWN_PROBLEMS = 10
-# A JSONL line longer than this is refused as a row, not read into memory whole.
+# A JSONL line longer than this stops the check, naming the line, instead of filling memory.
 MAX_LINE_BYTES = 64 * 1024 * 1024
 INT64 = (-(2**63), 2**63 - 1)
 
@@ -215,9 +215,9 @@ def _parquet_batches(handle, path: str, columns: Columns, batch_rows: int) -> It
         if name not in names:
             option = "--text-column" if what == "text" else "--id-column (or --make-ids to number the rows)"
             raise CorpusError(f"{path}: no column {name!r} (its columns: {', '.join(names)}); name it with {option}")
-    types = reader.schema_arrow
-    if not (pa.types.is_string(types.field(columns.text).type) or pa.types.is_large_string(types.field(columns.text).type)):
-        raise CorpusError(f"{path}: column {columns.text!r} is {types.field(columns.text).type}, not text (string)")
+    text_type = reader.schema_arrow.field(columns.text).type
+    if not (pa.types.is_string(text_type) or pa.types.is_large_string(text_type)):
+        raise CorpusError(f"{path}: column {columns.text!r} is {text_type}, not text (string)")
     number = 0
     for batch in reader.iter_batches(batch_size=batch_rows, columns=wanted):
         texts = _strings(batch.column(columns.text))
@@ -400,7 +400,9 @@ def read_output(path: str) -> Output:
 
 def _mismatch(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
     keys = sorted(set(found) | set(wanted))
-    return [f"{key}: {found.get(key)!r} there, {wanted.get(key)!r} now" for key in keys if found.get(key) != wanted.get(key)]
+    return [
+        f"{key}: {found.get(key)!r} there, {wanted.get(key)!r} now" for key in keys if found.get(key) != wanted.get(key)
+    ]
 
 
 # -- the actor ---------------------------------------------------------------------------------------------

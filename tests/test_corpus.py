@@ -63,7 +63,8 @@ def _corpus(folder: Path, files: int = 3) -> str:
     """TEXTS as ``files`` JSONL files of ids d0, d1, ..."""
     per_file = -(-len(TEXTS) // files)
     for part in range(files):
-        rows = [{"id": f"d{i}", "text": TEXTS[i]} for i in range(part * per_file, min(len(TEXTS), (part + 1) * per_file))]
+        indexes = range(part * per_file, min(len(TEXTS), (part + 1) * per_file))
+        rows = [{"id": f"d{i}", "text": TEXTS[i]} for i in indexes]
         _write_jsonl(folder / f"part{part}.jsonl", rows)
     return str(folder)
 
@@ -172,7 +173,8 @@ def test_a_corpus_is_the_bits_of_encode_document_and_a_rerun_loads_no_model(
 
     from grace_st import explain, load
 
-    rationales = dict(zip(pq.read_table(out).column("id").to_pylist(), pq.read_table(out).column("rationale").to_pylist()))
+    table = pq.read_table(out)
+    rationales = dict(zip(table.column("id").to_pylist(), table.column("rationale").to_pylist()))
     expected = explain(load(model_dir, device="cpu"), TEXTS[:3], prompt_name="document")
     assert [rationales[f"d{i}"] for i in range(3)] == [item["rationale"] for item in expected]
 
@@ -296,7 +298,7 @@ BAD_ROWS = {
 @pytest.mark.parametrize("case", list(BAD_ROWS))
 def test_a_bad_row_is_named_by_file_and_line_before_any_model_work(case, settings_only_model, tmp_path):
     row, message = BAD_ROWS[case]
-    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [GOOD, row if isinstance(row, bytes) else json.dumps(row).encode()])
+    corpus = _write_jsonl(tmp_path / "corpus.jsonl", [GOOD, row])
     with pytest.raises(CorpusError) as caught:
         encode_corpus(corpus, str(tmp_path / "out"), model=settings_only_model)
     assert f"{corpus} line 2" in str(caught.value) and message in str(caught.value)
