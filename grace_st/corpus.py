@@ -586,10 +586,12 @@ class Checked:
         return [bad["id"] for bad in self.bad if "id" in bad]
 
 
-def check_input(fs, files: list[str], columns: Columns, limit: int | None = None, length_check=None) -> Checked:
+def check_input(
+    fs, files: list[str], columns: Columns, limit: int | None = None, length_check=None, max_input_tokens: int = 0
+) -> Checked:
     """Read every row (the first ``limit``) once, as the pipeline will: each bad row with its file, line and
     problem; ids of one type, each once (a repeated id is an error at once); each text within the model's
-    input limit (``length_check(texts) -> [(index, prompt tokens)]`` of those over it)."""
+    input limit (``length_check(texts) -> [(index, prompt tokens)]`` of those over ``max_input_tokens``)."""
     checked = Checked()
     first_of: dict[Any, str] = {}
     total = 0
@@ -630,7 +632,7 @@ def check_input(fs, files: list[str], columns: Columns, limit: int | None = None
             if length_check is not None and good:
                 for index, tokens in length_check([row.text for row in good]):
                     checked.bad.append(_bad(path, fmt, good[index], f"{tokens} prompt tokens with the instruction "
-                                            "and template, over the model's limit (max_input_tokens)"))
+                                            f"and template, over the model's max_input_tokens {max_input_tokens}"))
                     good[index] = None
             checked.ids.extend(row.id for row in good if row is not None)
         for name, count in lacking.items():
@@ -724,7 +726,7 @@ def encode_corpus(
 
     length_check = None if truncate else _length_check(path, expected, trust_remote_code)
     checking = time.perf_counter()
-    checked = check_input(fs, files, columns, limit, length_check)
+    checked = check_input(fs, files, columns, limit, length_check, expected["max_input_tokens"])
     check_seconds = time.perf_counter() - checking
     report = bad_row_report or os.path.join(output, SKIPPED_REPORT)
     if checked.bad and on_bad_row == "fail":
@@ -854,7 +856,7 @@ def _run(fs, files, columns, checked, excluded, output, *, encoder_kwargs, batch
         device = encoder_kwargs["device"] or ("cuda" if gpus else None)
         started = time.perf_counter()
         # Reads and writes take no whole CPU: an actor given every CPU of a node must not starve them.
-        ray.data.read_datasource(source, num_cpus=0).map_batches(
+        pipeline = ray.data.read_datasource(source, num_cpus=0).map_batches(
             CorpusEncoder,
             fn_constructor_kwargs={**encoder_kwargs, "device": device, "threads": threads},
             compute=ray.data.ActorPoolStrategy(size=actors),
@@ -862,7 +864,16 @@ def _run(fs, files, columns, checked, excluded, output, *, encoder_kwargs, batch
             batch_format="pyarrow",
             num_cpus=threads,
             num_gpus=gpus or None,
-        ).write_parquet(output, ray_remote_args={"num_cpus": 0})
+        )
+        try:
+            pipeline.write_parquet(output, ray_remote_args={"num_cpus": 0})
+        except Exception as error:  # Ray's errors carry the worker's whole traceback: its last line says why
+            lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+            raise CorpusError(
+                f"the run stopped ({type(error).__name__}: {lines[-1] if lines else 'no message'}); the shards "
+                "written so far are kept: once the cause is fixed, the same command writes the rest "
+                "(GRACE_ST_DEBUG=1 shows Ray's traceback)"
+            ) from error
         seconds = time.perf_counter() - started
     finally:
         if started_here:
