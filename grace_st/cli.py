@@ -257,7 +257,8 @@ def _add_encode_corpus_command(commands) -> None:
     corpus.add_argument("--threads-per-actor", type=_positive_int,
                         help="CPUs (torch threads) an actor (default: the CPUs shared among the actors)")
     corpus.add_argument("--gpus-per-actor", type=float, default=0, help="GPUs an actor (e.g. 1, or 0.5 for two a GPU)")
-    corpus.add_argument("--address", help="join a running Ray cluster: auto or ray://HOST:PORT (default: a local Ray)")
+    corpus.add_argument("--address", help="join a running Ray cluster: auto or ray://HOST:PORT (default: "
+                        "RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray for the command)")
     corpus.add_argument("--limit", type=_positive_int, help="the first N rows of the corpus only")
     corpus.add_argument("--on-bad-row", choices=BAD_ROW_POLICIES, default="fail",
                         help="fail (default): any bad row stops the run before any model work; skip: leave bad rows "
