@@ -32,7 +32,7 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -qq $(TORCH)
-	$(PY) -m pip install -qq -e ".[dev,server,mteb,langchain,llamaindex,bench,training]"
+	$(PY) -m pip install -qq -e ".[dev,server,mteb,langchain,llamaindex,bench,training,distributed]"
 	touch $@
 
 venv-st5: $(VENV_ST5)/.installed

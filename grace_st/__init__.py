@@ -21,5 +21,15 @@ from .prompts import DEFAULT_INSTRUCTIONS
 __version__ = "0.10.1"
 __all__ = [
     "DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "MemoryFileError", "answer", "compress", "default_model_path",
-    "explain", "from_causal_lm", "from_gircse_adapter", "load", "load_memories", "save_memories",
+    "encode_corpus", "explain", "from_causal_lm", "from_gircse_adapter", "load", "load_memories", "save_memories",
 ]
+
+
+def __getattr__(name: str):
+    # encode_corpus runs on Ray Data, an optional extra (grace-st[distributed]): its module imports Ray only
+    # when called, and is itself imported only when asked for.
+    if name == "encode_corpus":
+        from .corpus import encode_corpus
+
+        return encode_corpus
+    raise AttributeError(f"module 'grace_st' has no attribute {name!r}")

@@ -145,6 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_eval_command(commands)
     _add_serve_command(commands)
     _add_memory_commands(commands)
+    _add_encode_corpus_command(commands)
     return parser
 
 
@@ -250,6 +251,51 @@ def _add_memory_commands(commands) -> None:
     ask.add_argument("--max-new-tokens", type=_positive_int, default=128)
     ask.add_argument("--device", help="torch device, e.g. cpu or cuda")
     ask.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
+
+
+def _add_encode_corpus_command(commands) -> None:
+    """``grace-st encode-corpus``: a JSONL or Parquet corpus to Parquet shards of embeddings, on Ray Data."""
+    from .corpus import BAD_ROW_POLICIES, DTYPES, PROMPT_TYPES, SKIPPED_REPORT
+
+    corpus = commands.add_parser(
+        "encode-corpus",
+        help="embed every row of a JSONL or Parquet corpus into Parquet shards, on Ray Data (a local Ray, or a "
+        "cluster by --address); resumable; needs grace-st[distributed]",
+    )
+    corpus.add_argument("input", help="a .jsonl/.json (JSON Lines) or .parquet file, or a folder of them")
+    corpus.add_argument("output", help="a folder of Parquet shards (a run on it again writes only missing ids)")
+    corpus.add_argument("--model", help="GRACE model directory or Hub id (default: the embedded default model)")
+    corpus.add_argument("--text-column", default="text")
+    corpus.add_argument("--id-column", default="id", help="the ids, each once (strings or integers; default: id)")
+    corpus.add_argument("--make-ids", action="store_true", help="number the rows (0, 1, ... in file order) as ids")
+    corpus.add_argument("--prompt-type", choices=PROMPT_TYPES, default="document",
+                        help="document (encode_document, the default), query (encode_query) or default (encode)")
+    corpus.add_argument("--batch-size", type=_positive_int, default=16, help="texts an actor encodes a call")
+    corpus.add_argument("--actors", type=_positive_int, default=1, help="actors, each holding the model (default 1)")
+    corpus.add_argument("--threads-per-actor", type=_positive_int,
+                        help="CPUs (torch threads) an actor (default: the CPUs shared among the actors)")
+    corpus.add_argument("--gpus-per-actor", type=float, default=0, help="GPUs an actor (e.g. 1, or 0.5 for two a GPU)")
+    corpus.add_argument("--address", help="join a running Ray cluster: auto or ray://HOST:PORT (default: "
+                        "RAY_ADDRESS or a `ray start` cluster on this machine, else a local Ray for the command)")
+    corpus.add_argument("--limit", type=_positive_int, help="the first N rows of the corpus only")
+    corpus.add_argument("--on-bad-row", choices=BAD_ROW_POLICIES, default="fail",
+                        help="fail (default): any bad row stops the run before any model work; skip: leave bad rows "
+                        "out and list them in the report")
+    corpus.add_argument("--bad-row-report", metavar="FILE", help=f"the skipped rows (default: OUTPUT/{SKIPPED_REPORT})")
+    corpus.add_argument("--truncate", action="store_true",
+                        help="embed a text over the model's input limit cut at the limit, as encode does "
+                        "(without it such a text is a bad row)")
+    corpus.add_argument("--dtype", choices=DTYPES, default="float32",
+                        help="the stored embedding: float32 (default), float16, or int8 with a per-row scale")
+    corpus.add_argument("--rationale", action="store_true", help="store each text's rationale too")
+    corpus.add_argument("--overwrite", action="store_true", help="replace an OUTPUT written with another model or "
+                        "settings (without it such an OUTPUT is refused)")
+    corpus.add_argument("--rows-per-shard", type=_positive_int, default=256,
+                        help="rows a block and a Parquet shard at most: the unit of work a rerun can redo")
+    corpus.add_argument("--device", help="torch device in each actor (default: cuda with --gpus-per-actor, else cpu)")
+    corpus.add_argument("--no-progress", action="store_true", help="hide Ray Data's progress bars")
+    corpus.add_argument("--trust-remote-code", action="store_true", help=TRUST_HELP)
+    _encoder_options(corpus)
 
 
 def _add_serve_command(commands) -> None:
@@ -546,9 +592,40 @@ def run_ask(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_encode_corpus(args: argparse.Namespace) -> int:
+    from .corpus import encode_corpus
+
+    summary = encode_corpus(
+        args.input, args.output, model=args.model, text_column=args.text_column, id_column=args.id_column,
+        make_ids=args.make_ids, prompt_type=args.prompt_type, batch_size=args.batch_size, actors=args.actors,
+        threads_per_actor=args.threads_per_actor, gpus_per_actor=args.gpus_per_actor, address=args.address,
+        limit=args.limit, on_bad_row=args.on_bad_row, bad_row_report=args.bad_row_report, truncate=args.truncate,
+        dtype=args.dtype, rationale=args.rationale, overwrite=args.overwrite, rows_per_shard=args.rows_per_shard,
+        settings=_encoder_settings(args), device=args.device, trust_remote_code=args.trust_remote_code,
+        progress=not args.no_progress,
+    )
+    actors = (
+        f" with {summary['actors']} actor{'s' if summary['actors'] > 1 else ''} x {summary['threads_per_actor']} "
+        f"thread{'s' if summary['threads_per_actor'] > 1 else ''}"
+        + (f" and {summary['gpus_per_actor']:g} GPU" if summary["gpus_per_actor"] else "")
+        if summary["actors"] else " (nothing left to encode: no model loaded)"
+    )
+    print(
+        f"encoded {summary['encoded']:,} texts in {summary['seconds']:.1f} s ({summary['texts_per_second']:.2f} "
+        f"texts/s){actors}; {summary['already_done']:,} already done, {summary['skipped']:,} skipped"
+        + (f" (listed in {summary['bad_row_report']})" if summary["bad_row_report"] else "")
+        + (f", {summary['incomplete_shards_removed']} incomplete shards removed"
+           if summary["incomplete_shards_removed"] else "")
+    )
+    extra = summary["ids_in_output_not_in_input"]
+    print(f"output: {summary['output']} ({summary['output_rows']:,} rows"
+          + (f"; {extra:,} of its ids are not in INPUT" if extra else "") + ")")
+    return 0
+
+
 COMMANDS = {
     "encode": run_encode, "build": run_build, "eval": run_eval, "serve": run_serve, "compress": run_compress,
-    "ask": run_ask,
+    "ask": run_ask, "encode-corpus": run_encode_corpus,
 }
 
 
