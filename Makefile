@@ -50,15 +50,15 @@ bench: $(VENV)/.installed model
 	$(PY) benchmarks/encode_throughput.py
 	$(PY) benchmarks/decode_ablation.py
 
-# Reproduces the shipped adapter (grace_st/default_adapter, lab/training_recipe.md sections 24-25) in three steps; the first two run
+# Reproduces the shipped adapter (grace_st/default_adapter, decisions/D028-D030) in three steps; the first two run
 # in chunks of at most 55 minutes resumed from the last checkpoint (run it again after an interruption):
 # 1. the yardstick: InfoNCE with full fine-tuning on the scale recipe's data, stopped at step 455 of its 1000-step run
-#    (section 23: 1.52 CPU hours, 62 minutes on a 2-core AVX-512 CPU);
+#    (decisions/D028: 1.52 CPU hours, 62 minutes on a 2-core AVX-512 CPU);
 # 2. the shipped last stage from it: 100 steps of the hybrid (LoRA r 8, text_kl_coef 1, seed 46; 0.68 CPU hours);
 # 3. the whole delta from the base as a rank-32 LoRA adapter fitted to the layers' inputs on 256 training instances,
 #    then 200 steps of distillation toward the full model's pooled states on them (grace_training.lowrank_adapter,
-#    16 minutes; section 25), exported into the package in bfloat16, decoding with repetition_penalty 1.3 (chosen on
-#    dev data, section 21). 85 minutes on a 2-core AVX-512 CPU (48 + 21 + 16).
+#    16 minutes; decisions/D030), exported into the package in bfloat16, decoding with repetition_penalty 1.3 (chosen on
+#    dev data, decisions/D024). 85 minutes on a 2-core AVX-512 CPU (48 + 21 + 16).
 YARDSTICK_RUN := runs/train_default_yardstick
 YARDSTICK_STEP := 455
 STAGE_RUN := runs/train_default_stage
@@ -85,20 +85,20 @@ train-default: $(VENV)/.installed model
 		--distill-steps 200 --distill-learning-rate 5e-5
 	$(PY) -m grace_training.export_adapter $(LOWRANK_DIR) --into-package --bfloat16 --repetition-penalty 1.3
 
-# The scale-recipe run (lab/training_recipe.md): one chunk of at most 55 minutes a call, resumed from its latest
+# The scale-recipe run (decisions/D009-D013): one chunk of at most 55 minutes a call, resumed from its latest
 # checkpoint; call it again until the run reaches max_steps (warm start, then the hybrid, in one run).
 train-scale: $(VENV)/.installed model
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/scale_grace.yaml \
 		output_dir=runs/scale_grace --resume --max-minutes 55
 
-# GIRCSE (lab/gircse_study.md): soft tokens trained by Iterative Contrastive Refinement on the scale recipe's data, one chunk of
+# GIRCSE (docs/gircse.md; decisions/D017, D033): soft tokens trained by Iterative Contrastive Refinement on the scale recipe's data, one chunk of
 # at most 55 minutes a call, resumed from its latest checkpoint. Export a checkpoint into the package with
 # `python -m grace_training.export_adapter runs/gircse/checkpoint-N --into-package` (it goes to grace_st/gircse_adapter).
 train-gircse: $(VENV)/.installed model
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/gircse_smollm2.yaml \
 		--resume --max-minutes 55
 
-# GRC (docs/grc.md, lab/grc_study.md §9, §12): meta latent tokens trained by Eq. 5 on the same data, fully fine-tuned
+# GRC (docs/grc.md, decisions/D036, D039): meta latent tokens trained by Eq. 5 on the same data, fully fine-tuned
 # for 125 steps (0.9 CPU hours on one thread) in chunks of at most 55 minutes, each resumed from the latest
 # checkpoint; then the delta from the base cut to a rank-32 LoRA adapter (the plain SVD, latents carried whole) and
 # exported into grace_st/grc_adapter in bfloat16.

@@ -249,7 +249,7 @@ def main() -> None:
         path = grace_st.default_model_path(trained=False)
     model = grace_st.load(path)
     if getattr(model[0], "method", None) not in ("grace", "grc"):
-        sys.exit("budget_curve: the model must think in text (method grace or grc; GIRCSE's K: gircse_k_curve_by_format.py)")
+        sys.exit("budget_curve: the model must think in text (method grace or grc; GIRCSE's K: benchmarks/gircse_k_curve.py)")
     saved_budgets = model[0].max_rationale_tokens
     texts, where = default_texts(tasks)
     claims, corpus, _ = tasks["SciFact"]

@@ -2,8 +2,8 @@
 after, before, after, ...): each row's best time over its rounds and the after/before ratio.
 
     python benchmarks/compare_runs.py decode_ablation \
-        --before lab/results/design_split/decode_ablation_before_*.json \
-        --after lab/results/design_split/decode_ablation_after_*.json
+        --before before/decode_ablation_*.json \
+        --after after/decode_ablation_*.json
     python benchmarks/compare_runs.py encode_throughput --before ... --after ... [--out summary.json]
 
 Reads the files ``decode_ablation.py`` and ``encode_throughput.py`` write; prints a table and,

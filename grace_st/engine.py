@@ -57,7 +57,7 @@ def length_buckets(lengths: Sequence[int], batch_size: int, ratio: float | None 
     chunk of at least ``min_rows`` also closes where the next prompt is over ``ratio`` times its
     shortest: a batch of 20-token sentences and 128-token abstracts is prefilled as two, not padded
     to 128, at the price of one decoding pass a chunk at every step (at the shipped settings that
-    price was the larger: off by default, lab/training_recipe.md)."""
+    price was the larger: off by default, decisions/D008)."""
     order = sorted(range(len(lengths)), key=lambda i: lengths[i])
     chunks: list[list[int]] = []
     for i in order:

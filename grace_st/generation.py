@@ -32,7 +32,7 @@ def inverse_cdf_draw(probs: Tensor, uniforms: Tensor) -> Tensor:
 
     Exact sampling from ``probs`` with one random number a row. ``torch.multinomial`` draws one
     exponential per vocabulary entry (49,152 a row a token for SmolLM2: 8 % of a training step's
-    rollouts, lab/training_recipe.md); this is a cumulative sum and a binary search. In float64 so that
+    rollouts, decisions/D008); this is a cumulative sum and a binary search. In float64 so that
     a token's interval is its probability to about 1e-16 and a zero-probability token (cut by
     top-p) has an empty interval, never drawn.
     """
@@ -83,12 +83,12 @@ def penalise_repeats(logits: Tensor, written: Tensor | None, penalty: float) -> 
     likely again. The text's own tokens are not penalised: a rationale about a text may name it.
 
     Why: training teaches the policy to repeat the text's topic word ("combat combat combat", the
-    distinct-word share of a rationale falls from 0.78 to 0.55, lab/training_recipe.md §20); the penalty keeps a
+    distinct-word share of a rationale falls from 0.78 to 0.55, decisions/D024); the penalty keeps a
     rationale readable for ``explain``."""
     if written is None or penalty == 1.0:
         return logits
     # Only the written entries change (a rationale's few dozen of 49,152 a row): penalising those alone
-    # is the same arithmetic at 1/3 to 1/8 of the cost of the full-vocabulary passes (lab/latency_study.md).
+    # is the same arithmetic at 1/3 to 1/8 of the cost of the full-vocabulary passes (decisions/D026).
     rows, tokens = written.nonzero(as_tuple=True)
     seen = logits[rows, tokens]
     return logits.index_put((rows, tokens), torch.where(seen > 0, seen / penalty, seen * penalty))

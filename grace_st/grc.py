@@ -23,7 +23,7 @@ unreleased). Training's pass is transformers' own forward, given ``inputs_embeds
 kind of layer where some layers slide, each windowed as the model's own pass is: :func:`layer_masks`). Without ❸
 and without autograd (``encode``, ``compress``) the mask is plain causal, and the same pass runs as the prompt pass
 GRACE's prompts get (:mod:`grace_st.decoding`: the shared instruction prefix once a batch, padding skipped, the
-native kernels where they apply): 2.5–2.8 times as fast on the shipped model (``lab/scripts/grc_pass_cost.py``)
+native kernels where they apply): 2.5–2.8 times as fast on the shipped model (``benchmarks/grc_pass_cost.py``, decisions/D040)
 and equal to float32 rounding (``tests/test_grc.py``).
 
 What the paper leaves open, as chosen here (docs/grc.md lists them with the measurements):

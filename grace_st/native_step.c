@@ -3,7 +3,7 @@
  * A query decoded alone multiplies one row by every weight each step, so the step is bound by
  * how fast the weights are read; PyTorch runs those matrix-vector products on one thread (MKL)
  * or reads its blocked layout slowly (oneDNN), and dispatches ~400 small operations a step around
- * them (lab/latency_study.md). Many rows (`encode` over many texts, 64 rows a step) make the same
+ * them (decisions/D021, D025). Many rows (`encode` over many texts, 64 rows a step) make the same
  * products matrix-matrix ones, which PyTorch runs near the matmul peak, but the ~400 operations
  * around them, each on a 64 x 576 tensor, cost about as much again. Here a whole step (the decoder
  * layers, the final norm and the LM head), or the pass over a batch of prompts' tokens, is one

@@ -4,7 +4,7 @@ core (``native_step.c``).
 A search box embeds one query at a time: with the shipped budgets, 32 decoding steps at batch 1,
 each a matrix-vector product with every weight. PyTorch runs those on one thread (MKL) or reads
 its blocked layout slowly (oneDNN), and a step dispatches ~400 small operations around them, so
-the loop reached 37-42 % of the bandwidth floor (lab/latency_study.md). ``encode`` over many texts
+the loop reached 37-42 % of the bandwidth floor (decisions/D021, D025). ``encode`` over many texts
 decodes 64 rows a step: there the products run near the matmul peak in PyTorch too, but the same
 ~400 operations on 64-row tensors, and the prompt pass's padding, left work% near 40 %.
 

@@ -30,7 +30,7 @@ Costs and limits, all deliberate:
 A PEFT LoRA layer (training's policy) is packed merged: W + Σ ΔW of its active adapters (PEFT's
 ``get_delta_weight``), repacked whenever the adapter or the base weight changes, so the layer costs one
 product instead of three (the adapter's two skinny products were 10–15 % of a training step's rollouts,
-lab/training_recipe.md). That is the weight ``merge_and_unload`` gives, the one ``encode`` uses for a saved
+decisions/D008). That is the weight ``merge_and_unload`` gives, the one ``encode`` uses for a saved
 adapter; results differ from PEFT's own forward by float32 rounding. Adapters PEFT would not merge the same
 way (DoRA and other variants, a bias on B, dropout in training mode) keep PEFT's forward. So does every LoRA
 layer of a model loaded with ``merge_adapter: false``, which asks for the adapter apart: its encoder's
@@ -38,7 +38,7 @@ layer of a model loaded with ``merge_adapter: false``, which asks for the adapte
 
 A single row (a query decoded alone: every step of a search box's ``encode_query``) is a
 matrix-vector product. For a weight that is not square, MKL streams it faster along its longer
-side than oneDNN reads the blocked layout, at one thread and at two (``lab/scripts/row_vector_kernel.py``;
+side than oneDNN reads the blocked layout, at one thread and at two (decisions/D021;
 on an AVX2 CPU up to 1.9x at one thread): stored transposed (in_features × out_features) where
 out_features > in_features (gate/up, the LM head), as stored (dot products over long rows) where
 it is smaller (k/v, down). Square weights (q/o) keep the packed layout, which two threads read

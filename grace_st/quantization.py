@@ -6,7 +6,7 @@ own scale (symmetric, per channel: ``w ≈ scale · q``, ``q`` in [-127, 127]); 
 model's dtype outside the layer and are rounded to bfloat16 inside it, because PyTorch's own
 int8-weight kernel (``torch._weight_int8pack_mm``) is fast only with 16-bit activations on this
 CPU (``benchmarks/latency.py`` measured float32 activations ~10× slower and torchao's
-``Int8WeightOnlyConfig`` slower than float32 itself; lab/latency_study.md).
+``Int8WeightOnlyConfig`` slower than float32 itself; decisions/D014).
 
 Chosen at load, never saved: ``model_kwargs={"weight_quantization": "int8"}`` (sentence-transformers,
 LangChain's and LlamaIndex's ``model_kwargs`` carry it), after any LoRA adapter is merged. The saved
@@ -27,7 +27,7 @@ SCHEMES = ("int8",)
 # Up to this many rows a call takes the int8 kernel (memory-bound decoding); above it, a matmul on the
 # int8 values: in bfloat16 where the CPU has bfloat16 kernels (at 512 rows 3x faster than the kernel and
 # 2x faster than float32 on an AVX-512 BF16 CPU), else in float32 (an AVX2 CPU emulates bfloat16 matmuls,
-# 6x slower than float32 there; lab/latency_study.md).
+# 6x slower than float32 there; decisions/D014).
 KERNEL_MAX_ROWS = 16
 LOAD_KEY = "weight_quantization"  # the model_kwargs key that asks for it
 

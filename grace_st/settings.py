@@ -117,7 +117,7 @@ _PER_TYPE = "an int, or a mapping of prompt type to one with a 'default' entry"
 # The ways a model thinks before it embeds (grace_st.engine.ENGINES has a class for each).
 METHODS = ("grace", "gircse", "grc")
 # K of a GIRCSE model built or loaded without a max_rationale_tokens value: the best K of the trained models' K curve
-# on the dev scoreboard (docs/gircse.md; lab/results/gircse_k_curve_by_format.json).
+# on the dev scoreboard (docs/gircse.md; decisions/D033).
 GIRCSE_DEFAULT_K = 5
 # How a text becomes a prompt: the model's chat template, or GIRCSE's reference format (grace_st.prompts).
 PROMPT_FORMATS = ("chat", "instruct")

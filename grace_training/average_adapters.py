@@ -1,6 +1,6 @@
 """Average the LoRA adapters of several checkpoints of one run: weight averaging along a trajectory
 (SWA, Izmailov et al. 2018), the cheap last stage tried when the dev curve has gone flat within the
-noise between neighbouring checkpoints (lab/training_recipe.md §13). With ``--rank`` the sources may also be
+noise between neighbouring checkpoints (decisions/D019). With ``--rank`` the sources may also be
 the last checkpoints of different runs on the same base, at different LoRA ranks: a uniform model
 soup (Wortsman et al. 2022), fine-tuned solutions from one pretrained point averaged in weight space.
 Every source's delta is applied to the base the last source names (the packaged adapter names the Hub

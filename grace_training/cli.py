@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="stop at step N with a checkpoint, short of max_steps: the run's schedule and data order stay those of "
-        "max_steps (a model taken part-way through a longer run, as lab/training_recipe.md §23 took the yardstick at 455 of "
+        "max_steps (a model taken part-way through a longer run, as decisions/D028 took the yardstick at 455 of "
         "1000 steps); --resume continues it",
     )
     parser.add_argument(

@@ -165,7 +165,7 @@ class GRPOConfig:
     rollout_batch_size: int = key(64, "rows the HF backend generates at once (memory)", AT_LEAST_ONE, resume=FREE)
     rollout_bucket_ratio: float | None = key(
         None, "HF rollouts in length buckets: a chunk also closes where prompts grow past this ratio of its "
-        "shortest; measured slower at the shipped settings (lab/training_recipe.md)", at_least(1), resume=FREE,
+        "shortest; measured slower at the shipped settings (decisions/D008)", at_least(1), resume=FREE,
     )
     vllm_gpu_memory_utilization: float = key(
         0.5, "the vLLM engine's share of the GPU (paper: 50 %)", between(0, 1, low_open=True), resume=FREE
@@ -266,7 +266,7 @@ class GRPOConfig:
     )
     grc_response_targets: str = key(
         "policy", "whose greedy response y is L_Gen's target (grc, Eq. 2): `policy`, the model being trained (its "
-        "own answer, teacher-forced; the answers drift to \"None\" within 125 steps, lab/grc_study.md §3); "
+        "own answer, teacher-forced; the answers drift to \"None\" within 125 steps, decisions/D035); "
         "`start`, the start model's (the LoRA adapter disabled, or under full fine-tuning a frozen copy of the start "
         "model: the answer held where training began)",
         one_of(GRC_RESPONSE_TARGETS), resume=FIXED, card=True,
@@ -322,7 +322,7 @@ class GRPOConfig:
     text_kl_coef: float = key(
         0.0, "> 0: KL(initial model ‖ policy) of the next-token distribution at every position of the text being "
         "embedded (full vocabulary): holds the LM's perplexity on human text, which kl_coef does not "
-        "(lab/training_recipe.md §10); keeps a frozen copy under full fine-tuning", NON_NEGATIVE, resume=APPLIED,
+        "(decisions/D013); keeps a frozen copy under full fine-tuning", NON_NEGATIVE, resume=APPLIED,
     )
     gradient_accumulation_steps: int = key(
         1, "the step's positive rollouts in this many chunks, one optimiser step", AT_LEAST_ONE,

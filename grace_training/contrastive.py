@@ -221,7 +221,7 @@ def train_infonce(
     encoder.model.eval()
     encoder.max_input_tokens = config.max_input_tokens
     # saved to encode as it was trained, from the prompt alone: a rationale it never saw costs it 0.08 on the
-    # dev scoreboard's mean (lab/training_recipe.md §5)
+    # dev scoreboard's mean (decisions/D023)
     encoder.max_rationale_tokens = 0
     final = _save_final(model, config, output, args.per_device_train_batch_size, steps)
     logger.info("InfoNCE baseline: %d steps, saved to %s", steps, final)

@@ -2,7 +2,7 @@
 a GIRCSE checkpoint's into ``grace_st/gircse_adapter``, a GRC checkpoint's into ``grace_st/grc_adapter``).
 
     python -m grace_training.export_adapter runs/scale_textkl1/checkpoint-00000400 --into-package \
-        --scores lab/results/scale_scoreboard_textkl400.json --scores-label "scale + text_kl 1, step 400"
+        --scores dev_eval.json --scores-label "LABEL"   (any benchmarks/dev_eval.py JSON of the checkpoint)
     python -m grace_training.export_adapter CHECKPOINT --out DIR       # anywhere else
     python -m grace_training.export_adapter --write-manifest DIR       # after editing an adapter's files by hand
 
@@ -111,7 +111,7 @@ def export(
     """``bfloat16``: store the LoRA matrices rounded to bfloat16 (half the bytes: an r 32 adapter of SmolLM2 fits the
     package's 20 MiB); they are read back into the float32 model, so score the exported adapter, not the checkpoint.
     ``repetition_penalty``: the decoding setting the default encodes with (training rolls out without one; the
-    shipped value was chosen on dev data after training, lab/training_recipe.md §21); None leaves the encoder's default.
+    shipped value was chosen on dev data after training, decisions/D024); None leaves the encoder's default.
     ``into_package``: ``out`` may be one of the package's adapter directories (refused otherwise), and the adapter
     must fit the shipped base."""
     out = Path(out)
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         "--write-manifest", type=Path, metavar="DIR",
         help="only (re)write DIR/manifest.json for the files DIR holds now (after a deliberate edit of them)",
     )
-    parser.add_argument("--scores", type=Path, help="a dev_eval.py / quality_study.py JSON")
+    parser.add_argument("--scores", type=Path, help="a dev_eval.py JSON")
     parser.add_argument("--scores-label", help="the row of --scores that scored this checkpoint")
     parser.add_argument("--compare-label", action="append", default=[], help="rows shown beside it (e.g. the base)")
     parser.add_argument("--bfloat16", action="store_true", help="store the adapter's matrices in bfloat16 (half the bytes)")

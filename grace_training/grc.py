@@ -5,7 +5,7 @@ Each text of a batch (queries, positives, hard negatives) is one sequence, laid 
 
     ❶ P(x) ⊕ y      y: a greedy response at the text's budget, no gradient (:func:`response_targets`): the model's
                     own (``grc_response_targets: policy``, self-distillation; measured to collapse to "None",
-                    lab/grc_study.md §3) or the start model's (``start``, frozen where training began), or "None"
+                    decisions/D035) or the start model's (``start``, frozen where training began), or "None"
                     at budget 0 (documents, as the paper trains them)
     ❷ r_1..r_m      the latents
     ❸ P_mem(r_p) ⊕ c ⊕ EOS   a reconstruction turn: a prompt r_p drawn from :data:`~grace_st.grc.RECONSTRUCTION_PROMPTS` in the

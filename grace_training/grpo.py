@@ -178,7 +178,7 @@ def text_kl(logits: Tensor, reference_log_probs: Tensor, text_mask: Tensor, num_
     Σ_t Σ_v π_ref(v | x_≤t) · (log π_ref(v | x_≤t) − log π_θ(v | x_≤t)), over every position of the
     human text being embedded, with the full vocabulary: no sampling. Its gradient is that of the
     cross-entropy against the reference's distribution, so it holds what perplexity on human text
-    measures, where ``kl_coef`` only holds the tokens the policy writes (lab/training_recipe.md §9).
+    measures, where ``kl_coef`` only holds the tokens the policy writes (decisions/D013).
     logits (U, N, V) of the policy, reference_log_probs (U, N, V), text_mask (U, N): the batch's
     ``text_mask`` at its ``text_rows``.
     """

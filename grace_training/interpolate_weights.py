@@ -1,7 +1,7 @@
 """Interpolate a fully fine-tuned GRACE model back toward its base in weight space: θ = θ_base + α·(θ_tuned − θ_base)
 (WiSE-FT, Wortsman et al. 2022). Full fine-tuning with InfoNCE alone buys embedding quality and costs the language
-model its perplexity (lab/training_recipe.md §5: +10.7 % of the base). At α = 0.7 perplexity is back within +5 % of the base,
-at the price of most of the retrieval gain (§22): a warm start for the hybrid stage whose LM is inside the bound.
+model its perplexity (decisions/D023: +10.7 % of the base). At α = 0.7 perplexity is back within +5 % of the base,
+at the price of most of the retrieval gain (decisions/D027): a warm start for the hybrid stage whose LM is inside the bound.
 
     python -m grace_training.interpolate_weights runs/yardstick_long/final --alpha 0.7 --out runs/wise_70
 

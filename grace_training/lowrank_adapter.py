@@ -1,7 +1,7 @@
 """A fully fine-tuned GRACE model as a LoRA adapter on its base: the shippable form of a full fine-tuning.
 
 The package ships adapters on the embedded base (``grace_st/default_adapter``, at most 20 MiB), so a model trained
-with ``finetune: full`` (or a LoRA stage on top of one, lab/training_recipe.md §23) ships only as a low-rank approximation of
+with ``finetune: full`` (or a LoRA stage on top of one, decisions/D028) ships only as a low-rank approximation of
 its weight delta. Each linear layer of the decoder gets ΔW = W_tuned − W_base cut to rank r, written as PEFT's
 ``lora_B @ lora_A`` (``lora_alpha = r``, so the scaling is 1):
 

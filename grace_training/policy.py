@@ -81,7 +81,7 @@ def load_init_adapter(model, config: GRPOConfig) -> None:
 
     The saved adapter must adapt the layers the config adapts: every LoRA matrix the model has is
     set, none is left at PEFT's initialisation, none is dropped. Its rank may be lower than the
-    config's (the rank grows, lab/training_recipe.md section 19): with r₀ < r, the first r₀ rows of
+    config's (the rank grows, decisions/D022): with r₀ < r, the first r₀ rows of
     each A are the saved ones and the rest keep PEFT's random initialisation, the first r₀ columns
     of each B are the saved ones rescaled by (α₀/r₀)/(α/r) and the rest zero, so ΔW = B·A·α/r is
     the saved adapter's exactly at step 0 and the new directions start at zero with a gradient.

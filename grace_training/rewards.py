@@ -147,7 +147,7 @@ def penalty_in_scaled_units(gamma: float, tau: float, units: str = "scaled") -> 
     """γ as Eq. 28 applies it to R̂. ``scaled`` (paper): γ as given. ``reward``: γ is in the
     units of R_total (cosines), so it is divided by τ like the contrastive terms and keeps its
     size relative to them whatever τ is (our CPU run: −1 against R̂ ≈ 0.01 taught the policy
-    to stop writing, lab/training_cpu_run.md)."""
+    to stop writing, decisions/D003)."""
     return gamma / tau if units == "reward" else gamma
 
 

@@ -99,9 +99,9 @@ def test_shipped_grc_adapter_is_in_the_package_with_its_latents_and_small():
     settings = json.loads((adapter / dm.ADAPTER_SETTINGS).read_text())
     assert settings["encoder"]["method"] == "grc" and settings["training"]["algorithm"] == "grc"
     assert settings["encoder"]["num_latent_tokens"] == 16
-    # every prompt type answers "None": the measured responses and SciFact at query budgets 0/16/32 (lab/grc_study.md)
+    # every prompt type answers "None": the measured responses and SciFact at query budgets 0/16/32 (decisions/D035)
     assert settings["encoder"]["max_rationale_tokens"] == {"default": 0, "query": 0, "document": 0}
-    assert "lab/grc_study.md" in settings["budget_choice"]
+    assert "decisions/D035" in settings["budget_choice"]
     assert set(settings["scores"]) >= {"STS-B dev", "SICK-R trial", "SciFact", "Banking77", "MRPC val"}
 
 

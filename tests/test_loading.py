@@ -185,7 +185,7 @@ def test_nothing_but_the_loader_passes_trust_remote_code_true():
 
     root = Path(__file__).resolve().parents[1]
     found = []
-    for folder in ("grace_st", "grace_training", "benchmarks", "lab/scripts"):
+    for folder in ("grace_st", "grace_training", "benchmarks"):
         for path in sorted((root / folder).rglob("*.py")):
             if path == root / "grace_st" / "loading.py":
                 continue

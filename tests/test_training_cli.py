@@ -140,7 +140,7 @@ def test_infonce_baseline_stops_and_saves_after_max_minutes(tmp_path):
 
 
 def test_infonce_baseline_stops_at_a_step_and_a_second_call_trains_nothing(tmp_path):
-    """--stop-at-step for the yardstick: lab/training_recipe.md §23's warm start is step 455 of a 1000-step run."""
+    """--stop-at-step for the yardstick: decisions/D028's warm start is step 455 of a 1000-step run."""
     pytest.importorskip("datasets")
     from grace_training.contrastive import last_trainer_checkpoint, train_infonce
 

@@ -268,7 +268,7 @@ def test_a_run_starts_from_another_runs_adapter_and_refuses_one_that_does_not_fi
 
 
 def test_an_adapter_grows_in_rank_with_the_same_embeddings_and_trains_its_new_directions(tmp_path):
-    """``init_adapter`` of a lower rank (lab/training_recipe.md section 19): r 8, α 16 grown to r 24, α 16 (a third of the
+    """``init_adapter`` of a lower rank (decisions/D022): r 8, α 16 grown to r 24, α 16 (a third of the
     scale, so the saved B is rescaled by 3) encodes as the saved adapter does; the saved rows of A are kept,
     the new ones are PEFT's random ones, the new columns of B start at zero and move in the first step."""
     first = config(tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=1, save_steps=1)
