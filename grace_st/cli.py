@@ -47,14 +47,6 @@ def _budget(text: str) -> int | dict[str, int]:
         ) from None
 
 
-def _merged(current, given):
-    """A per-prompt-type option on top of the model's setting: types not named keep theirs."""
-    if not isinstance(given, dict):
-        return given
-    base = dict(current) if isinstance(current, dict) else {"default": current}
-    return {**base, **given}
-
-
 _CLI_TYPES = {"int": int, "float": float, "per_type": _budget}
 
 
@@ -115,15 +107,10 @@ def _load_model(path: str, args: argparse.Namespace):
     )
     encoder = model[0]
     settings = _encoder_settings(args)
-    if settings and not hasattr(encoder, "check_settings"):
+    if settings and not hasattr(encoder, "override_settings"):
         raise SystemExit(f"grace-st: {path} is not a GRACE model; encoder options do not apply to it")
-    for name, value in settings.items():
-        if name == "instructions":
-            encoder.instructions.update(value)
-        else:
-            setattr(encoder, name, _merged(getattr(encoder, name), value))
-    if hasattr(encoder, "check_settings"):
-        encoder.check_settings()
+    if hasattr(encoder, "override_settings"):
+        encoder.override_settings(settings)
     return model
 
 

@@ -324,9 +324,8 @@ def identity(
 def saved_settings(model: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """A GRACE model's settings as loading it with ``overrides`` gives them, read from its ``grace_config.json``
     alone (no weights): the driver's view of the identity the actors will have."""
-    from .cli import _merged
     from .encoder import GenerativeEncoder
-    from .settings import DEFAULTS, check_settings, default_budget
+    from .settings import DEFAULTS, check_settings, default_budget, overridden
 
     try:
         config = GenerativeEncoder.load_config(model)
@@ -336,11 +335,7 @@ def saved_settings(model: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     settings["instructions"] = {**DEFAULTS["instructions"], **config.get("instructions", {})}
     if config.get("max_rationale_tokens") is None:
         settings["max_rationale_tokens"] = default_budget(settings["method"])
-    for name, value in overrides.items():
-        if name == "instructions":
-            settings["instructions"] = {**settings["instructions"], **value}
-        else:
-            settings[name] = _merged(settings[name], value)
+    settings.update(overridden(settings, overrides))
     check_settings(settings)
     return settings
 
@@ -432,7 +427,6 @@ class CorpusEncoder:
         import torch
 
         from . import __version__, default_model_path
-        from .cli import _merged
         from .loading import load
         from .settings import SETTINGS
 
@@ -441,14 +435,9 @@ class CorpusEncoder:
         model = model or default_model_path()
         self.model = load(model, device=device, trust_remote_code=trust_remote_code)
         encoder = self.encoder = self.model[0]
-        if not hasattr(encoder, "check_settings"):
+        if not hasattr(encoder, "override_settings"):
             raise CorpusError(f"{model} is not a GRACE model")
-        for key, value in overrides.items():
-            if key == "instructions":
-                encoder.instructions.update(value)
-            else:
-                setattr(encoder, key, _merged(getattr(encoder, key), value))
-        encoder.check_settings()
+        encoder.override_settings(overrides)
         self.identity = identity(
             {key: getattr(encoder, key) for key in SETTINGS}, prompt_type, dtype, rationale, expected["id_column"]
         )

@@ -53,6 +53,7 @@ from .settings import (
     default,
     default_budget,
     for_prompt_type,
+    overridden,
     plain,
     settings_docstring,
 )
@@ -163,6 +164,17 @@ class GenerativeEncoder(InputModule):
                 setattr(self, name, value)
         if self.method == "grc":
             self.latent_tokens = latent_tokens_for(self.model, self.latent_tokens, self.num_latent_tokens)
+
+    def override_settings(self, overrides: Mapping[str, Any]) -> None:
+        """Settings given on top of this module's (:func:`grace_st.settings.overridden`: types a per-prompt-type
+        value does not name keep theirs), then checked."""
+        current = {name: getattr(self, name) for name in overrides}
+        for name, value in overridden(current, overrides).items():
+            if name == "instructions":
+                self.instructions.update(value)  # in place: the model's prompts read this mapping
+            else:
+                setattr(self, name, value)
+        self.check_settings()
 
     @property
     def decode_options(self) -> DecodeOptions:

@@ -271,6 +271,20 @@ def default_budget(method: str) -> int | dict[str, int]:
     return GIRCSE_DEFAULT_K if method == "gircse" else default("max_rationale_tokens")
 
 
+def overridden(current: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings ``overrides`` names, given on top of ``current`` (a command line's options over a model's): an
+    instruction, or a per-prompt-type value, given for some prompt types leaves the other types theirs."""
+    merged = {}
+    for name, given in overrides.items():
+        now = current[name]
+        if name == "instructions" or isinstance(given, Mapping):
+            base = dict(now) if isinstance(now, Mapping) else {"default": now}
+            merged[name] = {**base, **given}
+        else:
+            merged[name] = given
+    return merged
+
+
 def default(name: str) -> Any:
     """A fresh copy of a setting's default (mappings are copied, so no instance shares one)."""
     value = SETTINGS[name].default
