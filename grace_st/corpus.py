@@ -32,6 +32,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .default_model import default_model_path
 from .prompts import text_problem
 
 # Parquet schema metadata key of a shard: JSON of :func:`identity` plus the model's name and grace-st's version.
@@ -426,7 +427,6 @@ class CorpusEncoder:
                  threads: int, device: str | None, trust_remote_code: bool, truncate: bool, expected: dict, name: str):
         import torch
 
-        from . import __version__, default_model_path
         from .loading import load
         from .settings import SETTINGS
 
@@ -446,7 +446,8 @@ class CorpusEncoder:
             raise CorpusError(f"the model loaded on this worker is not the one the driver read: {'; '.join(problems)}")
         self.prompt_type, self.dtype, self.rationale, self.truncate = prompt_type, dtype, rationale, truncate
         self.template = encoder.prompt_template(self.identity["instruction"])
-        self.metadata = json.dumps({**self.identity, "model": name, "grace_st_version": __version__}).encode()
+        version = sys.modules[__package__].__version__  # the loaded package's: it imports this module, not the reverse
+        self.metadata = json.dumps({**self.identity, "model": name, "grace_st_version": version}).encode()
         self.dimension = encoder.get_embedding_dimension()
 
     def _encode(self, texts: list[str], **kwargs):
@@ -646,30 +647,12 @@ def _describe(bad: dict) -> str:
 
 
 def encode_corpus(
-    input: str,
-    output: str,
-    *,
-    model: str | None = None,
-    text_column: str = "text",
-    id_column: str = "id",
-    make_ids: bool = False,
-    prompt_type: str = "document",
-    batch_size: int = 16,
-    actors: int = 1,
-    threads_per_actor: int | None = None,
-    gpus_per_actor: float = 0,
-    address: str | None = None,
-    limit: int | None = None,
-    on_bad_row: str = "fail",
-    bad_row_report: str | None = None,
-    truncate: bool = False,
-    dtype: str = "float32",
-    rationale: bool = False,
-    overwrite: bool = False,
-    rows_per_shard: int = 256,
-    settings: Mapping[str, Any] | None = None,
-    device: str | None = None,
-    trust_remote_code: bool = False,
+    input: str, output: str, *, model: str | None = None, text_column: str = "text", id_column: str = "id",
+    make_ids: bool = False, prompt_type: str = "document", batch_size: int = 16, actors: int = 1,
+    threads_per_actor: int | None = None, gpus_per_actor: float = 0, address: str | None = None,
+    limit: int | None = None, on_bad_row: str = "fail", bad_row_report: str | None = None, truncate: bool = False,
+    dtype: str = "float32", rationale: bool = False, overwrite: bool = False, rows_per_shard: int = 256,
+    settings: Mapping[str, Any] | None = None, device: str | None = None, trust_remote_code: bool = False,
     progress: bool = True,
 ) -> dict[str, Any]:
     """Embed every row of a JSONL or Parquet corpus (a file or a folder of files) into Parquet shards under
@@ -677,23 +660,16 @@ def encode_corpus(
     with ``rationale=True`` the rationale pooled; each shard's schema metadata names the model, its
     ``weights_revision``, the prompt type, the budgets and the dtype (``grace_st`` key, JSON).
 
-    Runs on Ray Data: a local Ray started for the call, or the cluster at ``address`` (``"auto"``,
-    ``"ray://host:port"``), or the Ray this process already joined. ``actors`` actors, each holding the
-    model with ``threads_per_actor`` CPUs and ``gpus_per_actor`` GPUs, embed ``batch_size`` texts a call with
-    the model's own ``encode_document`` (``encode_query`` for ``prompt_type="query"``, ``encode`` for
-    ``"default"``): the embedding of a text is the one that call gives in one process, bit for bit.
-
-    Resumable: ids already in complete shards of ``output`` are not encoded again, so a rerun after a killed
-    driver or worker writes only the missing ones, and a rerun on a complete output loads no model. An output
-    written with another model, revision, prompt type, settings or dtype is refused (``overwrite=True``
-    replaces it). Bad rows (a null, empty or non-string text, invalid UTF-8 or JSON, a missing or ill-typed id,
-    a text over the model's input limit unless ``truncate``) fail before any model work with ``on_bad_row=
-    "fail"``; with ``"skip"`` they are left out and listed in ``bad_row_report`` (default
-    ``OUTPUT/_skipped_rows.jsonl``). A duplicate id always fails. ``settings`` are encoder settings over the
-    model's (as the CLI's options: ``{"max_rationale_tokens": {"document": 8}}``).
-
-    Returns the run's summary: texts encoded, already done, skipped, seconds, texts a second, actors, output.
-    """
+    Runs on Ray Data (a local Ray started for the call, the cluster at ``address``, or the Ray this process
+    joined): ``actors`` actors, each holding the model with ``threads_per_actor`` CPUs and ``gpus_per_actor``
+    GPUs, embed ``batch_size`` texts a call with the model's own ``encode_document`` (``encode_query``,
+    ``encode`` for those prompt types): each embedding is that call's in one process, bit for bit. Resumable:
+    ids in complete shards of ``output`` are not encoded again; an output written with another model, revision,
+    prompt type, settings or dtype is refused unless ``overwrite``. Bad rows fail before any model work, or with
+    ``on_bad_row="skip"`` are left out and listed in ``bad_row_report``; a duplicate id always fails.
+    ``settings`` are encoder settings over the model's (``{"max_rationale_tokens": {"document": 8}}``).
+    docs/corpus.md has the whole contract. Returns the run's summary (texts encoded, already done, skipped,
+    seconds, texts a second, actors, output)."""
     started = time.perf_counter()
     try:
         import ray.data  # noqa: F401  (whether it is installed, before any work)
@@ -701,18 +677,42 @@ def encode_corpus(
         raise CorpusError(f"encode-corpus needs Ray Data ({error}): pip install 'grace-st[distributed]'") from None
     _check_options(prompt_type, dtype, on_bad_row, actors, batch_size, limit, rows_per_shard, gpus_per_actor,
                    threads_per_actor)
-    from . import default_model_path
-
-    name = model or "grace-st-default"
     path = model or default_model_path()
     overrides = dict(settings or {})
     expected = identity(saved_settings(path, overrides), prompt_type, dtype, rationale, id_column)
-    columns = Columns(text_column, id_column, make_ids)
     fs, files = corpus_files(input)
+    columns = Columns(text_column, id_column, make_ids)
+    checked, done, summary = _check_before_work(
+        input, output, fs, files, columns, expected, path, limit=limit, truncate=truncate, overwrite=overwrite,
+        on_bad_row=on_bad_row, bad_row_report=bad_row_report, trust_remote_code=trust_remote_code,
+    )
+    if summary["encoded"]:
+        encoder_kwargs = {
+            "model": model, "overrides": overrides, "prompt_type": prompt_type, "dtype": dtype, "rationale": rationale,
+            "device": device, "trust_remote_code": trust_remote_code, "truncate": truncate, "expected": expected,
+            "name": model or "grace-st-default",
+        }
+        summary.update(_run(
+            fs, files, columns, checked, done | set(checked.bad_ids), output, encoder_kwargs=encoder_kwargs,
+            batch_size=batch_size, actors=actors, threads=threads_per_actor, gpus=gpus_per_actor, address=address,
+            rows_per_shard=rows_per_shard, progress=progress,
+        ))
+    final = read_output(output)
+    _check_complete(final, set(checked.ids), output)
+    summary["seconds"] = round(time.perf_counter() - started, 2)
+    summary["texts_per_second"] = round(summary["encoded"] / summary["seconds"], 3) if summary["encoded"] else 0.0
+    summary["output_rows"] = len(final.ids)
+    return summary
+
+
+def _check_before_work(input, output, fs, files, columns, expected, path, *, limit, truncate, overwrite, on_bad_row,
+                       bad_row_report, trust_remote_code):
+    """Everything checked before a model loads: the output's identity, every input row (bad rows refused or
+    reported); then the output cleared of what a rerun replaces. Returns the checked input, the ids already done
+    and the summary so far."""
     out = read_output(output)
     if not overwrite:
         _check_output(out, output, expected)
-
     length_check = None if truncate else _length_check(path, expected, trust_remote_code)
     checking = time.perf_counter()
     checked = check_input(fs, files, columns, limit, length_check, expected["max_input_tokens"])
@@ -726,14 +726,13 @@ def encode_corpus(
             f"{shown}{more}\nfix them, or pass --on-bad-row skip to leave them out (listed in {report})"
         )
     if overwrite:
-        for path in out.shards + out.incomplete + out.foreign:
-            out.fs.delete_file(path)
+        for shard in out.shards + out.incomplete + out.foreign:
+            out.fs.delete_file(shard)
         out = read_output(output)
-    for path in out.incomplete:  # a write cut short: its rows are encoded again
-        out.fs.delete_file(path)
+    for shard in out.incomplete:  # a write cut short: its rows are encoded again
+        out.fs.delete_file(shard)
     _write_report(report, checked.bad)
-    wanted = set(checked.ids)
-    present = set(out.ids)
+    wanted, present = set(checked.ids), set(out.ids)
     done = wanted & present
     summary = {
         "input_rows": len(checked.ids) + len(checked.bad), "encoded": len(wanted) - len(done),
@@ -741,23 +740,7 @@ def encode_corpus(
         "incomplete_shards_removed": len(out.incomplete), "ids_in_output_not_in_input": len(present - wanted),
         "actors": 0, "output": output, "check_seconds": round(check_seconds, 2),
     }
-    if summary["encoded"]:
-        summary.update(_run(
-            fs, files, columns, checked, done | set(checked.bad_ids), output,
-            encoder_kwargs={
-                "model": model, "overrides": overrides, "prompt_type": prompt_type, "dtype": dtype,
-                "rationale": rationale, "device": device, "trust_remote_code": trust_remote_code,
-                "truncate": truncate, "expected": expected, "name": name,
-            },
-            batch_size=batch_size, actors=actors, threads=threads_per_actor, gpus=gpus_per_actor, address=address,
-            rows_per_shard=rows_per_shard, progress=progress,
-        ))
-    final = read_output(output)
-    _check_complete(final, wanted, output)
-    summary["seconds"] = round(time.perf_counter() - started, 2)
-    summary["texts_per_second"] = round(summary["encoded"] / summary["seconds"], 3) if summary["encoded"] else 0.0
-    summary["output_rows"] = len(final.ids)
-    return summary
+    return checked, done, summary
 
 
 def _check_options(prompt_type, dtype, on_bad_row, actors, batch_size, limit, rows_per_shard, gpus, threads) -> None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from . import quantization
 from .adapter import (
+    ADAPTER_WEIGHTS,
     adapter_base,
     check_learned_state,
     copy_adapter,
@@ -214,7 +215,6 @@ def load(
     """``GenerativeEncoder.load``: an encoder of class ``cls`` built from its saved settings
     (``cls.load_config``) and weights, from a directory or a Hub id; weights loaded as saved are checked
     against ``weights_revision`` (:func:`check_weights_revision`)."""
-    from .adapter import ADAPTER_WEIGHTS
     from .hub import hub_snapshot, is_repo_id, snapshot_repo
 
     if not os.path.isdir(model_name_or_path) and is_repo_id(model_name_or_path):
@@ -241,8 +241,7 @@ def load(
         revision=revision,
         local_files_only=local_files_only,
     )
-    if is_adapter_dir(model_name_or_path):  # before the weights load: an edited file costs no time
-        check_learned_state(model_name_or_path)
+    check_learned_state(model_name_or_path)  # an adapter folder's recorded files, before any weights load
     # sentence-transformers 6 passes trust_remote_code=True for importing this class at all; it
     # is not a wish to run the base's own code (grace_st.loading). model_kwargs says that.
     trusted = bool((model_kwargs or {}).get("trust_remote_code", False))
