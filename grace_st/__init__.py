@@ -18,7 +18,7 @@ from .loading import load
 from .memory import answer, compress
 from .prompts import DEFAULT_INSTRUCTIONS
 
-__version__ = "0.10.1"
+__version__ = "0.11.0"
 __all__ = [
     "DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "MemoryFileError", "answer", "compress", "default_model_path",
     "encode_corpus", "explain", "from_causal_lm", "from_gircse_adapter", "load", "load_memories", "save_memories",
