@@ -227,17 +227,54 @@ def test_the_gircse_model_is_one_argument_away():
     assert similarity[0, 1] > similarity[0, 2], "two guitar sentences are closer than guitar vs interest rates"
 
 
-def test_readme_results_table_is_the_shipped_results_and_cards_carry_it_with_the_version(tmp_path):
-    """The README's results table is generated from grace_st/model_cards/dev_results.json (python -m
-    grace_st.model_cards), the same table the shipped models' cards carry, with the grace-st version."""
+def test_readme_methods_table_is_the_shipped_results_and_cards_carry_the_scoreboard_with_the_version(tmp_path):
+    """The README's table of methods is generated from grace_st/model_cards/dev_results.json (python -m
+    grace_st.model_cards methods): a mean dev score is its scoreboard row's, a cost is benchmarks/default_cost.py's
+    seconds a text for that model. The shipped models' cards carry the scoreboard with the grace-st version."""
     from conftest import make_st_model
 
-    from grace_st.model_cards import results_table, write_model_card
+    from grace_st.model_cards import DEV_RESULTS, TASKS, methods_table, results_table, write_model_card
 
-    readme = (Path(__file__).parents[1] / "README.md").read_text(encoding="utf-8")
-    start = readme.index("\n", readme.index("<!-- results table")) + 1
-    end = readme.index("<!-- end of results table -->")
-    assert readme[start:end] == results_table(), "README's results table is stale: python -m grace_st.model_cards"
+    root = Path(__file__).parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    start = readme.index("\n", readme.index("<!-- methods table")) + 1
+    end = readme.index("<!-- end of methods table -->")
+    stale = "README's methods table is stale: python -m grace_st.model_cards methods"
+    assert readme[start:end] == methods_table(), stale
+
+    results = json.loads(DEV_RESULTS.read_text(encoding="utf-8"))
+    cost = json.loads((root / "benchmarks" / "results" / "default_cost_by_method.json").read_text(encoding="utf-8"))
+    rows = {(row["label"], row["thinks"]): row for row in results["rows"]}
+    for method, line in zip(results["methods"], methods_table().splitlines()[2:], strict=True):
+        row = rows[tuple(method["row"])]
+        mean = sum(row["scores"][task] for task in TASKS) / len(TASKS)
+        assert f" {mean:.3f} " in line.replace("**", " "), (method["method"], line)
+        for kind in ("default", "query"):
+            measured = cost["cells"][kind][method["cost"]["benchmark"]]["s_per_text"]
+            assert method["cost"][kind] == round(measured, 4), (method["method"], kind)
+    shipped = [row for row in results["rows"] if row.get("shipped")]
+    assert [(row["label"], row["thinks"]) for row in shipped] == [("grace-st default (GRACE)", "no")]
+    assert cost["budgets"]["GRACE default"] in (0, {"default": 0, "query": 0, "document": 0})
+
     card = write_model_card(make_st_model(), tmp_path, results=results_table()).read_text()
     assert f"grace-st {grace_st.__version__}" in card
     assert "## Development scoreboard" in card and results_table() in card
+
+
+def test_default_cost_times_the_grace_default_at_given_budgets_and_every_other_model_at_its_own():
+    from conftest import load_benchmark
+
+    default_cost = load_benchmark("default_cost")
+    args = default_cost.arguments(
+        ["--out", "x.json", "--grace-budgets", "default=0,query=0", "--prompt-types", "default", "query"]
+    )
+    assert args.models == list(default_cost.MODELS) and args.prompt_types == ["default", "query"]
+    budgets = default_cost.budgets_by_model(args.models, args.grace_budgets)
+    assert budgets["GRACE default"] == {"default": 0, "query": 0}
+    assert budgets["GRACE, texts 8 tokens"] == {"default": 8, "query": 0, "document": 0}
+    assert budgets["untrained base"] == 0
+    assert budgets["GIRCSE default"] is None and budgets["GRC model"] is None  # their saved budgets
+    assert default_cost.budgets_by_model(["GRACE default"], None) == {"GRACE default": None}
+    assert default_cost.budgets_by_model(["GRC model"], 0) == {"GRC model": None}
+    with pytest.raises(SystemExit):
+        default_cost.arguments(["--out", "x.json", "--models", "GRACE"])

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 TEMPLATE = Path(__file__).with_name("grace_model_card.md")
-# The development scoreboard of the shipped models: the README's results table and the shipped models' cards.
+# The development scoreboard of the shipped models (the shipped models' cards) and the README's table of methods.
 DEV_RESULTS = Path(__file__).with_name("dev_results.json")
 TASKS = ("STS-B dev", "SICK-R trial", "SciFact", "Banking77", "MRPC val")
 
@@ -29,6 +29,29 @@ def results_table(results: dict | None = None) -> str:
             f"| {bold}{row['label']}{bold} | {row['thinks']} | "
             + " | ".join(f"{score:.3f}" for score in scores)
             + f" | {bold}{mean:.3f}{bold} | {perplexity} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def methods_table(results: dict | None = None) -> str:
+    """One row a method as markdown: how it thinks, the shipped model, its mean dev score (the mean of its scoreboard
+    row, named by label and thinks) and its cost a text by prompt type at its shipped budgets
+    (``benchmarks/default_cost.py``, seconds a text; ``python -m grace_st.model_cards methods`` prints it; a test
+    holds the README's copy to it)."""
+    results = results or json.loads(DEV_RESULTS.read_text(encoding="utf-8"))
+    rows = {(row["label"], row["thinks"]): row for row in results["rows"]}
+    lines = [
+        "| method | how it thinks | shipped model | mean dev score | s a text | s a query |",
+        "|---|---|---|---|---|---|",
+    ]
+    for method in results["methods"]:
+        row = rows[tuple(method["row"])]
+        mean = sum(row["scores"][task] for task in TASKS) / len(TASKS)
+        bold = "**" if row.get("shipped") else ""
+        cost = method["cost"]
+        lines.append(
+            f"| {bold}{method['method']}{bold} | {method['how']} | {method['model']} | {bold}{mean:.3f}{bold} | "
+            f"{cost['default']:.3f} | {cost['query']:.3f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -1,5 +1,8 @@
-"""python -m grace_st.model_cards: the README's results table, to paste between its markers."""
+"""python -m grace_st.model_cards [methods]: the shipped models' dev scoreboard (their cards' table), or with
+``methods`` the README's table of methods, to paste between its markers."""
 
-from . import results_table
+import sys
 
-print(results_table(), end="")
+from . import methods_table, results_table
+
+print(methods_table() if sys.argv[1:] == ["methods"] else results_table(), end="")
