@@ -177,8 +177,8 @@ SETTINGS: dict[str, Setting] = {
         256,
         "rationale length limit; 0 pools the prompt alone (the paper's 'Base' row, no generation). An int for "
         "every text, or a budget by prompt type, e.g. {'query': 64, 'document': 0, 'default': 64}: a corpus "
-        "embedded once and cheaply, queries that reason (the shipped default model: texts 8, queries and documents "
-        f"0). Method 'gircse' reads it as K, the soft tokens, and a GIRCSE model built or loaded without a value gets "
+        "embedded once and cheaply, queries that reason (the shipped default model: 0 for every prompt type, "
+        f"decisions/D042). Method 'gircse' reads it as K, the soft tokens, and a GIRCSE model built or loaded without a value gets "
         f"K = {GIRCSE_DEFAULT_K} (measured: docs/gircse.md)",
         f"an int in [0, {MAX_RATIONALE_TOKENS}], or a mapping of prompt type to one with a 'default' entry",
         per_prompt_type(0, MAX_RATIONALE_TOKENS),
