@@ -1,8 +1,8 @@
 """Training curves and before/after evaluation of grace-train runs (any algorithm), from their metrics.jsonl.
 
-    python benchmarks/training_report.py runs/cpu_paper runs/grc --window 10
+    python benchmarks/training_report.py runs/cpu_paper runs/grc --window 10 [--json curves.json]
 
-Prints markdown: per run, windowed means of the terms the run logs (GRPO's reward terms, advantage spread and
+Prints markdown (and with ``--json`` writes the same curves and evaluations as JSON): per run, windowed means of the terms the run logs (GRPO's reward terms, advantage spread and
 truncation; ICR's and GRC's loss terms), the gradient norm and step time; the step cost by source
 (``batch/source``, with GRC's ``batch/tokens``), since a step's time follows its texts' lengths; then the
 evaluations the trainer ran.
@@ -43,13 +43,32 @@ def read(run: Path) -> tuple[list[dict], list[dict]]:
     return [r for r in rows if "loss" in r], [r for r in rows if any(k.startswith("eval/") for k in r)]
 
 
+def windows(steps: list[dict], window: int) -> list[dict]:
+    """Each window of ``window`` steps: its first and last step and the mean of every logged term of :data:`CURVE`."""
+    keys = [key for key, _ in CURVE if any(key in r for r in steps)]
+    return [
+        {"first": chunk[0]["step"], "last": chunk[-1]["step"],
+         **{key: sum(r.get(key, float("nan")) for r in chunk) / len(chunk) for key in keys}}
+        for chunk in (steps[start : start + window] for start in range(0, len(steps), window))
+    ]
+
+
+def evaluations(steps: list[dict], evals: list[dict]) -> list[dict]:
+    """Each evaluation the trainer ran: its step, the training CPU hours spent by then, its scores."""
+    cpu = cpu_hours(steps)
+    return [
+        {"step": r["step"], "cpu_hours": cpu.get(r["step"], 0.0) if cpu else None,
+         "scores": {k[5:]: v for k, v in r.items() if k.startswith("eval/") and not k.endswith("/margin")}}
+        for r in evals
+    ]
+
+
 def curve(steps: list[dict], window: int) -> list[str]:
     columns = [(key, name) for key, name in CURVE if any(key in r for r in steps)]
     lines = ["| steps | " + " | ".join(name for _, name in columns) + " |", "|---|" + "---|" * len(columns)]
-    for start in range(0, len(steps), window):
-        chunk = steps[start : start + window]
-        means = [sum(r.get(key, float("nan")) for r in chunk) / len(chunk) for key, _ in columns]
-        lines.append(f"| {chunk[0]['step']}–{chunk[-1]['step']} | " + " | ".join(f"{m:.4g}" for m in means) + " |")
+    for row in windows(steps, window):
+        means = " | ".join(f"{row[key]:.4g}" for key, _ in columns)
+        lines.append(f"| {row['first']}–{row['last']} | {means} |")
     total = sum(r["time/step_s"] for r in steps)
     summary = f"{total / 60:.1f} min of steps, {total / len(steps):.1f} s/step"
     if all("time/rollout_s" in r for r in steps):
@@ -87,14 +106,13 @@ def report(run: Path, window: int) -> str:
     if steps:
         lines += curve(steps, window) + cost_by_source(steps)
     if evals:
-        keys = sorted({k for r in evals for k in r if k.startswith("eval/") and not k.endswith(("/margin",))})
-        cpu = cpu_hours(steps)
-        lines += ["", "| step | CPU h | " + " | ".join(k[5:] for k in keys) + " |", "|---|---|" + "---|" * len(keys)]
-        for r in evals:
-            hours = f"{cpu.get(r['step'], 0.0):.2f}" if cpu else ""
-            lines.append(
-                f"| {r['step']} | {hours} | " + " | ".join(f"{r[k]:.4f}" if k in r else "" for k in keys) + " |"
-            )
+        rows = evaluations(steps, evals)
+        keys = sorted({k for r in rows for k in r["scores"]})
+        lines += ["", "| step | CPU h | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
+        for r in rows:
+            hours = "" if r["cpu_hours"] is None else f"{r['cpu_hours']:.2f}"
+            scores = " | ".join(f"{r['scores'][k]:.4f}" if k in r["scores"] else "" for k in keys)
+            lines.append(f"| {r['step']} | {hours} | {scores} |")
     return "\n".join(lines)
 
 
@@ -102,8 +120,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--window", type=int, default=10)
+    parser.add_argument("--json", type=Path, help="also write each run's windows and evaluations here")
     args = parser.parse_args()
     print("\n\n".join(report(run, args.window) for run in args.runs))
+    if args.json:
+        runs = {}
+        for run in args.runs:
+            steps, evals = read(run)
+            runs[run.name] = {
+                "steps": len(steps), "cpu_hours": sum(r.get("time/step_cpu_s", 0.0) for r in steps) / 3600,
+                "windows": windows(steps, args.window), "evaluations": evaluations(steps, evals),
+            }
+        args.json.write_text(json.dumps({"window": args.window, "runs": runs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
