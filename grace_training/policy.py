@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 from .config import GRPOConfig
@@ -69,7 +70,11 @@ def add_lora_adapter(model, config: GRPOConfig):
         target_modules=config.lora_target_modules,
         task_type="CAUSAL_LM",
     )
-    model = get_peft_model(model, lora)
+    with warnings.catch_warnings():
+        # PeftModel's constructor reads the base's is_gradient_checkpointing, which transformers deprecates on every
+        # call: PEFT's own use, which a user cannot act on.
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        model = get_peft_model(model, lora)
     if config.init_adapter:
         load_init_adapter(model, config)
     return model
