@@ -215,8 +215,8 @@ def copy_adapter(adapter_dir: str | os.PathLike, output_path: str | os.PathLike,
 def learned_state_files(folder: str | os.PathLike) -> list[str]:
     """The files of an adapter folder that hold what training learned: its config and every safetensors file at
     its top (the LoRA weights, GRC's latents and A, and whatever a method saves beside them)."""
-    entries = os.scandir(folder)
-    return [ADAPTER_CONFIG, *sorted(e.name for e in entries if e.name.endswith(".safetensors") and e.is_file())]
+    with os.scandir(folder) as entries:
+        return [ADAPTER_CONFIG, *sorted(e.name for e in entries if e.name.endswith(".safetensors") and e.is_file())]
 
 
 def _learned_state_digest(path: Path) -> str:

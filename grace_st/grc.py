@@ -475,10 +475,10 @@ def answer_from_memory(
 MEMORY_FORMAT = "grace-st-latent-memory"
 # Files that make a folder a model's (a causal LM, a LoRA adapter, a sentence-transformers or GRACE model): a memory
 # file is never written among them, where it could replace one or be taken for one.
+# A folder holding one of these holds a model (a bare config.json or tokenizer file does not say so: any project has one).
 MODEL_FOLDER_FILES = (
-    "config.json", "modules.json", "adapter_config.json", "grace_config.json", "config_sentence_transformers.json",
-    "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", LATENT_FILE,
-    "pytorch_model.bin", "tokenizer_config.json",
+    "modules.json", "adapter_config.json", "grace_config.json", "config_sentence_transformers.json",
+    "model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors", LATENT_FILE, "pytorch_model.bin",
 )
 
 

@@ -1,7 +1,7 @@
 """Decoding steps and the prompt pass of a Llama-family decoder as one native call each, on every
 core (``native_step.c``).
 
-A search box embeds one query at a time: with the shipped budgets, 32 decoding steps at batch 1,
+A search box embeds one query at a time: a query that thinks 32 tokens takes 32 decoding steps at batch 1,
 each a matrix-vector product with every weight. PyTorch runs those on one thread (MKL) or reads
 its blocked layout slowly (oneDNN), and a step dispatches ~400 small operations around them, so
 the loop reached 37-42 % of the bandwidth floor (decisions/D021, D025). ``encode`` over many texts

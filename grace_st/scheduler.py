@@ -5,7 +5,7 @@ scheduler thread prepares them exactly as ``encode`` does (the encoder's ``prepr
 instruction, budget and seeds by prompt type, rationale-cache keys), answers texts the rationale
 cache holds at once, and feeds the rest into one running :class:`~grace_st.generation.RolloutStream`:
 rows of every request share the decoding slots, a row whose rationale ends hands its slot to the next
-waiting text, and texts with a budget of 0 (documents, or the shipped default's queries) are
+waiting text, and texts with a budget of 0 (every text of the shipped default) are
 prefilled together in one prompt pass. A request is answered as soon as its own texts are done.
 
 Requests are fed into the stream a slice at a time, a row from each request in turn: a request's texts

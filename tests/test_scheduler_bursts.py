@@ -15,7 +15,7 @@ from test_server import Running, needs_compiler, tiny
 from grace_st.scheduler import Scheduler
 from grace_st.server import create_app
 
-BUDGETS = {"default": 4, "query": 0, "document": 0}  # the shipped default's shape: only plain texts think
+BUDGETS = {"default": 4, "query": 0, "document": 0}  # queries and documents one prompt pass, plain texts think
 TEXTS = [f"{i}: {CORPUS[i % 7]}"[: 12 + 3 * (i % 11)] for i in range(48)]  # distinct, of many lengths
 KINDS = ["query", "document", "default"]
 
