@@ -16,13 +16,15 @@ import grace_st
 TEXTS = ["A man is playing a guitar.", "The central bank raised rates."]
 
 
-def adapter_model(tmp_path, tokenizer=None):
-    """A tiny base saved to disk and a GRACE model around it with a random (non-zero) LoRA adapter, saved."""
+def adapter_model(tmp_path, tokenizer=None, folder="grace-lora", **settings):
+    """A tiny base saved to disk and a GRACE model around it (``settings``: its encoder's, e.g. another method's)
+    with a random (non-zero) LoRA adapter, saved as ``folder``."""
     tokenizer = tokenizer or make_tokenizer()
     base = make_model(tokenizer)
     base.save_pretrained(tmp_path / "base")
     tokenizer.save_pretrained(tmp_path / "base")
-    model = grace_st.from_causal_lm(str(tmp_path / "base"), max_rationale_tokens=6, device="cpu")
+    settings.setdefault("max_rationale_tokens", 6)
+    model = grace_st.from_causal_lm(str(tmp_path / "base"), device="cpu", **settings)
     peft = get_peft_model(model[0].model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
     torch.manual_seed(0)
     with torch.no_grad():
@@ -30,8 +32,8 @@ def adapter_model(tmp_path, tokenizer=None):
             if "lora_B" in name:
                 parameter.normal_(0, 0.05)
     model[0].model = peft
-    model.save(str(tmp_path / "grace-lora"))
-    return model, tmp_path / "grace-lora"
+    model.save(str(tmp_path / folder))
+    return model, tmp_path / folder
 
 
 def test_adapter_directory_loads_merged_or_apart_and_matches(tmp_path):

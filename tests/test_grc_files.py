@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 from conftest import deadline, make_model, make_tokenizer
-from peft import LoraConfig, get_peft_model
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from test_adapter import adapter_model
@@ -284,21 +283,9 @@ def test_compress_names_itself_for_bad_stdin_and_refuses_no_texts(saved, capsys,
 
 def grc_adapter(tmp_path):
     """A tiny GRC model saved as a base and a (random, non-zero) LoRA adapter beside its latents."""
-    tokenizer = make_tokenizer()
-    make_model(tokenizer).save_pretrained(tmp_path / "base")
-    tokenizer.save_pretrained(tmp_path / "base")
-    model = grace_st.from_causal_lm(
-        str(tmp_path / "base"), device="cpu", method="grc", num_latent_tokens=3, max_rationale_tokens=dict(BUDGETS)
+    return adapter_model(
+        tmp_path, folder="grc-lora", method="grc", num_latent_tokens=3, max_rationale_tokens=dict(BUDGETS)
     )
-    peft = get_peft_model(model[0].model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, parameter in peft.named_parameters():
-            if "lora_B" in name:
-                parameter.normal_(0, 0.05)
-    model[0].model = peft
-    model.save(str(tmp_path / "grc-lora"))
-    return model, tmp_path / "grc-lora"
 
 
 def edit_latents(path):
