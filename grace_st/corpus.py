@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .default_model import default_model_path
-from .prompts import text_problem
+from .prompts import build_template, text_problem
 
 # Parquet schema metadata key of a shard: JSON of :func:`identity` plus the model's name and grace-st's version.
 METADATA_KEY = b"grace_st"
@@ -402,13 +402,6 @@ def _mismatch(found: Mapping[str, Any], wanted: Mapping[str, Any]) -> list[str]:
 
 
 # -- the actor ---------------------------------------------------------------------------------------------
-
-
-def _prompt_template(tokenizer, prompt_format: str, instruction: str):
-    from .prompts import build_instruct_template, build_prompt_template
-
-    build = build_instruct_template if prompt_format == "instruct" else build_prompt_template
-    return build(tokenizer, instruction)
 
 
 def _long_rows(tokenizer, template, texts: Sequence[str], max_input_tokens: int) -> list[tuple[int, int]]:
@@ -781,7 +774,7 @@ def _length_check(model: str, expected: dict, trust_remote_code: bool):
     from .encoder_files import tokenizer_source
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(model), trust_remote_code=trust_remote_code)
-    template = _prompt_template(tokenizer, expected["prompt_format"], expected["instruction"])
+    template = build_template(tokenizer, expected["prompt_format"], expected["instruction"])
     return lambda texts: _long_rows(tokenizer, template, texts, expected["max_input_tokens"])
 
 

@@ -42,8 +42,7 @@ from .grc import LatentTokens, latent_tokens_for
 from .prompts import (
     InstructTemplate,
     PromptTemplate,
-    build_instruct_template,
-    build_prompt_template,
+    build_template,
     compose_instruction,
 )
 from .settings import (
@@ -231,8 +230,7 @@ class GenerativeEncoder(InputModule):
         """How a text becomes a prompt under ``instruction``, in the ``prompt_format`` (:mod:`grace_st.prompts`)."""
         key = (self.prompt_format, instruction)
         if key not in self._templates:
-            build = build_instruct_template if self.prompt_format == "instruct" else build_prompt_template
-            self._templates[key] = build(self.tokenizer, instruction)
+            self._templates[key] = build_template(self.tokenizer, self.prompt_format, instruction)
         return self._templates[key]
 
     def _prompt_kind(self, prompt: str | None) -> str | None:

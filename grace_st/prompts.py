@@ -185,3 +185,10 @@ def tokenize_texts(tokenizer, texts: list[str]) -> list[list[int]]:
     if not texts:
         return []
     return tokenizer(list(texts), add_special_tokens=False, split_special_tokens=True)["input_ids"]
+
+
+def build_template(tokenizer, prompt_format: str, instruction: str) -> PromptTemplate | InstructTemplate:
+    """How a text becomes a prompt under ``instruction`` in ``prompt_format``: the chat template's
+    (:func:`build_prompt_template`) or GIRCSE's reference format (``"instruct"``, :func:`build_instruct_template`)."""
+    build = build_instruct_template if prompt_format == "instruct" else build_prompt_template
+    return build(tokenizer, instruction)
