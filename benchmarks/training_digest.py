@@ -6,8 +6,8 @@ code versions and compare the JSON files to show a refactor changed no training 
 
 The model is the test suite's tiny random Llama (``tests/conftest.py``: nothing downloaded), trained on CPU
 for a few steps with LoRA: GRPO with its hybrid InfoNCE term and a text KL term (method.md §2), and GIRCSE's
-iterative contrastive refinement (gircse.md §3). Each run's metrics per step and the sha256 of its final
-LoRA weights are recorded; ``--compare`` checks every loss to 1e-6 and every weight digest for equality.
+iterative contrastive refinement (gircse.md §3), and GRC's three losses (grc.md Eq. 5). Each run's metrics per step and the sha256 of its final
+LoRA weights (and GRC's latent tokens) are recorded; ``--compare`` checks every loss to 1e-6 and every weight digest for equality.
 The runs use keys every version reads (``method: gircse``, the old name of ``algorithm: icr``, names the ICR run).
 """
 
@@ -48,6 +48,7 @@ COMMON = {
 RUNS = {
     "grpo": {"num_rollouts": 3, "max_rationale_tokens": 5, "contrastive_beta": 0.5, "text_kl_coef": 0.1},
     "icr": {"method": "gircse", "max_rationale_tokens": 3},
+    "grc": {"algorithm": "grc", "max_rationale_tokens": {"default": 2, "query": 2, "document": 0}, "num_latent_tokens": 3},
 }
 
 
@@ -72,12 +73,19 @@ def run(name: str, settings: dict, out: Path) -> dict:
     for key in sorted(state):
         if "lora_" in key:
             weights.update(key.encode() + state[key].detach().float().contiguous().numpy().tobytes())
+    latents = getattr(model[0], "latent_tokens", None)
+    for key, tensor in sorted((latents.state_dict() if latents is not None else {}).items()):
+        weights.update(key.encode() + tensor.detach().float().contiguous().numpy().tobytes())
     return {"losses": losses, "weights_sha256": weights.hexdigest(), "seconds": seconds}
 
 
 def compare(found: dict, earlier: dict) -> bool:
     same = True
     for name, result in found.items():
+        if name not in earlier:
+            print(f"{name}: not in {sorted(earlier)}")
+            same = False
+            continue
         before = earlier[name]
         for step, values in result["losses"].items():
             for key, value in values.items():
