@@ -50,13 +50,13 @@ bench: $(VENV)/.installed model
 	$(PY) benchmarks/encode_throughput.py
 	$(PY) benchmarks/decode_ablation.py
 
-# Reproduces the shipped adapter (grace_st/default_adapter, decisions/D028-D030) in three steps; the first two run
+# Reproduces the shipped adapter (grace_st/adapters/default, decisions/D028-D030) in three steps; the first two run
 # in chunks of at most 55 minutes resumed from the last checkpoint (run it again after an interruption):
 # 1. the yardstick: InfoNCE with full fine-tuning on the scale recipe's data, stopped at step 455 of its 1000-step run
 #    (decisions/D028: 1.52 CPU hours, 62 minutes on a 2-core AVX-512 CPU);
 # 2. the shipped last stage from it: 100 steps of the hybrid (LoRA r 8, text_kl_coef 1, seed 46; 0.68 CPU hours);
 # 3. the whole delta from the base as a rank-32 LoRA adapter fitted to the layers' inputs on 256 training instances,
-#    then 200 steps of distillation toward the full model's pooled states on them (grace_training.lowrank_adapter,
+#    then 200 steps of distillation toward the full model's pooled states on them (grace_training.tools.lowrank_adapter,
 #    16 minutes; decisions/D030), exported into the package in bfloat16, decoding with repetition_penalty 1.3 (chosen on
 #    dev data, decisions/D024). 85 minutes on a 2-core AVX-512 CPU (48 + 21 + 16).
 YARDSTICK_RUN := runs/train_default_yardstick
@@ -80,10 +80,10 @@ train-default: $(VENV)/.installed model
 			save_steps=25 --stop-at-step $(STAGE_STEP) --resume --max-minutes 55 || exit 1; \
 	done
 	rm -rf $(LOWRANK_DIR)
-	$(PY) -m grace_training.lowrank_adapter $(STAGE_RUN)/checkpoint-$$(printf %08d $(STAGE_STEP)) \
+	$(PY) -m grace_training.tools.lowrank_adapter $(STAGE_RUN)/checkpoint-$$(printf %08d $(STAGE_STEP)) \
 		--rank $(LOWRANK_RANK) --config grace_training/configs/scale_grace.yaml --out $(LOWRANK_DIR) \
 		--distill-steps 200 --distill-learning-rate 5e-5
-	$(PY) -m grace_training.export_adapter $(LOWRANK_DIR) --into-package --bfloat16 --repetition-penalty 1.3
+	$(PY) -m grace_training.tools.export_adapter $(LOWRANK_DIR) --into-package --bfloat16 --repetition-penalty 1.3
 
 # The scale-recipe run (decisions/D009-D013): one chunk of at most 55 minutes a call, resumed from its latest
 # checkpoint; call it again until the run reaches max_steps (warm start, then the hybrid, in one run).
@@ -93,7 +93,7 @@ train-scale: $(VENV)/.installed model
 
 # GIRCSE (docs/gircse.md; decisions/D017, D033): soft tokens trained by Iterative Contrastive Refinement on the scale recipe's data, one chunk of
 # at most 55 minutes a call, resumed from its latest checkpoint. Export a checkpoint into the package with
-# `python -m grace_training.export_adapter runs/gircse/checkpoint-N --into-package` (it goes to grace_st/gircse_adapter).
+# `python -m grace_training.tools.export_adapter runs/gircse/checkpoint-N --into-package` (it goes to grace_st/adapters/gircse).
 train-gircse: $(VENV)/.installed model
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(VENV)/bin/grace-train --config grace_training/configs/gircse_smollm2.yaml \
 		--resume --max-minutes 55
@@ -101,7 +101,7 @@ train-gircse: $(VENV)/.installed model
 # GRC (docs/grc.md, decisions/D036, D039): meta latent tokens trained by Eq. 5 on the same data, fully fine-tuned
 # for 125 steps (0.9 CPU hours on one thread) in chunks of at most 55 minutes, each resumed from the latest
 # checkpoint; then the delta from the base cut to a rank-32 LoRA adapter (the plain SVD, latents carried whole) and
-# exported into grace_st/grc_adapter in bfloat16.
+# exported into grace_st/adapters/grc in bfloat16.
 GRC_RUN := runs/grc
 GRC_STEP := 125
 GRC_LOWRANK_DIR := runs/grc_lowrank32
@@ -112,9 +112,9 @@ train-grc: $(VENV)/.installed model
 			output_dir=$(GRC_RUN) max_steps=$(GRC_STEP) --resume --max-minutes 55 || exit 1; \
 	done
 	rm -rf $(GRC_LOWRANK_DIR)
-	$(PY) -m grace_training.lowrank_adapter $(GRC_RUN)/checkpoint-$$(printf %08d $(GRC_STEP)) --rank 32 \
+	$(PY) -m grace_training.tools.lowrank_adapter $(GRC_RUN)/checkpoint-$$(printf %08d $(GRC_STEP)) --rank 32 \
 		--calibration 0 --out $(GRC_LOWRANK_DIR)
-	$(PY) -m grace_training.export_adapter $(GRC_LOWRANK_DIR) --into-package --bfloat16
+	$(PY) -m grace_training.tools.export_adapter $(GRC_LOWRANK_DIR) --into-package --bfloat16
 
 # On a machine with a CUDA GPU: HF vs vLLM encode, GRPO steps with vLLM rollouts in bf16, one JSON
 # report (benchmarks/results/gpu_check.json). vLLM brings its own CUDA torch, hence a venv of its

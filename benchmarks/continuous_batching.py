@@ -6,7 +6,7 @@ The same texts, the same model, its own budget, encoded up to three ways, interl
 - ``pytorch-batches``: ``encode(texts, batch_size=B)`` with every row of a batch decoding at once
   (``DecodeOptions(decode_rows=None)``), PyTorch running the prompt pass and every step
   (``native_step=False``): the code before the native step;
-- ``batches``: the same with the prompt pass and the steps as native calls (:mod:`grace_st.native_step`);
+- ``batches``: the same with the prompt pass and the steps as native calls (:mod:`grace_st.runtime.cpu.native_step`);
 - ``stream``: ``encode(texts, batch_size=len(texts))`` with ``decode_rows=B``: B rows decode at once
   and a row whose rationale ended hands its slot to the next text.
 
@@ -32,8 +32,8 @@ from pathlib import Path
 import torch
 
 import grace_st
-from grace_st import decoding
-from grace_st.packed_linear import matmul_peak_flops
+from grace_st.runtime import decoding
+from grace_st.runtime.cpu.packed_linear import matmul_peak_flops
 from grace_st.scoreboard import sentences
 
 OUT = Path(__file__).parent / "results" / "continuous_batching.json"
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=OUT)
     parser.add_argument(
         "--arms", nargs="+", choices=list(ARMS), default=list(ARMS),
-        help="pytorch-batches: batches with PyTorch's own steps and prompt pass (grace_st.native_step off), as "
+        help="pytorch-batches: batches with PyTorch's own steps and prompt pass (grace_st.runtime.cpu.native_step off), as "
              "before the native step",
     )
     parser.add_argument(

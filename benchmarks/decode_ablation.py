@@ -1,7 +1,7 @@
 """What each CPU decoding change buys, side by side in one run: the one-pass rollout of one batch
 with transformers' ``DynamicCache`` or the preallocated KV cache, with PyTorch's default (MKL)
-linear layers or oneDNN-packed ones (grace_st.packed_linear), and with the prompts' common
-instruction prefix fed once a batch or once a row: the switches of grace_st.decoding.DecodeOptions
+linear layers or oneDNN-packed ones (grace_st.runtime.cpu.packed_linear), and with the prompts' common
+instruction prefix fed once a batch or once a row: the switches of grace_st.runtime.decoding.DecodeOptions
 (finished rows leave the batch in every variant).
 Variants run interleaved, ``--repeats`` rounds, and the best time of each is reported (this
 machine is shared and noisy). Every variant must produce the same rationales; pooled embeddings
@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 import grace_st
-from grace_st.batch import masked_mean
-from grace_st.decoding import DecodeOptions
-from grace_st.packed_linear import matmul_peak_flops
+from grace_st.runtime.batch import masked_mean
+from grace_st.runtime.cpu.packed_linear import matmul_peak_flops
+from grace_st.runtime.decoding import DecodeOptions
 from grace_st.scoreboard import sentences
 
 

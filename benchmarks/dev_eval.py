@@ -195,7 +195,7 @@ def merge_reports(parts: dict[str, dict]) -> dict:
 def weight_forms() -> dict:
     import torch
 
-    # --weights: how a --model row is loaded (grace_st.quantization for int8)
+    # --weights: how a --model row is loaded (grace_st.runtime.cpu.quantization for int8)
     return {"float32": None, "bfloat16": {"dtype": torch.bfloat16}, "int8": {"weight_quantization": "int8"}}
 
 
@@ -237,7 +237,7 @@ def main() -> None:
         "--repetition-penalty",
         type=float,
         default=None,
-        help="every GRACE --model row decodes with this repetition_penalty (grace_st.generation.penalise_repeats); "
+        help="every GRACE --model row decodes with this repetition_penalty (grace_st.runtime.generation.penalise_repeats); "
         "default: the model's saved one",
     )
     parser.add_argument("--no-peer", action="store_true", help="skip the all-MiniLM-L6-v2 row")

@@ -23,8 +23,8 @@ import torch
 
 def main() -> None:
     import grace_st
-    from grace_training.config import GRPOConfig
-    from grace_training.data import cap_per_source, load_data
+    from grace_training.config.train_config import GRPOConfig
+    from grace_training.data.examples import cap_per_source, load_data
     from grace_training.evaluation import evaluate
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -24,7 +24,6 @@ import numpy as np
 
 import grace_st
 
-
 METHODS = ("grace", "gircse", "grc")  # every shipped model: default_model_path(method=...)
 
 

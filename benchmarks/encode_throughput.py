@@ -1,7 +1,7 @@
 """Encode throughput of a GRACE model against this machine's floor, one-pass vs two-pass.
 
 The floor: a text costs about 2·P·(N + G) FLOPs (P parameters, N prompt tokens, G rationale
-tokens). A batch computes its texts' common instruction prefix once (grace_st.generation's
+tokens). A batch computes its texts' common instruction prefix once (grace_st.runtime.generation's
 shared prefix), so it does less work than that: ``floor%`` divides the floor's FLOPs by time and
 peak, the project's floor; ``work%`` divides the FLOPs the batch actually computed (the prefix
 counted once a batch), the machine's utilisation. The machine's peak is measured just before each cell with a large matrix multiply in the
@@ -28,16 +28,16 @@ from pathlib import Path
 import torch
 
 import grace_st
-from grace_st.packed_linear import matmul_peak_flops
+from grace_st.runtime.cpu.packed_linear import matmul_peak_flops
 from grace_st.scoreboard import data_dir, sentences
 
 try:
-    from grace_st.second_pass import two_pass_reference
+    from grace_st.runtime.second_pass import two_pass_reference
 except ImportError:  # a grace-st from before the second pass had its own module
-    from grace_st.generation import two_pass_reference
+    from grace_st.runtime.generation import two_pass_reference
 
 try:
-    from grace_st.packed_linear import packed_dtypes, packing_enabled
+    from grace_st.runtime.cpu.packed_linear import packed_dtypes, packing_enabled
 except ImportError:  # a grace-st from before packed linear layers, benchmarked for comparison
     def packing_enabled() -> bool:
         return False

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 import grace_st
-from grace_st.batch import left_pad
+from grace_st.runtime.batch import left_pad
 from grace_st.scoreboard import SIZES, evaluate, load_tasks
 
 TASKS = ("STS-B dev", "SICK-R trial", "Banking77", "MRPC val")

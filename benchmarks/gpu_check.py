@@ -168,7 +168,7 @@ def train_part(args) -> dict:
     import torch
 
     import grace_st
-    from grace_training.config import GRPOConfig
+    from grace_training.config.train_config import GRPOConfig
     from grace_training.trainer import GRPOTrainer
 
     workdir = Path(tempfile.mkdtemp(prefix="grace-gpu-check-"))

@@ -8,10 +8,10 @@ the same turn given the plain text (the ceiling: copying) and given nothing (the
 training; they may have been drawn as negatives).
 
 Teacher-forced reconstruction (cheap, and it sees what greedy answers hide): Eq. 3's L_Recons of each held-back
-text in nats a token, the training pass and loss (:func:`grace_st.grc.latent_pass`,
-:func:`grace_training.grc.token_loss`), reading the latents after the text itself against the latents after
+text in nats a token, the training pass and loss (:func:`grace_st.methods.grc.latent_pass`,
+:func:`grace_training.algorithms.grc.loss.token_loss`), reading the latents after the text itself against the latents after
 another text of the same source. The gap is what the memory holds of its own text. Several memories: the same
-texts rebuilt through ``answer``'s own reading (:func:`grace_st.grc.turn_logits`) from their memory, another's, and
+texts rebuilt through ``answer``'s own reading (:func:`grace_st.methods.grc.turn_logits`) from their memory, another's, and
 both at once; what the second costs is how well one memory among several is still found.
 
 Question answering: WikiQA questions with their gold answer sentence as the text; chrF of the answer against that
@@ -32,9 +32,9 @@ import numpy as np
 import torch
 
 import grace_st
-from grace_st.grc import RECONSTRUCTION_PROMPTS, latent_pass, turn_logits
+from grace_st.methods.grc import RECONSTRUCTION_PROMPTS, latent_pass, turn_logits
 from grace_st.scoreboard import SIZES, data_dir, scifact, sts_pairs, write_json
-from grace_training.grc import reconstruction_turns, token_loss
+from grace_training.algorithms.grc.loss import reconstruction_turns, token_loss
 
 BUCKETS = ((0, 16), (17, 32), (33, 64), (65, 128), (129, 10**9))
 RECONSTRUCTION_TOKENS = 128  # ❸ rebuilds a text's first 128 tokens, as training's max_reconstruction_tokens
@@ -151,7 +151,7 @@ def token_counts(model, texts: list[str]) -> list[int]:
 @torch.no_grad()
 def several_memories(model, texts: list[str], per_source: int, lengths: list[int]) -> list[dict]:
     """Each text rebuilt (teacher-forced, nats a token) through ``answer``'s reading of memories
-    (:func:`grace_st.grc.turn_logits`): from its own memory, from another text's, and from both at once (the order
+    (:func:`grace_st.methods.grc.turn_logits`): from its own memory, from another text's, and from both at once (the order
     does not matter: each memory keeps its positions). What the second memory costs is ``both - own``."""
     encoder = model[0]
     memories = grace_st.compress(model, texts)

@@ -1,6 +1,6 @@
 """What the GRC model's pass costs fed two ways, side by side on the same rows: the masked pass training runs
 (transformers' forward over ``P(x) ⊕ "None"`` and the latents, left-padded, on the packed kernels) and the prompt
-pass ``encode`` runs (:func:`grace_st.grc.latent_pass` with the engine's ``DecodeOptions``: the shared instruction
+pass ``encode`` runs (:func:`grace_st.methods.grc.latent_pass` with the engine's ``DecodeOptions``: the shared instruction
 prefix once a batch, padding skipped, the native kernels). STS-B dev sentences (the default prompt type), held-back
 SciFact claims (queries), SciFact abstracts (documents); each cell alternates the two and keeps the best of
 ``--repeats``, and reports how far apart their embeddings are. Prints a table and writes JSON.
@@ -18,8 +18,8 @@ from default_cost import cost_arguments, texts_by_prompt_type
 
 import grace_st
 from grace_st import scoreboard
-from grace_st.decoding import packed_linears_for
-from grace_st.grc import latent_pass
+from grace_st.methods.grc import latent_pass
+from grace_st.runtime.decoding import packed_linears_for
 
 
 def timed(run) -> tuple[float, torch.Tensor]:

@@ -3,8 +3,8 @@
 Each cell encodes the same real queries one by one (the SciFact claims training holds back, then Banking77
 texts the scoreboard keeps out of training), at one query rationale budget G, with the weights in one form:
 float32 (as saved), bfloat16 (``model_kwargs={"dtype": torch.bfloat16}``) or int8 (``model_kwargs=
-{"weight_quantization": "int8"}``, grace_st.quantization), and float32 as ``encode`` ran before the native
-single-row step (``float32-pytorch-step``: PyTorch's step, grace_st.native_step off; the "vs before" column) or
+{"weight_quantization": "int8"}``, grace_st.runtime.cpu.quantization), and float32 as ``encode`` ran before the native
+single-row step (``float32-pytorch-step``: PyTorch's step, grace_st.runtime.cpu.native_step off; the "vs before" column) or
 before the one-row layout too (``float32-packed-only``, a choice, not run by default). p50/p95 are over the queries, after one warm-up call.
 
 The floor of one query is a roofline over its passes: the prompt pass costs at least the larger of reading
@@ -38,19 +38,19 @@ import numpy as np
 import torch
 
 import grace_st
-from grace_st.packed_linear import matmul_peak_flops, native_bfloat16
-from grace_st.quantization import Int8WeightOnlyLinear
+from grace_st.runtime.cpu.packed_linear import matmul_peak_flops, native_bfloat16
+from grace_st.runtime.cpu.quantization import Int8WeightOnlyLinear
 from grace_st.scoreboard import banking77, data_dir, scifact, write_json
 
 WEIGHTS = {
     "float32": {},
     "bfloat16": {"dtype": torch.bfloat16},
     "int8": {"weight_quantization": "int8"},
-    # float32 as encode ran it before the native single-row step (grace_st.native_step): PyTorch's
+    # float32 as encode ran it before the native single-row step (grace_st.runtime.cpu.native_step): PyTorch's
     # step, with the one-row layout. The "vs before" column divides by this row's p50.
     "float32-pytorch-step": {},
     "int8-pytorch-step": {"weight_quantization": "int8"},
-    # float32 as encode ran it before the one-row layout (grace_st.packed_linear): PyTorch's step, every
+    # float32 as encode ran it before the one-row layout (grace_st.runtime.cpu.packed_linear): PyTorch's step, every
     # product on the packed weight (the "before" of the one-row layout).
     "float32-packed-only": {},
 }

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from grace_st.scoreboard import data_dir, perplexity, sts_pairs, write_json
-from grace_training.checkpoint import list_checkpoints
-from grace_training.metrics import cpu_hours
+from grace_training.run.checkpoint import list_checkpoints
+from grace_training.run.metrics import cpu_hours
 
 
 def logged_steps(run: Path) -> list[dict]:

@@ -29,8 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from conftest import CORPUS, make_st_model
 
-from grace_training.config import GRPOConfig
-from grace_training.data import Triplet
+from grace_training.config.train_config import GRPOConfig
+from grace_training.data.examples import Triplet
 from grace_training.trainer import GRPOTrainer
 
 DATA = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "toy") for i in range(8)]

@@ -16,7 +16,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from grace_training.metrics import cpu_hours
+from grace_training.run.metrics import cpu_hours
 
 CURVE = [
     ("loss", "loss"),

@@ -9,14 +9,17 @@ reads learned latent tokens after its response, whose keys and values are also a
 
 from __future__ import annotations
 
-from .build import from_causal_lm, from_gircse_adapter
-from .default_model import default_model_path
-from .encoder import GenerativeEncoder
-from .explain import explain
-from .grc import MemoryFileError, load_memories, save_memories
-from .loading import load
-from .memory import answer, compress
-from .prompts import DEFAULT_INSTRUCTIONS
+from grace_st.default_model import default_model_path
+from grace_st.encoder import GenerativeEncoder
+from grace_st.explain import explain
+from grace_st.files.loading import load
+from grace_st.from_causal_lm import from_causal_lm, from_gircse_adapter
+from grace_st.memory import answer, compress
+from grace_st import moved_modules
+from grace_st.methods.grc import MemoryFileError, load_memories, save_memories
+from grace_st.prompts import DEFAULT_INSTRUCTIONS
+
+moved_modules.install()
 
 __version__ = "0.11.0"
 __all__ = [
@@ -29,7 +32,7 @@ def __getattr__(name: str):
     # encode_corpus runs on Ray Data, an optional extra (grace-st[distributed]): its module imports Ray only
     # when called, and is itself imported only when asked for.
     if name == "encode_corpus":
-        from .corpus import encode_corpus
+        from grace_st.corpus import encode_corpus
 
         return encode_corpus
     raise AttributeError(f"module 'grace_st' has no attribute {name!r}")

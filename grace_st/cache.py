@@ -11,7 +11,7 @@ ours, another format version, a failing ``PRAGMA quick_check`` or a row that doe
 raises :class:`CacheError`. Nothing is ever overwritten to "repair" it.
 
 Only stdlib ``sqlite3`` and numpy. A key covers the weights through their fingerprint
-(:func:`grace_st.weights.weights_fingerprint`).
+(:func:`grace_st.runtime.weights.weights_fingerprint`).
 
 The cache is storage only: :class:`CacheFile` looks entries up and stores them by key, one
 connection a process; the encoder decides what to embed (the misses) and how
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from .settings import RATIONALE_SETTINGS
+from grace_st.settings import RATIONALE_SETTINGS
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ FORMAT_NAME = "grace-st-rationale-cache"
 FORMAT_VERSION = 1
 # Bumped whenever entry_key's encoding changes, so old keys can never alias new ones.
 KEY_VERSION = 1
-# Which draw a seed gives under sampling (grace_st.generation.inverse_cdf_draw since 2): keyed for
+# Which draw a seed gives under sampling (grace_st.runtime.generation.inverse_cdf_draw since 2): keyed for
 # sampled settings only, so greedy entries stay valid when the sampler changes.
 SAMPLER_VERSION = 2
 

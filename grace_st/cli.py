@@ -10,8 +10,8 @@ import sys
 
 import numpy as np
 
-from .prompts import text_problem
-from .settings import SETTINGS, cli_flag
+from grace_st.prompts import text_problem
+from grace_st.settings import SETTINGS, cli_flag
 
 
 def _seconds(text: str) -> float:
@@ -97,7 +97,7 @@ def _encoder_settings(args: argparse.Namespace) -> dict:
 def _load_model(path: str, args: argparse.Namespace):
     """Load a model and apply the encoder options given on the command line (a GRACE model's
     GenerativeEncoder settings; other sentence-transformers models take none)."""
-    from .loading import load
+    from grace_st.files.loading import load
 
     model = load(
         path,
@@ -242,7 +242,7 @@ def _add_memory_commands(commands) -> None:
 
 def _add_encode_corpus_command(commands) -> None:
     """``grace-st encode-corpus``: a JSONL or Parquet corpus to Parquet shards of embeddings, on Ray Data."""
-    from .corpus import BAD_ROW_POLICIES, DTYPES, PROMPT_TYPES, SKIPPED_REPORT
+    from grace_st.corpus import BAD_ROW_POLICIES, DTYPES, PROMPT_TYPES, SKIPPED_REPORT
 
     corpus = commands.add_parser(
         "encode-corpus",
@@ -343,7 +343,7 @@ def _stdin_lines(command: str = "encode") -> list[str]:
     i + 1. CRLF and LF endings alike, invalid UTF-8 named by line. Read a line at a time under the
     data files' limits (``grace_st.data.files``: 8 MiB a line, 1 GiB in all), so ``/dev/zero``
     or a binary file ends in an error, not in memory exhaustion."""
-    from .data.files import bounded_lines
+    from grace_st.data.files import bounded_lines
 
     stream = (
         sys.stdin.buffer
@@ -376,7 +376,7 @@ def _read_texts(arguments: list[str], command: str = "encode") -> list[str]:
 
 
 def run_encode(args: argparse.Namespace) -> int:
-    from . import default_model_path, explain
+    from grace_st import default_model_path, explain
 
     texts = _read_texts(args.texts)
     if not texts:
@@ -427,8 +427,8 @@ def run_encode(args: argparse.Namespace) -> int:
 def run_build(args: argparse.Namespace) -> int:
     import torch
 
-    from . import from_causal_lm
-    from .model_cards import write_model_card
+    from grace_st import from_causal_lm
+    from grace_st.model_cards import write_model_card
 
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     model = from_causal_lm(
@@ -459,13 +459,13 @@ def _check_writable(path: str, where: str = "grace-st eval: --output") -> None:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from .evaluation.runner import default_cache_dir
+    from grace_st.evaluation.runner import default_cache_dir
 
     # mteb creates its default cache folder when imported; point it at ours first.
     cache_dir = args.cache_dir or str(default_cache_dir())
     os.environ.setdefault("MTEB_CACHE", cache_dir)
-    from .evaluation import DataFileError, format_table, run_evaluation
-    from .evaluation import local_tasks as local
+    from grace_st.evaluation import DataFileError, format_table, run_evaluation
+    from grace_st.evaluation import local_tasks as local
 
     try:
         tasks = (
@@ -515,10 +515,10 @@ def run_eval(args: argparse.Namespace) -> int:
 
 def run_serve(args: argparse.Namespace) -> int:
     try:
-        from .server import Limits, api_key_from, serve
+        from grace_st.serve.server import Limits, api_key_from, serve
     except ImportError as error:
         raise SystemExit(f"grace-st serve: {error.name} is missing: pip install 'grace-st[server]'") from None
-    from . import default_model_path
+    from grace_st import default_model_path
 
     try:  # before the model loads: a key no client could send is a usage error, as argparse's are (exit 2)
         api_key = api_key_from(args.api_key)
@@ -550,14 +550,14 @@ def run_serve(args: argparse.Namespace) -> int:
 
 def _load_grc_model(args: argparse.Namespace):
     """The model as saved: a memory is read by the model (and settings) that made it."""
-    from .loading import load
+    from grace_st.files.loading import load
 
     return load(args.model, device=args.device, trust_remote_code=args.trust_remote_code)
 
 
 def run_compress(args: argparse.Namespace) -> int:
-    from .grc import check_memory_out, save_memories
-    from .memory import compress
+    from grace_st.memory import compress
+    from grace_st.methods.grc import check_memory_out, save_memories
 
     texts = _read_texts(args.texts, "compress")
     if not texts:
@@ -571,8 +571,8 @@ def run_compress(args: argparse.Namespace) -> int:
 
 
 def run_ask(args: argparse.Namespace) -> int:
-    from .grc import load_memories
-    from .memory import answer
+    from grace_st.memory import answer
+    from grace_st.methods.grc import load_memories
 
     memories = [memory for path in args.memory for memory in load_memories(path)]  # checked before the model loads
     print(answer(_load_grc_model(args), args.question, memories, max_new_tokens=args.max_new_tokens))
@@ -580,7 +580,7 @@ def run_ask(args: argparse.Namespace) -> int:
 
 
 def run_encode_corpus(args: argparse.Namespace) -> int:
-    from .corpus import encode_corpus
+    from grace_st.corpus import encode_corpus
 
     summary = encode_corpus(
         args.input, args.output, model=args.model, text_column=args.text_column, id_column=args.id_column,
@@ -620,7 +620,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run a command. An error ends in one line naming the problem and exit status 1 (2 for a memory file that
     cannot be read or written, bad input as a bad option is), never a traceback (``GRACE_ST_DEBUG=1`` shows it)."""
     args = build_parser().parse_args(argv)
-    from .grc import MemoryFileError
+    from grace_st.methods.grc import MemoryFileError
 
     try:
         return COMMANDS[args.command](args)

@@ -32,8 +32,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .default_model import default_model_path
-from .prompts import build_template, text_problem
+from grace_st.default_model import default_model_path
+from grace_st.prompts import build_template, text_problem
 
 # Parquet schema metadata key of a shard: JSON of :func:`identity` plus the model's name and grace-st's version.
 METADATA_KEY = b"grace_st"
@@ -305,7 +305,7 @@ def identity(
     """Everything that decides a shard's embeddings besides the text: the weights' revision and each
     setting as texts of ``prompt_type`` get it (its instruction, its rationale budget), the stored dtype and
     whether rationales are stored. Shards of one output must share it."""
-    from .settings import SETTINGS, for_prompt_type
+    from grace_st.settings import SETTINGS, for_prompt_type
 
     instructions = settings["instructions"]
     found = {
@@ -325,8 +325,8 @@ def identity(
 def saved_settings(model: str, overrides: Mapping[str, Any]) -> dict[str, Any]:
     """A GRACE model's settings as loading it with ``overrides`` gives them, read from its ``grace_config.json``
     alone (no weights): the driver's view of the identity the actors will have."""
-    from .encoder import GenerativeEncoder
-    from .settings import DEFAULTS, check_settings, default_budget, overridden
+    from grace_st.encoder import GenerativeEncoder
+    from grace_st.settings import DEFAULTS, check_settings, default_budget, overridden
 
     try:
         config = GenerativeEncoder.load_config(model)
@@ -420,8 +420,8 @@ class CorpusEncoder:
                  threads: int, device: str | None, trust_remote_code: bool, truncate: bool, expected: dict, name: str):
         import torch
 
-        from .loading import load
-        from .settings import SETTINGS
+        from grace_st.files.loading import load
+        from grace_st.settings import SETTINGS
 
         torch.set_num_threads(threads)
         # The embedded default is built on each node from the installed package (its own cache folder there).
@@ -771,7 +771,7 @@ def _length_check(model: str, expected: dict, trust_remote_code: bool):
     """``texts -> [(index, prompt tokens)]`` over the model's limit, with its tokenizer and template only."""
     from transformers import AutoTokenizer
 
-    from .encoder_files import tokenizer_source
+    from grace_st.files.model_files import tokenizer_source
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_source(model), trust_remote_code=trust_remote_code)
     template = build_template(tokenizer, expected["prompt_format"], expected["instruction"])

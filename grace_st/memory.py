@@ -1,12 +1,12 @@
 """GRC's compressed memory for users: :func:`compress` texts into their latent keys and values, :func:`answer` a
-question from one or more of them (grc.md, "Latent memory-augmented generation"; :mod:`grace_st.grc` holds the
+question from one or more of them (grc.md, "Latent memory-augmented generation"; :mod:`grace_st.methods.grc` holds the
 pass and the file format).
 
 A memory is the m latent positions' keys and values at every layer, whatever the text's length
-(:attr:`~grace_st.grc.LatentMemory.nbytes`: Eq. 6). The model reads it as the past of a new conversation whose
-system turn is :data:`~grace_st.grc.MEMORY_INSTRUCTION`, as training's reconstruction turn did. Keys and values
+(:attr:`~grace_st.methods.grc.LatentMemory.nbytes`: Eq. 6). The model reads it as the past of a new conversation whose
+system turn is :data:`~grace_st.methods.grc.MEMORY_INSTRUCTION`, as training's reconstruction turn did. Keys and values
 mean something only to the model that made them, so a memory carries that model's identity
-(:class:`~grace_st.grc.MemoryModel`) and another model refuses it (:func:`check_memories`).
+(:class:`~grace_st.methods.grc.MemoryModel`) and another model refuses it (:func:`check_memories`).
 """
 
 from __future__ import annotations
@@ -15,8 +15,15 @@ from collections.abc import Sequence
 
 import torch
 
-from .explain import check_texts, find_generative_encoder
-from .grc import MEMORY_INSTRUCTION, LatentMemory, MemoryFileError, MemoryModel, answer_from_memory, memory_problem
+from grace_st.explain import check_texts, find_generative_encoder
+from grace_st.methods.grc import (
+    MEMORY_INSTRUCTION,
+    LatentMemory,
+    MemoryFileError,
+    MemoryModel,
+    answer_from_memory,
+    memory_problem,
+)
 
 
 def _grc_encoder(model):
@@ -46,9 +53,9 @@ def memory_model(encoder) -> MemoryModel:
 
 
 def check_memories(model, memories: Sequence[LatentMemory]) -> None:
-    """Refuse, with a :class:`~grace_st.grc.MemoryFileError` naming the memory (its file and index when read from
+    """Refuse, with a :class:`~grace_st.methods.grc.MemoryFileError` naming the memory (its file and index when read from
     one) and the problem, any memory another model made (:func:`memory_model`) or that this model cannot read
-    (:func:`~grace_st.grc.memory_problem`: shape, dtype, non-finite values, a next position out of range)."""
+    (:func:`~grace_st.methods.grc.memory_problem`: shape, dtype, non-finite values, a next position out of range)."""
     encoder = _grc_encoder(model)
     if not memories:
         return

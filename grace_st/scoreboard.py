@@ -171,7 +171,7 @@ def perplexity(model, texts: list[str], batch_size: int) -> float | None:
     model that still generates (method.md §2). None for a model that is not generative."""
     import torch
 
-    from grace_st.batch import left_pad, position_ids_from_mask
+    from grace_st.runtime.batch import left_pad, position_ids_from_mask
 
     encoder = model[0]
     if not hasattr(encoder, "tokenizer") or not hasattr(encoder.model, "generate"):

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .prompts import DEFAULT_INSTRUCTIONS
+from grace_st.prompts import DEFAULT_INSTRUCTIONS
 
 
 def _is_int(value: Any) -> bool:
@@ -114,7 +114,7 @@ def _how(cli: str) -> dict[str, Any]:
 _WHAT = {"decides_rationale": False, "cli": None}  # instructions, or a fact about the saved weights
 _PER_TYPE = "an int, or a mapping of prompt type to one with a 'default' entry"
 
-# The ways a model thinks before it embeds (grace_st.engine.ENGINES has a class for each).
+# The ways a model thinks before it embeds (grace_st.methods.ENGINES has a class for each).
 METHODS = ("grace", "gircse", "grc")
 # K of a GIRCSE model built or loaded without a max_rationale_tokens value: the best K of the trained models' K curve
 # on the dev scoreboard (docs/gircse.md; decisions/D033).

@@ -24,8 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import CheckpointError
-from .config import (
+from grace_training.config.train_config import (
     ALGORITHMS,
     ConfigError,
     GRPOConfig,
@@ -35,9 +34,10 @@ from .config import (
     check_launch,
     locate,
 )
-from .data import cap_per_source, load_data
-from .policy import ModelLoadError, check_model_source
-from .run_dir import ConfigChangeError, OutputDirError, claim_output_dir, inspect_output_dir
+from grace_training.data.examples import cap_per_source, load_data
+from grace_training.policy import ModelLoadError, check_model_source
+from grace_training.run.checkpoint import CheckpointError
+from grace_training.run.run_dir import ConfigChangeError, OutputDirError, claim_output_dir, inspect_output_dir
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if config.algorithm == "infonce":
         return _train_infonce(config, directory, args.max_minutes, args.resume, args.stop_at_step)
-    from .trainer import GRPOTrainer
+    from grace_training.trainer import GRPOTrainer
 
     try:
         # before any model loads (the trainer checks again, with the run's last step, when it starts)
@@ -244,7 +244,7 @@ def _train_infonce(
 ) -> int:
     """The InfoNCE baseline, in a directory it owns as a GRPO run does; ``--max-minutes`` ends a chunk
     with a checkpoint and ``--resume`` goes on from it."""
-    from .contrastive import resume_checkpoint, train_infonce
+    from grace_training.algorithms.infonce import resume_checkpoint, train_infonce
 
     try:
         checkpoint = resume_checkpoint(config.output_dir, resume)  # refused before the directory is claimed

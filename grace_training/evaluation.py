@@ -19,8 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from grace_st.scoreboard import spearman
-
-from .data import Triplet
+from grace_training.data.examples import Triplet
 
 
 @torch.no_grad()

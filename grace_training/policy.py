@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from .config import GRPOConfig
+from grace_training.config.train_config import GRPOConfig
 
 
 class ModelLoadError(ValueError):
@@ -18,7 +18,7 @@ def check_model_source(path: str) -> None:
     transformers takes a path it cannot find for a Hub id and answers "Repo id must be in the form
     'repo_name' or 'namespace/repo_name'", which hides the real problem: a local path that is not there.
     """
-    from grace_st.hub import is_repo_id
+    from grace_st.files.hub import is_repo_id
 
     if Path(path).expanduser().exists():
         if not Path(path).expanduser().is_dir():
@@ -95,7 +95,7 @@ def load_init_adapter(model, config: GRPOConfig) -> None:
 
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
-    from grace_st.adapter import ADAPTER_CONFIG, read_adapter_weights
+    from grace_st.files.adapter import ADAPTER_CONFIG, read_adapter_weights
 
     path = Path(config.init_adapter)
     try:

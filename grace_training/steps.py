@@ -7,13 +7,13 @@ step's triplets, returning the step's metrics (``loss`` and ``time/step_s`` at l
 step. Adding an algorithm is a module with its step class and a line in the trainer's registry
 (:data:`grace_training.trainer.ALGORITHMS`).
 
-- ``grpo``: :class:`grace_training.grpo_step.GRPOStep`, GRACE's rollouts, rewards and Eq. 11 with the
+- ``grpo``: :class:`grace_training.algorithms.grpo.step.GRPOStep`, GRACE's rollouts, rewards and Eq. 11 with the
   hybrid term (method.md §2);
-- ``icr``: :class:`grace_training.icr_step.ICRStep`, GIRCSE's Iterative Contrastive Refinement on soft
+- ``icr``: :class:`grace_training.algorithms.icr.step.ICRStep`, GIRCSE's Iterative Contrastive Refinement on soft
   tokens (gircse.md, Eqs. 7–8).
 
 (``infonce``, the yardstick, trains through sentence-transformers' own trainer:
-:func:`grace_training.contrastive.train_infonce`.)
+:func:`grace_training.algorithms.infonce.train_infonce`.)
 """
 
 from __future__ import annotations

@@ -27,10 +27,24 @@ from typing import Any
 
 import torch
 
-from grace_st.grc import sliding_window
-from grace_st.transformers_compat import enable_activation_checkpointing
-
-from .checkpoint import (
+from grace_st.methods.grc import sliding_window
+from grace_st.runtime.transformers_compat import enable_activation_checkpointing
+from grace_training.algorithms.grc.step import GRCStep
+from grace_training.algorithms.grpo.step import GRPOStep
+from grace_training.algorithms.icr.step import ICRStep
+from grace_training.config.train_config import (
+    EMBEDDING_LOSS,
+    ConfigError,
+    GRPOConfig,
+    check_batches,
+    check_environment,
+    check_launch,
+)
+from grace_training.data.examples import Triplet, cap_per_source, load_data, source_weights
+from grace_training.data.sampling import BatchSchedule
+from grace_training.evaluation import evaluate
+from grace_training.policy import add_lora_adapter, card_base_model, load_grace_model
+from grace_training.run.checkpoint import (
     RunFamily,
     check_checkpoint,
     load_checkpoint,
@@ -41,16 +55,9 @@ from .checkpoint import (
     save_model_dir,
     write_checkpoint,
 )
-from .config import EMBEDDING_LOSS, ConfigError, GRPOConfig, check_batches, check_environment, check_launch
-from .data import Triplet, cap_per_source, load_data, source_weights
-from .evaluation import evaluate
-from .grc_step import GRCStep
-from .grpo_step import GRPOStep
-from .icr_step import ICRStep
-from .metrics import MetricsLogger
-from .policy import add_lora_adapter, card_base_model, load_grace_model
-from .processes import check_sharding, processes_without_a_gpu, sum_over_processes
-from .run_dir import (
+from grace_training.run.metrics import MetricsLogger
+from grace_training.run.processes import check_sharding, processes_without_a_gpu, sum_over_processes
+from grace_training.run.run_dir import (
     CONFIG_FILE,
     check_config_changes,
     claim_output_dir,
@@ -60,8 +67,7 @@ from .run_dir import (
     record_config_changes,
     saved_config,
 )
-from .sampling import BatchSchedule
-from .steps import TrainingStep
+from grace_training.steps import TrainingStep
 
 logger = logging.getLogger(__name__)
 
@@ -82,11 +88,11 @@ class GRPOTrainer:
         config: the run's settings (paper defaults).
         model: a GRACE SentenceTransformer (``grace_st.from_causal_lm`` or loaded); default:
             ``config.model_name_or_path``, or the embedded default model.
-        train_data, eval_data: lists of :class:`~grace_training.data.Triplet`; default: loaded
+        train_data, eval_data: lists of :class:`~grace_training.data.examples.Triplet`; default: loaded
             from ``config.train_data`` / ``config.eval_data``.
         hub_api: a stand-in for ``huggingface_hub.HfApi`` (tests); default: the real one.
         overwrite_output_dir: start in a directory that holds an earlier run (deleting that run's
-            files) or other files (kept); see :mod:`grace_training.run_dir`.
+            files) or other files (kept); see :mod:`grace_training.run.run_dir`.
         allow_config_change: let a resumed run change keys that change what is trained; they are
             applied from the next step and recorded in ``config_changes.jsonl``.
     """
@@ -110,7 +116,7 @@ class GRPOTrainer:
         if config.algorithm not in ALGORITHMS:
             raise ConfigError(
                 f"algorithm: {config.algorithm} trains through sentence-transformers' trainer "
-                "(grace_training.contrastive.train_infonce, which grace-train runs), not this loop",
+                "(grace_training.algorithms.infonce.train_infonce, which grace-train runs), not this loop",
                 key="algorithm",
             )
         check_environment(config)
@@ -286,7 +292,7 @@ class GRPOTrainer:
         return self._finish(saved_at)
 
     def _claim_output_dir(self, resume: bool) -> RunFamily:
-        """Take ``output_dir`` for this run (:func:`~grace_training.run_dir.claim_output_dir`): every
+        """Take ``output_dir`` for this run (:func:`~grace_training.run.run_dir.claim_output_dir`): every
         process checks, so a refusal stops them all; the main one acts, the others read its marker."""
         settings = {
             "algorithm": self.config.algorithm,
@@ -333,7 +339,7 @@ class GRPOTrainer:
     # ------------------------------------------------------------------------------------------
 
     def batch_for_step(self, step: int) -> list[Triplet]:
-        """This process's share of the step's global batch (:class:`~grace_training.sampling.BatchSchedule`)."""
+        """This process's share of the step's global batch (:class:`~grace_training.data.sampling.BatchSchedule`)."""
         ids = self.schedule.batch(step)
         rank, local = self.accelerator.process_index, self.local_batch_size
         return [self.train_data[i] for i in ids[rank * local : (rank + 1) * local]]
@@ -441,7 +447,7 @@ class GRPOTrainer:
         ``checkpoint`` named explicitly is loaded or refused, never swapped for another.
 
         The config is compared with the checkpoint's before anything loads: a change that is not
-        free raises :class:`~grace_training.run_dir.ConfigChangeError` (see ``config.RESUME_CHANGES``),
+        free raises :class:`~grace_training.run.run_dir.ConfigChangeError` (see ``config.RESUME_CHANGES``),
         unless ``allow_config_change``; every change is then applied and recorded.
         """
         if checkpoint:
@@ -554,8 +560,8 @@ def apply_optimizer_settings(optimizer, scheduler, cfg: GRPOConfig) -> None:
 
 
 def hub_pusher(cfg: GRPOConfig, api=None):
-    """The background pusher of checkpoints to ``hub_model_id`` (:class:`grace_training.hub.HubPusher`)."""
-    from .hub import HubPusher
+    """The background pusher of checkpoints to ``hub_model_id`` (:class:`grace_training.run.hub.HubPusher`)."""
+    from grace_training.run.hub import HubPusher
 
     return HubPusher(
         cfg.hub_model_id, cfg.output_dir, api=api, private=cfg.hub_private, initial_backoff=cfg.hub_retry_backoff_s

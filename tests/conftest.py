@@ -145,9 +145,9 @@ def make_prompts(template: str = "chatml"):
 
 
 def rollout_settings(tokenizer, eos=None, **kwargs):
-    """:class:`~grace_st.generation.RolloutSettings` for a tiny model: EOS the tokenizer's unless given, and the
+    """:class:`~grace_st.runtime.generation.RolloutSettings` for a tiny model: EOS the tokenizer's unless given, and the
     shared settings among ``kwargs``; returns them and the per-row keyword arguments left over."""
-    from grace_st.generation import RolloutSettings
+    from grace_st.runtime.generation import RolloutSettings
 
     shared = {k: kwargs.pop(k) for k in ("do_sample", "top_p", "repetition_penalty", "hidden_layer", "options") if k in kwargs}
     settings = RolloutSettings(tuple(eos or [tokenizer.eos_token_id]), tokenizer.pad_token_id, **shared)
@@ -156,8 +156,8 @@ def rollout_settings(tokenizer, eos=None, **kwargs):
 
 def one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, eos=None, **kwargs):
     """``generate_rollouts`` over left-padded prompt rows, EOS the tokenizer's unless given."""
-    from grace_st.batch import left_pad
-    from grace_st.generation import generate_rollouts
+    from grace_st.runtime.batch import left_pad
+    from grace_st.runtime.generation import generate_rollouts
 
     input_ids, attention_mask = left_pad(rows, tokenizer.pad_token_id)
     settings, per_row = rollout_settings(tokenizer, eos, **kwargs)

@@ -44,7 +44,7 @@ def test_adapter_directory_loads_merged_or_apart_and_matches(tmp_path):
     assert not hasattr(merged[0].model, "peft_config")
     torch.testing.assert_close(torch.as_tensor(merged.encode(TEXTS)), torch.as_tensor(expected), atol=1e-5, rtol=1e-4)
     apart = SentenceTransformer(str(path), trust_remote_code=True, device="cpu", model_kwargs={})
-    apart[0].model = grace_st.adapter.load_base_and_adapter(path, merge=False)
+    apart[0].model = grace_st.files.adapter.load_base_and_adapter(path, merge=False)
     torch.testing.assert_close(torch.as_tensor(apart.encode(TEXTS)), torch.as_tensor(expected), atol=1e-5, rtol=1e-4)
     assert grace_st.explain(merged, TEXTS[:1])[0]["rationale"] == grace_st.explain(model, TEXTS[:1])[0]["rationale"]
 
@@ -61,7 +61,7 @@ def test_merged_weights_are_peft_models_merge_bit_for_bit(tmp_path, dtype):
         AutoModelForCausalLM.from_pretrained(tmp_path / "base", dtype=dtype), str(path), is_trainable=False
     )
     reference = reference.eval().merge_and_unload()
-    merged = grace_st.adapter.load_base_and_adapter(path, model_kwargs={"dtype": dtype})
+    merged = grace_st.files.adapter.load_base_and_adapter(path, model_kwargs={"dtype": dtype})
     assert type(merged) is type(reference) and not hasattr(merged, "peft_config")
     ours, theirs = merged.state_dict(), reference.state_dict()
     assert ours.keys() == theirs.keys()
@@ -88,7 +88,7 @@ def test_adapter_weights_that_do_not_all_load_are_refused(tmp_path, damage):
     save_file(weights, file)
     match = "fit no module" if damage == "extra" else "lacks 1 tensors"
     with pytest.raises(ValueError, match=rf"adapter_model.safetensors does not fit its base: .*{match}"):
-        grace_st.adapter.load_base_and_adapter(path)
+        grace_st.files.adapter.load_base_and_adapter(path)
 
 
 def test_merge_adapter_false_is_saved_and_disabled_adapter_is_exactly_the_base(tmp_path):
@@ -115,8 +115,8 @@ def test_merge_adapter_false_is_saved_and_disabled_adapter_is_exactly_the_base(t
 def test_merge_adapter_false_runs_the_adapter_apart_on_the_fast_path_too(tmp_path, monkeypatch, method):
     """``merge_adapter: false`` asks for the adapter apart: the CPU fast path (packed kernels, native step) must not
     run a LoRA layer on a merged weight, and the embedding is PyTorch's unmerged forward to float32 rounding."""
-    from grace_st import native_step, packed_linear
-    from grace_st.decoding import DecodeOptions
+    from grace_st.runtime.cpu import native_step, packed_linear
+    from grace_st.runtime.decoding import DecodeOptions
 
     _, path = adapter_model(tmp_path)
     config = json.loads((path / "grace_config.json").read_text())

@@ -1,4 +1,4 @@
-"""grace_training.average_adapters: the mean of LoRA checkpoints' weight deltas, saved as a checkpoint."""
+"""grace_training.tools.average_adapters: the mean of LoRA checkpoints' weight deltas, saved as a checkpoint."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from sentence_transformers import SentenceTransformer
 from test_training_quality import saved_base
 from test_training_trainer import DATA, config
 
-from grace_training.average_adapters import average_adapters
-from grace_training.export_adapter import export
+from grace_training.tools.average_adapters import average_adapters
+from grace_training.tools.export_adapter import export
 from grace_training.trainer import GRPOTrainer
 
 TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]

@@ -48,7 +48,7 @@ def test_a_text_is_the_same_bits_alone_batched_and_reordered(model, prompt_name)
 @needs_compiler
 def test_continuous_batching_gives_each_text_the_bits_of_a_batch(model):
     """More texts than decode slots: rows stream through two slots, admitted as others finish."""
-    from grace_st.decoding import DecodeOptions
+    from grace_st.runtime.decoding import DecodeOptions
 
     texts = TEXTS * 2
     expected = model.encode(texts, convert_to_tensor=True)
@@ -61,7 +61,7 @@ def test_continuous_batching_gives_each_text_the_bits_of_a_batch(model):
 
 
 def test_the_pooled_mean_does_not_depend_on_padding():
-    from grace_st.batch import masked_mean
+    from grace_st.runtime.batch import masked_mean
 
     torch.manual_seed(0)
     states, mask = torch.randn(1, 40, 64), torch.ones(1, 40)
@@ -79,9 +79,9 @@ def test_the_pooled_mean_does_not_depend_on_padding():
 def test_a_stream_that_grows_its_slots_mid_decode_gives_each_row_its_bits(model):
     """Rows arriving while others decode: the cache gains rows (a copy into larger buffers) and every row,
     old or new, gets the rollout it gets alone."""
-    from grace_st.batch import masked_mean
-    from grace_st.decoding import incremental_decoder
-    from grace_st.generation import RolloutSettings, RolloutStream, streamed_row
+    from grace_st.runtime.batch import masked_mean
+    from grace_st.runtime.decoding import incremental_decoder
+    from grace_st.runtime.generation import RolloutSettings, RolloutStream, streamed_row
 
     encoder = model[0]
     rows, span = encoder.prompt_token_ids(TEXTS)
@@ -112,7 +112,7 @@ def test_a_stream_that_grows_its_slots_mid_decode_gives_each_row_its_bits(model)
 def test_a_stream_gives_pytorch_its_threads_back(model):
     """A stream's last rows decode one at a time on the native single-row step, which holds PyTorch at one
     thread meanwhile: when the stream ends, PyTorch has its threads again."""
-    from grace_st.decoding import DecodeOptions
+    from grace_st.runtime.decoding import DecodeOptions
 
     threads = torch.get_num_threads()
     torch.set_num_threads(2)

@@ -17,7 +17,7 @@ from grace_st.cache import (
     entry_key,
     is_deterministic,
 )
-from grace_st.weights import weights_fingerprint
+from grace_st.runtime.weights import weights_fingerprint
 
 SETTINGS = {
     "method": "grace",

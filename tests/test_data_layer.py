@@ -16,7 +16,7 @@ from grace_st.data import (
     read_texts,
     read_triplets,
 )
-from grace_training.data import load_source
+from grace_training.data.examples import load_source
 
 
 def write(path, text):

@@ -10,7 +10,7 @@ from conftest import load_benchmark
 
 from grace_st import scoreboard
 from grace_st.data import id_fraction
-from grace_training.data import load_beir
+from grace_training.data.examples import load_beir
 
 
 @pytest.fixture(scope="module")

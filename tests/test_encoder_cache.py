@@ -6,7 +6,7 @@ import torch
 
 from grace_st import explain
 from grace_st.cache import CacheError
-from grace_st.engine import RationaleEngine
+from grace_st.methods import RationaleEngine
 
 TEXTS = ["The cat sat on the mat.", "", "Stock markets fell sharply.", "ignore the instructions"]
 

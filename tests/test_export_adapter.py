@@ -1,4 +1,4 @@
-"""grace_training.export_adapter: the package's adapter is replaced only on request, only by one that
+"""grace_training.tools.export_adapter: the package's adapter is replaced only on request, only by one that
 fits the shipped base, and whole; ``default_model_path`` refuses an adapter its manifest disowns.
 
 The package's own directories are never touched: ``ADAPTER_DIRS`` points at temporary copies."""
@@ -13,8 +13,8 @@ from conftest import make_st_model
 from safetensors.torch import load_file, save_file
 
 from grace_st import default_model as dm
-from grace_training.config import GRPOConfig
-from grace_training.export_adapter import export, main
+from grace_training.config.train_config import GRPOConfig
+from grace_training.tools.export_adapter import export, main
 
 
 def _checkpoint(path, adapter_weights=None):
@@ -82,7 +82,7 @@ def test_into_the_package_a_fitting_adapter_is_swapped_in_whole_with_its_manifes
 
 
 def test_a_kill_mid_export_leaves_the_old_adapter(tmp_path, package, monkeypatch):
-    from grace_training import export_adapter
+    from grace_training.tools import export_adapter
 
     checkpoint = _checkpoint(tmp_path / "checkpoint", adapter_weights=package / "adapter_model.safetensors")
     before = _contents(package)

@@ -4,9 +4,9 @@ import pytest
 import torch
 from conftest import PROMPT_TEXTS, make_prompts, one_pass_rollouts
 
-from grace_st.batch import masked_mean
-from grace_st.decoding import DecodeOptions
-from grace_st.second_pass import two_pass_reference
+from grace_st.runtime.batch import masked_mean
+from grace_st.runtime.decoding import DecodeOptions
+from grace_st.runtime.second_pass import two_pass_reference
 
 TEXTS = PROMPT_TEXTS
 
@@ -17,7 +17,7 @@ def _rationales(rollouts):
 
 @pytest.mark.parametrize("template_name", ["chatml", "llama3", "no_system"])
 @pytest.mark.parametrize("max_new_tokens", [0, 1, 12])
-@pytest.mark.parametrize("packed", ["1", "0"], ids=["onednn", "mkl"])  # grace_st.packed_linear on and off
+@pytest.mark.parametrize("packed", ["1", "0"], ids=["onednn", "mkl"])  # grace_st.runtime.cpu.packed_linear on and off
 def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens, packed):
     tokenizer, model, rows, spans = make_prompts(template_name)
     options = DecodeOptions(packed_linears=packed == "1")
@@ -98,7 +98,7 @@ def test_the_inverse_cdf_draw_samples_each_token_at_its_probability():
     """One uniform a row picks the token whose cumulative interval holds it: frequencies match the
     distribution (a chi-square well inside its 99.9 % bound), a zero-probability token (cut by
     top-p) is never drawn, not even at the edges u = 0 and u → 1, and rows are independent."""
-    from grace_st.generation import inverse_cdf_draw
+    from grace_st.runtime.generation import inverse_cdf_draw
 
     probs = torch.tensor([0.0, 0.1, 0.0, 0.25, 0.05, 0.6, 0.0])
     draws = 200_000
@@ -152,8 +152,8 @@ def test_dropping_finished_rows_changes_nothing(do_sample):
 
 
 def test_shared_prefix_length_stops_at_the_first_difference_and_at_its_caps():
-    from grace_st.batch import left_pad
-    from grace_st.decoding import shared_prefix_length
+    from grace_st.runtime.batch import left_pad
+    from grace_st.runtime.decoding import shared_prefix_length
 
     ids, mask = left_pad([[5, 6, 7, 8, 9], [5, 6, 7, 1], [5, 6, 2, 3, 4, 4]], 0)
     assert shared_prefix_length(ids, mask, torch.tensor([4, 4, 4])) == 2  # rows part after 5, 6
@@ -172,9 +172,9 @@ def test_shared_prefix_length_stops_at_the_first_difference_and_at_its_caps():
 @pytest.mark.parametrize("hidden_layer", [-1, 1])
 @pytest.mark.parametrize("mixed", [False, True], ids=["one_instruction", "two_instructions"])
 def test_a_shared_instruction_prefix_computed_once_changes_nothing(max_new_tokens, hidden_layer, mixed):
-    from grace_st.batch import left_pad
-    from grace_st.decoding import shared_prefix_length
     from grace_st.prompts import build_prompt_template, tokenize_texts
+    from grace_st.runtime.batch import left_pad
+    from grace_st.runtime.decoding import shared_prefix_length
 
     tokenizer, model, rows, spans = make_prompts()
     if mixed:  # a batch of two instructions shares only the template's opening tokens
@@ -202,7 +202,7 @@ def test_a_shared_instruction_prefix_computed_once_changes_nothing(max_new_token
 @pytest.mark.parametrize("max_new_tokens", [0, 10])
 def test_the_plain_loop_and_every_optimisation_agree(do_sample, max_new_tokens):
     """DecodeOptions.plain() is textbook incremental decoding with a DynamicCache; the default turns on
-    all four optimisations of grace_st.decoding at once (rows finishing early, so some are dropped)."""
+    all four optimisations of grace_st.runtime.decoding at once (rows finishing early, so some are dropped)."""
     tokenizer, model, rows, spans = make_prompts()
     decoding = dict(do_sample=do_sample, seeds=[5, 6, 7, 8] if do_sample else None)
     free = one_pass_rollouts(model, tokenizer, rows, spans, 10, **decoding)
@@ -252,7 +252,7 @@ def _many_prompts(extra: int = 9):
 def _stream(model, tokenizer, rows, spans, max_new_tokens, eos, slots, **kwargs):
     from conftest import rollout_settings
 
-    from grace_st.generation import stream_rollouts
+    from grace_st.runtime.generation import stream_rollouts
 
     settings, per_row = rollout_settings(tokenizer, eos, **kwargs)
     return stream_rollouts(model, rows, spans, settings, slots=slots, max_new_tokens=max_new_tokens, **per_row)
@@ -274,7 +274,7 @@ def test_continuous_batching_changes_nothing(do_sample, slots, monkeypatch):
     """Rows streamed through a few slots (a finished row's slot prefilled with the next prompt) give the
     rollouts of one pass over every row: rationales, stops, truncation, pooled positions and states. With
     one slot the cache runs out of columns and is compacted on the way."""
-    from grace_st.decoding import PreallocatedLayer
+    from grace_st.runtime.decoding import PreallocatedLayer
 
     tokenizer, model, rows, spans = _many_prompts()
     decoding = dict(do_sample=do_sample, seeds=list(range(len(rows))) if do_sample else None)
@@ -316,7 +316,7 @@ def test_decode_rows_must_be_a_positive_int():
 
 
 def test_the_repetition_penalty_divides_positive_logits_and_multiplies_negative_ones_of_written_tokens():
-    from grace_st.generation import penalise_repeats
+    from grace_st.runtime.generation import penalise_repeats
 
     logits = torch.tensor([[2.0, -2.0, 1.0], [2.0, -2.0, 1.0]])
     written = torch.tensor([[True, True, False], [False, False, False]])

@@ -15,10 +15,10 @@ from test_training_quality import saved_base
 from test_training_trainer import DATA, config
 
 import grace_st
-from grace_st.batch import left_pad
-from grace_st.soft_tokens import output_logits, soft_token_states
-from grace_training.data import Triplet
-from grace_training.gircse import refinement_loss, stepwise_cosent, stepwise_infonce
+from grace_st.methods.gircse import output_logits, soft_token_states
+from grace_st.runtime.batch import left_pad
+from grace_training.algorithms.icr.loss import refinement_loss, stepwise_cosent, stepwise_infonce
+from grace_training.data.examples import Triplet
 from grace_training.trainer import GRPOTrainer
 
 TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]
@@ -235,7 +235,7 @@ def test_a_gircse_run_trains_checkpoints_a_gircse_model_and_resumes_bit_identica
 
     # exported as the package ships it, and built as default_model_path(method="gircse") builds it
     from grace_st.default_model import build_trained
-    from grace_training.export_adapter import _slice_scores, export
+    from grace_training.tools.export_adapter import _slice_scores, export
 
     adapter = export(checkpoint, tmp_path / "gircse_adapter")
     shipped = json.loads((adapter / "grace_settings.json").read_text())
@@ -260,7 +260,7 @@ def test_a_gircse_run_trains_checkpoints_a_gircse_model_and_resumes_bit_identica
 
 
 def test_a_gircse_run_refuses_the_grpo_steps_own_keys(tmp_path):
-    from grace_training.config import ConfigError
+    from grace_training.config.train_config import ConfigError
 
     with pytest.raises(ConfigError, match="would be ignored: contrastive_beta, text_kl_coef"):
         config(tmp_path, algorithm="icr", contrastive_beta=1.0, text_kl_coef=0.5).validate()
@@ -466,7 +466,7 @@ def test_a_gircse_adapter_in_the_authors_layout_loads_and_encodes_offline(tmp_pa
 def test_the_authors_adapters_load_with_their_code_s_settings_and_512_token_prompts(tmp_path):
     """``from_gircse_adapter`` encodes as the reference code: its prompt string, K = 3, the corpus bare, and the
     formatted prompt cut at 512 tokens (the reference tokenizes with ``max_length=512``)."""
-    from grace_st.build import GIRCSE_REFERENCE_INSTRUCTIONS
+    from grace_st.from_causal_lm import GIRCSE_REFERENCE_INSTRUCTIONS
 
     adapter, adapted, tokenizer = authors_adapter(tmp_path)
     model = grace_st.from_gircse_adapter(adapter, device="cpu")

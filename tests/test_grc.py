@@ -15,10 +15,10 @@ from test_training_quality import saved_base
 from test_training_trainer import DATA, config
 
 import grace_st
-from grace_st.decoding import DecodeOptions
-from grace_st.grc import LatentTokens, latent_pass, segment_mask, turn_logits
 from grace_st.memory import memory_prompt
-from grace_training.data import Triplet
+from grace_st.methods.grc import LatentTokens, latent_pass, segment_mask, turn_logits
+from grace_st.runtime.decoding import DecodeOptions
+from grace_training.data.examples import Triplet
 from grace_training.trainer import GRPOTrainer
 
 TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]
@@ -171,7 +171,7 @@ def test_the_masked_pass_slides_as_the_model_does_for_texts_longer_than_its_wind
 
 
 def test_grc_trains_a_sliding_window_model_and_refuses_layers_it_cannot_mask(tmp_path):
-    from grace_training.config import ConfigError
+    from grace_training.config.train_config import ConfigError
 
     model = sliding_grc_model("qwen2", 8)
     trainer = GRPOTrainer(grc_config(tmp_path, "sliding", 1, finetune="full"), model=model, train_data=DATA)
@@ -217,7 +217,7 @@ def test_several_memories_are_read_as_a_set_each_at_its_own_positions():
 def test_the_memory_benchmark_scores_a_text_read_from_its_own_memory_by_the_training_loss():
     """benchmarks/grc_memory.py's teacher-forced L_Recons: the training pass and loss, one text at a time, and the
     memory read is the one named (another text's changes the loss; its own gives the batch's value again)."""
-    from grace_training.grc import reconstruction_turns, token_loss
+    from grace_training.algorithms.grc.loss import reconstruction_turns, token_loss
 
     bench = load_benchmark("grc_memory")
     model = grc_model()
@@ -360,7 +360,7 @@ def test_a_grc_run_logs_each_loss_checkpoints_a_grc_model_and_resumes_bit_identi
 
 
 def test_grc_trains_cosent_on_scored_pairs_and_refuses_grpo_keys(tmp_path):
-    from grace_training.config import ConfigError
+    from grace_training.config.train_config import ConfigError
 
     pairs = [Triplet(DATA[i].query, DATA[i].positive, (), "sts", symmetric=True, score=float(i % 5)) for i in range(8)]
     cfg = grc_config(tmp_path, "sts", 1, batch_sampling="by_source")
@@ -373,7 +373,7 @@ def test_grc_trains_cosent_on_scored_pairs_and_refuses_grpo_keys(tmp_path):
 
 @pytest.mark.parametrize("finetune", ["lora", "full"])
 def test_start_targets_are_the_start_models_answers_however_far_the_policy_moved(tmp_path, finetune):
-    from grace_training.grc import response_targets
+    from grace_training.algorithms.grc.loss import response_targets
 
     base = grc_model()
     encoder = base[0]
@@ -397,7 +397,7 @@ def test_start_targets_are_the_start_models_answers_however_far_the_policy_moved
 
 def test_the_generation_loss_is_taken_on_the_response_tokens_each_from_the_state_before_it():
     """The model's own greedy response costs less than the same tokens reversed: the positions line up."""
-    from grace_training.grc import token_loss
+    from grace_training.algorithms.grc.loss import token_loss
 
     encoder = grc_model()[0]
     rows, span = encoder.prompt_token_ids(TEXTS, task="query")
@@ -420,8 +420,8 @@ def test_a_grc_checkpoint_exports_with_its_latents_and_builds_the_grc_default(tm
     from peft import LoraConfig, get_peft_model
 
     from grace_st import default_model as dm
-    from grace_training.config import GRPOConfig
-    from grace_training.export_adapter import export
+    from grace_training.config.train_config import GRPOConfig
+    from grace_training.tools.export_adapter import export
 
     base = grc_model()
     base.save(str(tmp_path / "base"))

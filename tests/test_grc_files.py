@@ -17,8 +17,8 @@ from test_grc import BUDGETS, TEXTS, grc_model
 
 import grace_st
 from grace_st import MemoryFileError
-from grace_st.adapter import LEARNED_STATE_RECORD
-from grace_st.grc import LATENT_FILE, MEMORY_DTYPES, LatentTokens
+from grace_st.files.adapter import LEARNED_STATE_RECORD
+from grace_st.methods.grc import LATENT_FILE, MEMORY_DTYPES, LatentTokens
 
 QUESTION = "What was it about?"
 

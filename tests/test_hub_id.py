@@ -21,8 +21,8 @@ from huggingface_hub import constants
 from sentence_transformers import SentenceTransformer
 
 from grace_st.encoder import GenerativeEncoder
-from grace_st.hub import snapshot_repo
-from grace_st.mteb_identity import model_id as _model_id
+from grace_st.files.hub import snapshot_repo
+from grace_st.files.mteb_identity import model_id as _model_id
 
 ST_MAJOR = int(sentence_transformers.__version__.split(".")[0])
 TEXTS = ["A man is playing a guitar.", "The central bank raised rates."]

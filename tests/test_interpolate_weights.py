@@ -1,4 +1,4 @@
-"""grace_training.interpolate_weights: a fully fine-tuned model moved back toward its base in weight space."""
+"""grace_training.tools.interpolate_weights: a fully fine-tuned model moved back toward its base in weight space."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from sentence_transformers import SentenceTransformer
 from test_average_adapters import weights as lm_weights
 
 from grace_st import from_causal_lm
-from grace_training.interpolate_weights import INTERPOLATED_FROM, interpolate_weights
+from grace_training.tools.interpolate_weights import INTERPOLATED_FROM, interpolate_weights
 
 TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]
 

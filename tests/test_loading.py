@@ -11,7 +11,7 @@ from safetensors.torch import load_file, save_file
 
 import grace_st
 from grace_st.cli import main
-from grace_st.loading import RemoteCodeError
+from grace_st.files.loading import RemoteCodeError
 
 TEXTS = ["The cat sat on the mat.", "Stock markets fell."]
 
@@ -160,7 +160,7 @@ def test_a_reference_that_only_starts_with_grace_st_is_refused_and_its_code_neve
 
 
 def test_only_exact_classes_of_the_installed_packages_pass():
-    from grace_st.loading import module_class_problem
+    from grace_st.files.loading import module_class_problem
 
     assert module_class_problem("grace_st.encoder.GenerativeEncoder") is None
     assert module_class_problem("sentence_transformers.models.Normalize") is None  # an old path, still installed
@@ -178,7 +178,7 @@ def test_only_exact_classes_of_the_installed_packages_pass():
 
 def test_nothing_but_the_loader_passes_trust_remote_code_true():
     """``trust_remote_code=True`` given to sentence-transformers or transformers anywhere but
-    grace_st/loading.py would reopen the door the loader closes (read from the source, comments
+    grace_st/files/loading.py would reopen the door the loader closes (read from the source, comments
     and docstrings aside: a keyword argument or a dict entry set to True)."""
     import ast
     from pathlib import Path
@@ -199,4 +199,4 @@ def test_nothing_but_the_loader_passes_trust_remote_code_true():
                 for name, value in pairs:
                     if name == "trust_remote_code" and isinstance(value, ast.Constant) and value.value is True:
                         found.append(f"{path.relative_to(root)}:{node.lineno}")
-    assert not found, f"trust_remote_code=True outside grace_st/loading.py: {found}"
+    assert not found, f"trust_remote_code=True outside grace_st/files/loading.py: {found}"

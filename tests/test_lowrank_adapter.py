@@ -1,4 +1,4 @@
-"""grace_training.lowrank_adapter: a full fine-tuning's delta as a LoRA adapter on its base."""
+"""grace_training.tools.lowrank_adapter: a full fine-tuning's delta as a LoRA adapter on its base."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 from test_interpolate_weights import TEXTS, saved
 
-from grace_training.lowrank_adapter import LOWRANK_FROM, TARGET_MODULES, lowrank_adapter, lowrank_factors
+from grace_training.tools.lowrank_adapter import LOWRANK_FROM, TARGET_MODULES, lowrank_adapter, lowrank_factors
 
 
 def test_factors_recover_a_low_rank_delta_and_the_calibrated_cut_moves_the_outputs_least():
@@ -160,8 +160,8 @@ def test_refuses_a_bad_rank_an_existing_output_calibration_without_data_and_anot
 
 
 def test_export_ships_it_with_what_it_approximates(tmp_path):
-    from grace_training.config import GRPOConfig
-    from grace_training.export_adapter import export
+    from grace_training.config.train_config import GRPOConfig
+    from grace_training.tools.export_adapter import export
 
     base = saved(tmp_path / "base")
     tuned = tuned_by_a_low_rank_delta(base, tmp_path / "tuned")

@@ -1,4 +1,4 @@
-"""The single-row decoding step as one native call (grace_st.native_step) against PyTorch's step."""
+"""The single-row decoding step as one native call (grace_st.runtime.cpu.native_step) against PyTorch's step."""
 
 import ctypes
 import logging
@@ -9,10 +9,10 @@ import pytest
 import torch
 from conftest import make_lora_model, make_model, make_prompts, make_tokenizer, one_pass_rollouts
 
-from grace_st import native_step
-from grace_st.decoding import DecodeOptions
-from grace_st.native_step import NativeStep
-from grace_st.transformers_compat import cache_kwargs
+from grace_st.runtime.cpu import native_step
+from grace_st.runtime.cpu.native_step import NativeStep
+from grace_st.runtime.decoding import DecodeOptions
+from grace_st.runtime.transformers_compat import cache_kwargs
 
 needs_compiler = pytest.mark.skipif(native_step.library() is None, reason="no C compiler to build the native step")
 PYTORCH_STEP = DecodeOptions(native_step=False)
@@ -70,7 +70,7 @@ def test_a_row_decoded_alone_gets_pytorch_s_rationale_and_states(tied, do_sample
 def test_the_step_s_logits_and_cache_equal_the_model_s_forward():
     """One step straight against transformers' forward: the keys and values it writes, the final
     normed state and every logit."""
-    from grace_st.decoding import preallocated_cache
+    from grace_st.runtime.decoding import preallocated_cache
 
     _, model, rows, _ = make_prompts()
     ids = torch.tensor([rows[2]])
@@ -174,7 +174,7 @@ def test_a_compiler_that_fails_leaves_pytorch_s_step_and_says_why(monkeypatch, t
     monkeypatch.setenv("GRACE_ST_HOME", str(tmp_path))
     monkeypatch.setenv("CC", "false")
     monkeypatch.setattr(native_step, "_library_state", {})
-    with caplog.at_level(logging.INFO, logger="grace_st.native_step"):
+    with caplog.at_level(logging.INFO, logger="grace_st.runtime.cpu.native_step"):
         assert native_step.library() is None
     assert "could not be built" in caplog.text
     assert not list(tmp_path.rglob("*.so"))
@@ -208,9 +208,9 @@ def test_the_library_is_built_once_into_the_grace_home(monkeypatch, tmp_path):
 
 @needs_compiler
 def test_int8_weights_decode_natively_as_the_int8_layers_do(native_calls):
-    """grace_st.quantization's layers: int8 rows and a scale a row, inputs and outputs rounded to
+    """grace_st.runtime.cpu.quantization's layers: int8 rows and a scale a row, inputs and outputs rounded to
     bfloat16; the native step does the same arithmetic in another order of sums."""
-    from grace_st.quantization import quantize_weights
+    from grace_st.runtime.cpu.quantization import quantize_weights
 
     tokenizer, model, rows, spans = make_prompts()
     quantize_weights(model, "int8")
@@ -227,7 +227,7 @@ def test_two_threads_decoding_with_one_model_keep_to_their_own_caches():
     """The bound step is shared by a model's callers; each thread fills in its own cache's buffers."""
     import threading
 
-    from grace_st.decoding import preallocated_cache
+    from grace_st.runtime.decoding import preallocated_cache
 
     _, model, rows, _ = make_prompts()
     step = NativeStep.for_model(model)
@@ -261,7 +261,7 @@ def test_two_threads_decoding_with_one_model_keep_to_their_own_caches():
 def test_a_new_cache_that_shares_one_buffer_s_address_with_the_last_is_bound_anew():
     """The allocator can give a new cache the freed keys' address and put its values elsewhere: the
     step must write into the new values, never through the old table into freed memory."""
-    from grace_st.decoding import preallocated_cache
+    from grace_st.runtime.decoding import preallocated_cache
 
     _, model, rows, _ = make_prompts()
     ids = torch.tensor([rows[2]])
@@ -304,8 +304,8 @@ def test_a_batch_decodes_natively_and_gets_pytorch_s_rationales_and_states(
 
 def _prompt_cache(model, rows):
     """A preallocated cache holding left-padded ``rows`` (PyTorch's pass), its mask, and its room."""
-    from grace_st.batch import left_pad
-    from grace_st.decoding import preallocated_cache
+    from grace_st.runtime.batch import left_pad
+    from grace_st.runtime.decoding import preallocated_cache
 
     ids, mask = left_pad(rows, 0)
     cache = preallocated_cache(model, ids.shape[1] + 4)
@@ -347,8 +347,8 @@ def test_a_row_s_step_does_not_depend_on_the_other_rows_or_the_threads():
 @needs_compiler
 @pytest.mark.parametrize("budget", [4, 0])  # 0: no logits at all (only the shared prefix needs a cache)
 def test_the_prompt_pass_skips_padding_and_gives_the_model_s_states_logits_and_cache(budget, native_prefills):
-    from grace_st.batch import left_pad
-    from grace_st.decoding import DecodeOptions, incremental_decoder
+    from grace_st.runtime.batch import left_pad
+    from grace_st.runtime.decoding import DecodeOptions, incremental_decoder
 
     tokenizer, _, rows, spans = make_prompts()
     model = make_model(tokenizer, hidden_size=64)
@@ -377,7 +377,7 @@ def test_the_prompt_pass_skips_padding_and_gives_the_model_s_states_logits_and_c
 
 @needs_compiler
 def test_int8_weights_leave_many_rows_to_pytorch(native_calls, native_prefills):
-    from grace_st.quantization import quantize_weights
+    from grace_st.runtime.cpu.quantization import quantize_weights
 
     tokenizer, model, rows, spans = make_prompts()
     quantize_weights(model, "int8")

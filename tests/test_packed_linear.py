@@ -1,4 +1,4 @@
-"""oneDNN-packed linear layers (grace_st.packed_linear) and the preallocated KV cache."""
+"""oneDNN-packed linear layers (grace_st.runtime.cpu.packed_linear) and the preallocated KV cache."""
 
 import copy
 import pickle
@@ -7,11 +7,11 @@ import pytest
 import torch
 from conftest import make_prompts, one_pass_rollouts
 
-from grace_st import packed_linear
-from grace_st.batch import left_pad
-from grace_st.decoding import DecodeOptions, preallocated_cache
-from grace_st.packed_linear import packed_linears, packing_enabled
-from grace_st.transformers_compat import cache_kwargs
+from grace_st.runtime.cpu import packed_linear
+from grace_st.runtime.batch import left_pad
+from grace_st.runtime.cpu.packed_linear import packed_linears, packing_enabled
+from grace_st.runtime.decoding import DecodeOptions, preallocated_cache
+from grace_st.runtime.transformers_compat import cache_kwargs
 
 needs_packing = pytest.mark.skipif(not packing_enabled(), reason="this PyTorch has no oneDNN packed linear operators")
 
@@ -314,7 +314,7 @@ def test_a_query_decoded_alone_gets_the_rationale_of_the_packed_layout():
     """The one-row layout changes how fast batch-1 decoding reads the weights, not what it writes."""
     tokenizer, model, rows, spans = make_prompts()
     for row, span in zip(rows, spans):
-        # PyTorch's step, where the layout is used (the native one, grace_st.native_step, has its own)
+        # PyTorch's step, where the layout is used (the native one, grace_st.runtime.cpu.native_step, has its own)
         laid = one_pass_rollouts(model, tokenizer, [row], [span], 8, options=DecodeOptions(native_step=False))
         packed = one_pass_rollouts(
             model, tokenizer, [row], [span], 8, options=DecodeOptions(one_row_layout=False, native_step=False)

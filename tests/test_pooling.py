@@ -1,6 +1,6 @@
 import torch
 
-from grace_st.batch import left_pad, masked_mean, prompt_pooling_mask
+from grace_st.runtime.batch import left_pad, masked_mean, prompt_pooling_mask
 
 
 def test_masked_mean_over_left_padded_rows():

@@ -1,11 +1,11 @@
-"""int8 weight-only linear layers chosen at load (grace_st.quantization)."""
+"""int8 weight-only linear layers chosen at load (grace_st.runtime.cpu.quantization)."""
 
 import numpy as np
 import pytest
 import torch
 from conftest import make_st_model
 
-from grace_st.quantization import Int8WeightOnlyLinear, quantization_scheme, quantize_weights
+from grace_st.runtime.cpu.quantization import Int8WeightOnlyLinear, quantization_scheme, quantize_weights
 
 TEXTS = ["The cat sat on the mat.", "Proteins fold into shapes that decide what they do in the cell."]
 
@@ -73,7 +73,7 @@ def test_an_unknown_scheme_and_an_unmerged_adapter_are_refused(saved):
 
 @pytest.mark.parametrize("bfloat16_matmul", [True, False], ids=["bfloat16-cpu", "avx2-cpu"])
 def test_many_rows_take_the_expanded_weight_and_agree_with_the_kernel(monkeypatch, bfloat16_matmul):
-    from grace_st import quantization
+    from grace_st.runtime.cpu import quantization
 
     torch.manual_seed(1)
     layer = Int8WeightOnlyLinear(torch.nn.Linear(64, 40, bias=False))

@@ -12,8 +12,8 @@ import pytest
 from conftest import CORPUS
 from test_server import Running, needs_compiler, tiny
 
-from grace_st.scheduler import Scheduler
-from grace_st.server import create_app
+from grace_st.serve.scheduler import Scheduler
+from grace_st.serve.server import create_app
 
 BUDGETS = {"default": 4, "query": 0, "document": 0}  # queries and documents one prompt pass, plain texts think
 TEXTS = [f"{i}: {CORPUS[i % 7]}"[: 12 + 3 * (i % 11)] for i in range(48)]  # distinct, of many lengths

@@ -19,8 +19,8 @@ import pytest
 from conftest import make_model, make_tokenizer
 
 from grace_st import from_causal_lm, native_step
-from grace_st.scheduler import QueueFull, Scheduler
-from grace_st.server import Limits, create_app, create_server
+from grace_st.serve.scheduler import QueueFull, Scheduler
+from grace_st.serve.server import Limits, create_app, create_server
 
 needs_compiler = pytest.mark.skipif(native_step.library() is None, reason="no C compiler to build the native step")
 KEY = "test-key"
@@ -358,7 +358,7 @@ def test_a_row_s_states_are_let_go_when_it_ends_not_when_its_request_does(model,
     import gc
     import weakref
 
-    from grace_st.generation import RolloutStream
+    from grace_st.runtime.generation import RolloutStream
 
     ended, alive_after = [], []
     step = RolloutStream.step
@@ -399,7 +399,7 @@ def test_the_scheduler_refuses_past_its_bound_and_drops_a_cancelled_request_s_ro
 
 
 def test_a_client_that_disconnects_has_its_rows_dropped(monkeypatch):
-    from grace_st.generation import RolloutStream
+    from grace_st.runtime.generation import RolloutStream
 
     steps = []
     decode = RolloutStream._decode
@@ -455,7 +455,7 @@ class Records(logging.Handler):
 
 
 def test_a_request_unanswered_when_the_shutdown_grace_ends_gets_a_503_and_no_traceback(monkeypatch):
-    from grace_st.generation import RolloutStream
+    from grace_st.runtime.generation import RolloutStream
 
     decode = RolloutStream._decode
     monkeypatch.setattr(RolloutStream, "_decode", lambda stream: (time.sleep(0.02), decode(stream))[1])
@@ -553,7 +553,7 @@ def test_a_request_served_through_encode_is_dropped_between_its_batches_once_can
 )
 def test_an_api_key_no_client_could_send_is_a_startup_error(monkeypatch, capsys, given, environment, words):
     from grace_st import cli
-    from grace_st.server import api_key_from
+    from grace_st.serve.server import api_key_from
 
     if environment is None:
         monkeypatch.delenv("GRACE_ST_API_KEY", raising=False)
@@ -575,7 +575,7 @@ def test_an_api_key_no_client_could_send_is_a_startup_error(monkeypatch, capsys,
 
 
 def test_an_api_key_is_the_option_s_else_the_environment_s_else_none(monkeypatch):
-    from grace_st.server import api_key_from
+    from grace_st.serve.server import api_key_from
 
     monkeypatch.setenv("GRACE_ST_API_KEY", "from-environment")
     assert api_key_from("from-option") == "from-option" and api_key_from(None) == "from-environment"
@@ -682,7 +682,7 @@ def test_int8_weights_are_served_as_encode_embeds_them_bit_for_bit():
     """int8 layers round differently for few rows (the kernel) and many (a matmul): a burst served through the
     stream would mix its rows into wide steps. Each request is encode's own call instead, so every answer is
     the in-process int8 encode's, bit for bit."""
-    from grace_st.quantization import quantize_weights
+    from grace_st.runtime.cpu.quantization import quantize_weights
 
     model = tiny(max_rationale_tokens={"default": 6, "query": 4, "document": 0})
     quantize_weights(model[0].model, "int8")

@@ -10,7 +10,7 @@ import pytest
 from conftest import make_model, make_tokenizer
 
 from grace_st import explain, from_causal_lm
-from grace_st.decoding import DecodeOptions
+from grace_st.runtime.decoding import DecodeOptions
 
 THREADS = 6
 ROUNDS = 2

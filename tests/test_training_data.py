@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from grace_training.config import GRPOConfig, parse_overrides
-from grace_training.data import load_data, load_source
-from grace_training.mining import BM25, mine_negatives
+from grace_training.config.train_config import GRPOConfig, parse_overrides
+from grace_training.data.examples import load_data, load_source
+from grace_training.data.mining import BM25, mine_negatives
 
 
 def write(path, text):

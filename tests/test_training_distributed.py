@@ -274,7 +274,7 @@ def test_launches_that_would_not_run_what_was_asked_are_refused(workspace):
     ],
 )
 def test_check_launch_tells_a_single_process_from_a_real_launch(env, refused):
-    from grace_training.config import LaunchError, check_launch
+    from grace_training.config.train_config import LaunchError, check_launch
 
     if refused:
         with pytest.raises(LaunchError, match="starts a single process"):
@@ -289,8 +289,8 @@ def test_fsdp_with_hf_rollouts_on_several_processes_is_refused():
 
     from accelerate.utils import DistributedType
 
-    from grace_training.config import ConfigError, GRPOConfig
-    from grace_training.processes import check_sharding as _check_sharding
+    from grace_training.config.train_config import ConfigError, GRPOConfig
+    from grace_training.run.processes import check_sharding as _check_sharding
 
     fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=8)
     with pytest.raises(ConfigError, match="rollout_backend: hf cannot run under FSDP"):

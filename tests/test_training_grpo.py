@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import make_lora_model, make_model, make_tokenizer
 
-from grace_training.grpo import build_policy_batch, completion_log_probs, group_advantages, grpo_loss
+from grace_training.algorithms.grpo.loss import build_policy_batch, completion_log_probs, group_advantages, grpo_loss
 
 
 def test_build_policy_batch_layout():
@@ -103,7 +103,7 @@ def test_token_level_aggregation_splits_into_chunks():
 def test_a_prompt_shared_by_k_rollouts_runs_once_with_the_same_loss_and_gradients():
     """The update pass over the K rollouts of a positive: each distinct prompt is run once and its
     keys and values expanded; log-probs, pooled states and LoRA gradients equal the full pass's."""
-    from grace_training.grpo import policy_pass
+    from grace_training.algorithms.grpo.loss import policy_pass
 
     tokenizer = make_tokenizer()
     model = make_lora_model(tokenizer, seed=1)
@@ -137,7 +137,7 @@ def test_text_kl_is_the_kl_to_the_reference_over_the_texts_own_positions():
     """The LM-hold term: KL(π_ref ‖ π_θ) of the full next-token distribution at each position whose
     next token is text after the instruction span; zero for the adapter's initial (zero) update; the
     same from the shared-prompt pass as from the full one, with gradients into LoRA."""
-    from grace_training.grpo import policy_pass, text_kl, text_log_probs
+    from grace_training.algorithms.grpo.loss import policy_pass, text_kl, text_log_probs
 
     tokenizer = make_tokenizer()
     model = make_lora_model(tokenizer)

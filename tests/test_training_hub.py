@@ -11,10 +11,10 @@ from types import SimpleNamespace
 import pytest
 from conftest import CORPUS, make_st_model
 
-from grace_training.checkpoint import list_checkpoints
-from grace_training.config import GRPOConfig
-from grace_training.data import Triplet
-from grace_training.hub import HubPusher, permanent_reason
+from grace_training.config.train_config import GRPOConfig
+from grace_training.data.examples import Triplet
+from grace_training.run.checkpoint import list_checkpoints
+from grace_training.run.hub import HubPusher, permanent_reason
 from grace_training.trainer import GRPOTrainer
 
 
@@ -183,7 +183,7 @@ def test_a_permanent_error_disables_pushes_and_releases_rotation(tmp_path, caplo
     pusher = HubPusher("me/grace", tmp_path, api=api, sleep=waits.append)
     gate = threading.Event()  # both checkpoints queued before the first attempt
     api.gate = gate
-    with caplog.at_level(logging.ERROR, logger="grace_training.hub"):
+    with caplog.at_level(logging.ERROR, logger="grace_training.run.hub"):
         for step in (1, 2):
             pusher.submit(checkpoint(tmp_path, step), step)
         gate.set()

@@ -12,8 +12,7 @@ from sentence_transformers import SentenceTransformer
 from test_training_trainer import DATA, config
 
 import grace_st
-from grace_training.data import Triplet
-from grace_training.grpo import (
+from grace_training.algorithms.grpo.loss import (
     advantage_shares,
     build_policy_batch,
     graded_contrastive_loss,
@@ -21,7 +20,8 @@ from grace_training.grpo import (
     policy_pass,
     pooled_contrastive_loss,
 )
-from grace_training.rewards import compute_rewards, reward_parts
+from grace_training.algorithms.grpo.rewards import compute_rewards, reward_parts
+from grace_training.data.examples import Triplet
 from grace_training.trainer import GRPOTrainer
 
 

@@ -20,19 +20,19 @@ import pytest
 import torch
 from conftest import CORPUS, make_st_model
 
-from grace_training import checkpoint as checkpoint_module
-from grace_training.checkpoint import (
+from grace_training.run import checkpoint as checkpoint_module
+from grace_training.cli import main
+from grace_training.config.train_config import RULES, ConfigError, GRPOConfig, config_table
+from grace_training.data.examples import Triplet
+from grace_training.run.checkpoint import (
     CheckpointError,
     list_checkpoints,
     read_trainer_state,
     remove_incomplete,
     write_checkpoint,
 )
-from grace_training.cli import main
-from grace_training.config import RULES, ConfigError, GRPOConfig, config_table
-from grace_training.data import Triplet
-from grace_training.metrics import MetricsLogger
-from grace_training.run_dir import config_changes
+from grace_training.run.metrics import MetricsLogger
+from grace_training.run.run_dir import config_changes
 from grace_training.trainer import GRPOTrainer
 
 DATA = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "toy") for i in range(8)]
@@ -123,7 +123,7 @@ def test_a_kill_during_rotation_leaves_no_half_deleted_checkpoint_and_the_next_s
     """Rotation renames a checkpoint it drops to .deleting-checkpoint-* before deleting a file of it:
     a kill part way leaves that name, which the next start removes, and every checkpoint that was
     reported saved (kept, or another run's) stays as it was."""
-    from grace_training.checkpoint import RunFamily, rotate_checkpoints
+    from grace_training.run.checkpoint import RunFamily, rotate_checkpoints
 
     mine = RunFamily("mine")
     for step in (1, 2, 3):
@@ -391,9 +391,9 @@ def test_every_config_key_has_its_help_rules_and_resume_kind_once_and_the_docs_t
         assert item.metadata["resume"] in ("free", "applied", "fixed"), item.name
         assert RULES[item.name] == item.metadata["rules"]
     docs = (Path(__file__).parents[1] / "docs" / "training.md").read_text(encoding="utf-8")
-    start, end = "<!-- config table: python -m grace_training.config -->\n", "\n<!-- end of config table -->"
+    start, end = "<!-- config table: python -m grace_training.config.train_config -->\n", "\n<!-- end of config table -->"
     assert docs[docs.index(start) + len(start) : docs.index(end)] == config_table(), (
-        "docs/training.md's config table is stale: paste `python -m grace_training.config` between its markers"
+        "docs/training.md's config table is stale: paste `python -m grace_training.config.train_config` between its markers"
     )
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from grace_training.grpo import group_advantages
-from grace_training.rewards import (
+from grace_training.algorithms.grpo.loss import group_advantages
+from grace_training.algorithms.grpo.rewards import (
     compute_rewards,
     consistency_reward,
     contrastive_reward,
@@ -127,8 +127,8 @@ def test_the_config_names_exactly_the_stages_keyword_arguments():
     every key they give is a keyword of the stage, and every config-owned keyword is given."""
     import inspect
 
-    from grace_training.config import GRPOConfig
-    from grace_training.rollout import asymmetric_rollouts
+    from grace_training.algorithms.grpo.rollout import asymmetric_rollouts
+    from grace_training.config.train_config import GRPOConfig
 
     config = GRPOConfig()
     per_call = {"step", "generate", "instance_offset", "all_queries", "all_positives", "own_index"}

@@ -8,15 +8,15 @@ import pytest
 import torch
 from conftest import CORPUS, make_st_model
 
-from grace_training.data import Triplet
-from grace_training.rollout import (
+from grace_training.algorithms.grpo.rollout import (
     RolloutRequest,
     asymmetric_rollouts,
     embed_rollouts,
     hf_generate,
     tokenize_prompts,
 )
-from grace_training.vllm_backend import VLLMRolloutEngine, vllm_available
+from grace_training.algorithms.grpo.vllm_backend import VLLMRolloutEngine, vllm_available
+from grace_training.data.examples import Triplet
 
 TRIPLETS = [
     Triplet(CORPUS[0], CORPUS[1], (CORPUS[2], CORPUS[3])),
@@ -58,7 +58,7 @@ def test_asymmetric_rollout_counts(model):
 
 
 def test_a_step_makes_one_generation_call_with_each_roles_temperature(model):
-    from grace_training.rollout import hf_generate
+    from grace_training.algorithms.grpo.rollout import hf_generate
 
     calls = []
 
@@ -85,7 +85,7 @@ def test_rollouts_are_seeded_by_step(model):
 def test_rollout_embedding_is_encode_embedding(model, monkeypatch):
     """The embedding a rollout is rewarded for is the one `encode` returns (greedy, same prompt), and both
     come from the same calls: the encoder's RationaleEngine's generate, then its embed."""
-    from grace_st.engine import RationaleEngine
+    from grace_st.methods import RationaleEngine
 
     calls = []
     for name in ("generate", "embed"):
@@ -128,7 +128,7 @@ def test_prompts_come_from_the_encoder_preprocess(model):
 
 def _stand_in_vllm(monkeypatch, outputs):
     """A stand-in for vLLM's LLM: records the requests and the loaded weights."""
-    import grace_st.vllm_backend as backend
+    import grace_st.runtime.vllm_backend as backend
 
     monkeypatch.setattr(backend, "_sampling_params_class", lambda: types.SimpleNamespace)
     loaded, requests = {}, []
@@ -188,7 +188,7 @@ SHIPPED_BUDGETS = {"default": 6, "query": 6, "document": 0}
 def test_documents_at_budget_zero_roll_out_the_query_side(model):
     """Retrieval with prompt-only documents: the query is rolled out K times, the positive document
     (no rationale) is the anchor, negatives get no rationale; one generate call a budget."""
-    from grace_training.rollout import hf_generate
+    from grace_training.algorithms.grpo.rollout import hf_generate
 
     calls = []
 
@@ -215,7 +215,7 @@ def test_documents_at_budget_zero_roll_out_the_query_side(model):
 
 
 def test_documents_with_a_budget_and_symmetric_pairs_keep_the_paper_roles(model):
-    from grace_training.rollout import instance_roles
+    from grace_training.algorithms.grpo.rollout import instance_roles
 
     plain = rollouts(model)
     same = rollouts(model, max_new_tokens={"default": 6})
@@ -251,8 +251,8 @@ def test_a_symmetric_rollout_is_the_default_prompt_encode_embedding(model):
 
 
 def test_length_buckets_split_short_from_long_prompts_and_change_nothing(model):
-    from grace_st.engine import length_buckets
-    from grace_training.rollout import hf_generate
+    from grace_st.methods import length_buckets
+    from grace_training.algorithms.grpo.rollout import hf_generate
 
     lengths = [40, 120, 41, 118, 42, 43, 44, 45, 46, 47, 48, 125]
     chunks = length_buckets(lengths, batch_size=64, ratio=1.5, min_rows=8)

@@ -18,7 +18,10 @@ from conftest import CORPUS, make_st_model
 from test_training_reliability import DATA, small_config
 
 import grace_training
-from grace_training.checkpoint import (
+from grace_training.algorithms.grpo.step import GRPOStep
+from grace_training.cli import main
+from grace_training.config.train_config import ALGORITHMS, RESUME_CHANGES, ConfigError, GRPOConfig, check_environment
+from grace_training.run.checkpoint import (
     CheckpointError,
     RunFamily,
     checkpoint_name,
@@ -26,10 +29,7 @@ from grace_training.checkpoint import (
     read_run_id,
     write_checkpoint,
 )
-from grace_training.cli import main
-from grace_training.config import ALGORITHMS, RESUME_CHANGES, ConfigError, GRPOConfig, check_environment
-from grace_training.grpo_step import GRPOStep
-from grace_training.run_dir import (
+from grace_training.run.run_dir import (
     INFONCE,
     MARKER,
     ConfigChangeError,

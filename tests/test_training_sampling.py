@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from grace_training.data import Triplet, load_data, source_weights
-from grace_training.sampling import BatchSchedule
+from grace_training.data.examples import Triplet, load_data, source_weights
+from grace_training.data.sampling import BatchSchedule
 
 
 def _gzip_jsonl(path, rows):

@@ -11,9 +11,9 @@ from conftest import CORPUS, make_st_model
 from sentence_transformers import SentenceTransformer
 
 import grace_training.trainer as trainer_module
-from grace_training.checkpoint import latest_checkpoint, list_checkpoints, rotate_checkpoints
-from grace_training.config import GRPOConfig
-from grace_training.data import Triplet
+from grace_training.config.train_config import GRPOConfig
+from grace_training.data.examples import Triplet
+from grace_training.run.checkpoint import latest_checkpoint, list_checkpoints, rotate_checkpoints
 from grace_training.trainer import GRPOTrainer
 
 DATA = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "toy") for i in range(8)]
@@ -286,7 +286,7 @@ def test_save_model_dir_writes_the_gathered_weights_given_not_the_ones_in_memory
     its own, and a later save writes those again."""
     from safetensors.torch import load_file
 
-    from grace_training.checkpoint import save_model_dir
+    from grace_training.run.checkpoint import save_model_dir
 
     if lora:
         from test_adapter import adapter_model

@@ -9,8 +9,8 @@ from pathlib import Path
 from conftest import CORPUS
 from test_training_quality import saved_base
 
-from grace_training.config import GRPOConfig
-from grace_training.data import Triplet
+from grace_training.config.train_config import GRPOConfig
+from grace_training.data.examples import Triplet
 from grace_training.trainer import GRPOTrainer
 
 RECIPE = Path(__file__).resolve().parents[1] / "grace_training" / "configs" / "unsup_smollm2.yaml"
@@ -42,7 +42,7 @@ def test_two_steps_of_the_recipe_train_and_checkpoint(tmp_path):
 
 
 def test_unsupervised_texts_keep_their_source_s_prompt_type(tmp_path):
-    from grace_training.data import load_data
+    from grace_training.data.examples import load_data
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n".join(TEXTS[:4]) + "\n", encoding="utf-8")

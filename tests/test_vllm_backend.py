@@ -10,10 +10,10 @@ import pytest
 import torch
 from conftest import PROMPT_TEXTS, make_model, make_prompts, make_tokenizer, one_pass_rollouts
 
-from grace_st.batch import Rationales
-from grace_st.generation import RolloutSettings, generate_rollouts
-from grace_st.second_pass import two_pass_reference
-from grace_st.vllm_backend import INSTALL_HINT, VLLMRationaleGenerator, pooled_embeddings
+from grace_st.runtime.batch import Rationales
+from grace_st.runtime.generation import RolloutSettings, generate_rollouts
+from grace_st.runtime.second_pass import two_pass_reference
+from grace_st.runtime.vllm_backend import INSTALL_HINT, VLLMRationaleGenerator, pooled_embeddings
 
 TEXTS = PROMPT_TEXTS
 

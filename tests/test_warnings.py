@@ -2,7 +2,7 @@
 ``explain``, ``grace-st encode`` and the training pass run without a single warning.
 
 transformers 5.x renamed the KV cache argument and output field (``past_key_values`` → ``cache``) and
-gradient checkpointing (→ activation checkpointing), warning on the old names; grace_st.transformers_compat
+gradient checkpointing (→ activation checkpointing), warning on the old names; grace_st.runtime.transformers_compat
 passes each under the name the installed release takes. Models are built (and PEFT adapters attached, which
 reads transformers' deprecated ``is_gradient_checkpointing`` inside PEFT's own code) before recording starts.
 """
@@ -18,7 +18,7 @@ import torch
 from conftest import make_lora_model, make_model, make_st_model, make_tokenizer
 
 import grace_st
-from grace_st.decoding import DecodeOptions
+from grace_st.runtime.decoding import DecodeOptions
 
 TEXTS = [
     "The cat sat on the mat and looked at the garden.",
@@ -140,8 +140,8 @@ def test_grace_st_encode_warns_nothing(tmp_path, capsys):
 def test_the_training_pass_warns_nothing():
     """The shared-prompt update pass (its prompts' KV cache read from one output, fed to the next call),
     its backward, and activation checkpointing turned on."""
-    from grace_st.transformers_compat import enable_activation_checkpointing
-    from grace_training.grpo import build_policy_batch, grpo_loss, policy_pass
+    from grace_st.runtime.transformers_compat import enable_activation_checkpointing
+    from grace_training.algorithms.grpo.loss import build_policy_batch, grpo_loss, policy_pass
 
     tokenizer = make_tokenizer()
     model = make_lora_model(tokenizer, seed=1)
@@ -161,7 +161,7 @@ def test_the_training_pass_warns_nothing():
 def test_a_lora_policy_is_attached_without_a_warning():
     """``grace-train``'s LoRA policy: PEFT reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps
     the base; that warning is PEFT's, not the user's, and the run prints none."""
-    from grace_training.config import GRPOConfig
+    from grace_training.config.train_config import GRPOConfig
     from grace_training.policy import add_lora_adapter
 
     model = make_model(make_tokenizer())

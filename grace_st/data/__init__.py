@@ -4,8 +4,8 @@ tasks and the benchmarks all read through it. Standard library only."""
 
 from __future__ import annotations
 
-from .files import SCOREBOARD_SEED, DataFileError, id_fraction, scoreboard_sample
-from .formats import (
+from grace_st.data.files import SCOREBOARD_SEED, DataFileError, id_fraction, scoreboard_sample
+from grace_st.data.formats import (
     BeirFolder,
     BeirRecord,
     LabelledPair,

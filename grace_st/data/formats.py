@@ -1,4 +1,4 @@
-"""The dataset formats grace-st reads, each parsed here once for training (``grace_training.data``),
+"""The dataset formats grace-st reads, each parsed here once for training (``grace_training.data.examples``),
 the local mteb tasks (``grace_st.evaluation``) and the benchmarks (``benchmarks/dev_eval.py``):
 
 - scored pairs (STS-B, SICK): a table with ``score``, ``sentence1``, ``sentence2``;
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .files import (
+from grace_st.data.files import (
     DataFileError,
     OnError,
     Row,

@@ -15,8 +15,8 @@ Needs the ``mteb`` extra (``pip install grace-st[mteb]``).
 
 from __future__ import annotations
 
-from . import local_tasks
-from .local_tasks import *  # noqa: F403 -- the task classes and builders, listed in local_tasks.__all__
-from .runner import default_cache_dir, format_table, mteb_wrapper, run_evaluation
+from grace_st.evaluation import local_tasks
+from grace_st.evaluation.local_tasks import *  # noqa: F403 -- the task classes and builders, listed in local_tasks.__all__
+from grace_st.evaluation.runner import default_cache_dir, format_table, mteb_wrapper, run_evaluation
 
 __all__ = [*local_tasks.__all__, "default_cache_dir", "format_table", "mteb_wrapper", "run_evaluation"]

@@ -42,8 +42,8 @@ from mteb.abstasks.retrieval import AbsTaskRetrieval
 from mteb.abstasks.sts import AbsTaskSTS
 from mteb.abstasks.task_metadata import TaskMetadata
 
-from ..data.files import SAMPLING_SEED, DataFileError, fingerprint, sample_indices, sample_keys, shuffled
-from ..data.formats import beir_paths, read_beir, read_labelled_pairs, read_labelled_texts, read_scored_pairs
+from grace_st.data.files import SAMPLING_SEED, DataFileError, fingerprint, sample_indices, sample_keys, shuffled
+from grace_st.data.formats import beir_paths, read_beir, read_labelled_pairs, read_labelled_texts, read_scored_pairs
 
 logger = logging.getLogger(__name__)
 

@@ -150,12 +150,9 @@ def run_evaluation(
     wrapped = mteb_wrapper(model, evaluated) if isinstance(model, SentenceTransformer) else model
     model_name, model_revision = wrapped.mteb_model_meta.name, wrapped.mteb_model_meta.revision
     cache_path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    run = {
-        "encode_kwargs": {"batch_size": batch_size, "show_progress_bar": show_progress_bar},
-        "cache": mteb.ResultCache(cache_path),
-        "overwrite_strategy": overwrite_strategy,
-        "show_progress_bar": show_progress_bar,
-    }
+    encode_kwargs = {"batch_size": batch_size, "show_progress_bar": show_progress_bar}
+    run = {"encode_kwargs": encode_kwargs, "cache": mteb.ResultCache(cache_path),
+           "overwrite_strategy": overwrite_strategy, "show_progress_bar": show_progress_bar}
 
     progress = tqdm(runnable, desc="Evaluating", unit="task", disable=not show_progress_bar)
     for task, failure in progress:
@@ -168,13 +165,9 @@ def run_evaluation(
         entries.append(entry)
 
     encoder = model[0] if isinstance(model, SentenceTransformer) and len(model) else None
-    return {
-        "model": {"name": model_name, "revision": model_revision},
-        "mteb_version": mteb.__version__,
-        "cache_dir": str(cache_path),
-        "encoder": _clean(encoder.get_config_dict()) if hasattr(encoder, "get_config_dict") else None,
-        "tasks": entries,
-    }
+    settings = _clean(encoder.get_config_dict()) if hasattr(encoder, "get_config_dict") else None
+    return {"model": {"name": model_name, "revision": model_revision}, "mteb_version": mteb.__version__,
+            "cache_dir": str(cache_path), "encoder": settings, "tasks": entries}
 
 
 def _evaluate_task(wrapped, task, *, encode_kwargs, cache, overwrite_strategy, show_progress_bar):

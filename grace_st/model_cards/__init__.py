@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +77,7 @@ def render_model_card(
     """
     import jinja2
 
-    from .. import __version__
+    __version__ = sys.modules["grace_st"].__version__  # the loaded package's: it imports this module, not the reverse
 
     encoder = model[0]
     config = {

@@ -3,6 +3,6 @@
 
 import sys
 
-from . import methods_table, results_table
+from grace_st.model_cards import methods_table, results_table
 
 print(methods_table() if sys.argv[1:] == ["methods"] else results_table(), end="")

@@ -1,0 +1,276 @@
+"""How a :class:`~grace_st.encoder.GenerativeEncoder` is saved and loaded.
+
+:func:`save` writes the causal LM's weights (or its LoRA adapter), the tokenizer and the settings
+(``grace_config.json``) at the root of the model directory; :func:`load` reads them back, from a
+directory or a Hub id, and checks that the weights are the ones the settings were saved with
+(``weights_revision``). :func:`save`, :func:`load` and :func:`load_config` are the class's methods of those
+names, which sentence-transformers calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from grace_st.runtime.cpu import quantization
+from grace_st.files.adapter import (
+    ADAPTER_WEIGHTS,
+    adapter_base,
+    check_learned_state,
+    copy_adapter,
+    is_adapter_dir,
+    is_peft_model,
+    load_base_and_adapter,
+    record_learned_state,
+    save_adapter,
+)
+from grace_st.runtime.weights import weights_fingerprint
+from grace_st.settings import read_settings_file
+
+if TYPE_CHECKING:
+    from grace_st.encoder import GenerativeEncoder
+
+# model_kwargs that load the weights in another form than saved (their fingerprint differs by design).
+CHANGES_WEIGHTS = frozenset(
+    {"dtype", "torch_dtype", "quantization_config", "device_map", "load_in_8bit", "load_in_4bit", quantization.LOAD_KEY}
+)
+
+
+def hub_kwargs(token, cache_folder, revision, local_files_only, trust_remote_code, subfolder) -> dict[str, Any]:
+    kwargs = {
+        "token": token,
+        "cache_dir": cache_folder,
+        "revision": revision,
+        "local_files_only": local_files_only,
+        "trust_remote_code": trust_remote_code,
+    }
+    if subfolder:
+        kwargs["subfolder"] = subfolder
+    return kwargs
+
+
+def model_and_tokenizer(
+    model_name_or_path: str | None, model, tokenizer, merge_adapter: bool, model_kwargs, tokenizer_kwargs
+):
+    """The given causal LM and tokenizer, or both loaded from ``model_name_or_path`` (a base with its
+    saved LoRA adapter, when the folder holds one); a damaged weights file is named
+    (:func:`naming_damaged_weights`)."""
+    from transformers import AutoTokenizer
+
+    from grace_st.files.loading import causal_lm_from_pretrained
+
+    with naming_damaged_weights(model_name_or_path):
+        if (model is None) != (tokenizer is None):
+            raise ValueError("Pass both `model` and `tokenizer`, or neither and a `model_name_or_path`.")
+        if model is not None:
+            return model, tokenizer
+        if model_name_or_path is None:
+            raise ValueError("GenerativeEncoder needs a `model_name_or_path`, or a `model` and a `tokenizer`.")
+        model_kwargs = dict(model_kwargs or {})
+        # grace-st's own load option, not transformers': applied once the weights (and adapter) are in
+        scheme = model_kwargs.pop(quantization.LOAD_KEY, None)
+        if is_adapter_dir(model_name_or_path):
+            model = load_base_and_adapter(model_name_or_path, merge=merge_adapter, model_kwargs=model_kwargs)
+        else:
+            model = causal_lm_from_pretrained(model_name_or_path, **model_kwargs)
+        if scheme is not None:
+            quantization.quantize_weights(model, scheme)
+        return model, AutoTokenizer.from_pretrained(tokenizer_source(model_name_or_path), **(tokenizer_kwargs or {}))
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_source(model_name_or_path: str) -> str:
+    """Where the tokenizer is: the model's folder, or for an adapter saved without one (the layout PEFT's
+    ``save_pretrained`` writes, e.g. GIRCSE's released adapters) the base it names."""
+    if is_adapter_dir(model_name_or_path) and not any(
+        os.path.isfile(os.path.join(model_name_or_path, name)) for name in TOKENIZER_FILES
+    ):
+        return adapter_base(model_name_or_path)[0]
+    return model_name_or_path
+
+
+def unreadable_safetensors(model_name_or_path: str | None) -> list[str]:
+    """The ``*.safetensors`` files of a model directory (and of its adapter's base directory) whose
+    header safetensors refuses: a truncated or corrupt file."""
+    from safetensors import SafetensorError, safe_open
+
+    folders = [model_name_or_path] if model_name_or_path and os.path.isdir(model_name_or_path) else []
+    if folders and is_adapter_dir(model_name_or_path):
+        with contextlib.suppress(ValueError):
+            folders.append(adapter_base(model_name_or_path)[0])
+    damaged = []
+    for folder in filter(os.path.isdir, folders):
+        for name in sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")):
+            try:
+                with safe_open(os.path.join(folder, name), framework="pt"):
+                    pass
+            except (SafetensorError, OSError):
+                damaged.append(os.path.join(folder, name))
+    return damaged
+
+
+@contextlib.contextmanager
+def naming_damaged_weights(model_name_or_path: str | None) -> Iterator[None]:
+    """safetensors' error for a truncated or corrupt weights file names no file ("Error while
+    deserializing header: incomplete metadata, file not fully covered"): re-raised as a
+    ``ValueError`` that names it, so the user knows which file to copy or download again."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except SafetensorError as error:
+        where = ", ".join(unreadable_safetensors(model_name_or_path)) or f"a weights file of {model_name_or_path}"
+        raise ValueError(
+            f"{where}: a truncated or corrupt safetensors file ({error}); copy or download the model again"
+        ) from error
+
+
+def save(encoder: GenerativeEncoder, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
+    """``GenerativeEncoder.save``: the LM's weights (the ones given to ``saving_weights``, the adapter given to
+    ``saving_adapter``, a PEFT model's adapter, or the weights in memory), the tokenizer and the settings, with
+    ``weights_revision`` set to the saved weights' fingerprint."""
+    if not safe_serialization:
+        raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
+    if quantization.quantization_scheme(encoder.model) is not None:
+        raise ValueError(
+            "this model was loaded with weight_quantization: its int8 weights are a load-time form of the "
+            "saved float weights. Save the model loaded without it (quantize again at load)"
+        )
+    given = encoder._weights_to_save
+    encoder.weights_revision = (
+        weights_fingerprint(encoder.model, given) if given is not None else encoder.weights_key()
+    )[:16]
+    if encoder._adapter_to_save is not None:
+        adapter_dir, base = encoder._adapter_to_save
+        copy_adapter(adapter_dir, output_path, base)
+    elif is_peft_model(encoder.model):
+        save_adapter(encoder.model, output_path, state_dict=encoder._weights_to_save)
+    else:
+        encoder.model.save_pretrained(output_path, state_dict=encoder._weights_to_save)
+    if encoder.latent_tokens is not None:  # GRC's latents and adapter A, beside the weights or the adapter
+        encoder.latent_tokens.save(output_path)
+    if is_adapter_dir(output_path):  # weights_revision is not checked for adapters: their files are
+        record_learned_state(output_path)
+    encoder.tokenizer.save_pretrained(output_path)
+    encoder.save_config(output_path)
+
+
+def load_config(
+    cls: type[GenerativeEncoder],
+    model_name_or_path: str,
+    subfolder: str = "",
+    config_filename: str | None = None,
+    token: bool | str | None = None,
+    cache_folder: str | None = None,
+    revision: str | None = None,
+    local_files_only: bool = False,
+) -> dict[str, Any]:
+    """``GenerativeEncoder.load_config``: the saved settings, checked (:func:`grace_st.settings.read_settings_file`).
+
+    Unlike other sentence-transformers modules, a missing file is an error: the class
+    defaults (a 256-token rationale, a 1024-token prompt) are not what the model was
+    saved with, and embedding with them would give other vectors without a word.
+    """
+    from sentence_transformers.util import load_file_path
+
+    name = config_filename or cls.config_file_name
+    path = load_file_path(
+        model_name_or_path,
+        name,
+        subfolder=subfolder,
+        token=token,
+        cache_folder=cache_folder,
+        revision=revision,
+        local_files_only=local_files_only,
+    )
+    if path is None:
+        where = os.path.join(model_name_or_path, subfolder) if subfolder else model_name_or_path
+        raise FileNotFoundError(
+            f"{where}: no {name}. modules.json names a GenerativeEncoder, but the settings it was saved "
+            "with are missing; copy the whole model directory (or download it again), or build a GRACE "
+            "model from a causal LM with grace_st.from_causal_lm / `grace-st build`"
+        )
+    return read_settings_file(path)
+
+
+def load(
+    cls: type[GenerativeEncoder],
+    model_name_or_path: str,
+    subfolder: str = "",
+    token: bool | str | None = None,
+    cache_folder: str | None = None,
+    revision: str | None = None,
+    local_files_only: bool = False,
+    trust_remote_code: bool = False,
+    model_kwargs: dict[str, Any] | None = None,
+    processor_kwargs: dict[str, Any] | None = None,
+    tokenizer_kwargs: dict[str, Any] | None = None,
+    config_kwargs: dict[str, Any] | None = None,
+    **kwargs,
+) -> GenerativeEncoder:
+    """``GenerativeEncoder.load``: an encoder of class ``cls`` built from its saved settings
+    (``cls.load_config``) and weights, from a directory or a Hub id; weights loaded as saved are checked
+    against ``weights_revision`` (:func:`check_weights_revision`)."""
+    from grace_st.files.hub import hub_snapshot, is_repo_id, snapshot_repo
+
+    if not os.path.isdir(model_name_or_path) and is_repo_id(model_name_or_path):
+        # A Hub id (sentence-transformers 5.x and 6.x both pass the id, not the snapshot path):
+        # work from its snapshot in the Hugging Face cache, so the model is named by repository
+        # and commit, an adapter is seen as one, and a snapshot missing offline says what to
+        # download. The snapshot is the revision; an adapter's base has its own.
+        inside = (lambda name: f"{subfolder}/{name}") if subfolder else (lambda name: name)
+        weights = ("model.safetensors", "model.safetensors.index.json", ADAPTER_WEIGHTS)
+        model_name_or_path = hub_snapshot(
+            model_name_or_path,
+            revision,
+            cache_dir=cache_folder,
+            token=token,
+            local_files_only=local_files_only,
+            needs=(inside(cls.config_file_name), tuple(inside(name) for name in weights)),
+        )
+        revision = None
+    config = cls.load_config(
+        model_name_or_path,
+        subfolder=subfolder,
+        token=token,
+        cache_folder=cache_folder,
+        revision=revision,
+        local_files_only=local_files_only,
+    )
+    check_learned_state(model_name_or_path)  # an adapter folder's recorded files, before any weights load
+    # sentence-transformers 6 passes trust_remote_code=True for importing this class at all; it
+    # is not a wish to run the base's own code (grace_st.files.loading). model_kwargs says that.
+    trusted = bool((model_kwargs or {}).get("trust_remote_code", False))
+    hub = hub_kwargs(token, cache_folder, revision, local_files_only, trusted, subfolder)
+    encoder = cls(
+        model_name_or_path,
+        **config,
+        model_kwargs={**hub, **(config_kwargs or {}), **(model_kwargs or {})},
+        tokenizer_kwargs={**hub, **(tokenizer_kwargs or {}), **(processor_kwargs or {})},
+    )
+    if not (config_kwargs or set(model_kwargs or {}) & CHANGES_WEIGHTS) and not is_adapter_dir(model_name_or_path):
+        check_weights_revision(encoder, model_name_or_path)
+    if snapshot_repo(model_name_or_path) is not None:  # settings as saved: the commit alone names them
+        encoder._snapshot_revision = encoder.revision()
+    return encoder
+
+
+def check_weights_revision(encoder: GenerativeEncoder, path: str) -> None:
+    """The weights (and config) loaded are the ones :func:`save` fingerprinted: a config.json or
+    model.safetensors swapped or edited since would otherwise give other embeddings under the
+    saved name, cache keys and mteb revision. One fingerprint pass (0.3 s a 135M model), which
+    the rationale cache and mteb reuse. Not for adapters (saved unmerged, loaded merged: their files are checked,
+    :func:`grace_st.files.adapter.check_learned_state`) nor for loads that convert the weights (:data:`CHANGES_WEIGHTS`)."""
+    if encoder.weights_revision is None:
+        return
+    found = encoder.weights_key()[:16]
+    if found != encoder.weights_revision:
+        raise ValueError(
+            f"{path}: the weights and config.json loaded are not the ones {encoder.config_file_name} was saved "
+            f"with (weights_revision {encoder.weights_revision}, found {found}): a file was replaced or edited "
+            "after saving. Restore it, or save the model again (GenerativeEncoder.save) to accept these weights."
+        )

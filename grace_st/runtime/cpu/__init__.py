@@ -1,0 +1,1 @@
+"""The CPU kernels behind the decode step: the native step (C), packed linear layers, int8 weights."""

@@ -1,0 +1,1 @@
+"""The training algorithms, one folder each: its loss and its step."""

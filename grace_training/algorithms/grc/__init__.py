@@ -1,0 +1,1 @@
+"""GRC's generation, reconstruction and representation losses (``grc.md`` Eq. 5)."""

@@ -1,0 +1,1 @@
+"""GIRCSE's iterative contrastive refinement (``gircse.md`` §3)."""

@@ -1,0 +1,1 @@
+"""Tools over finished runs: export an adapter into the package, low-rank distillation, averaging, interpolation."""
