@@ -2,7 +2,7 @@
 (GRACE, or GRC, whose latents follow its text response) by rationale budget, per prompt type.
 
 A GRACE model's budget is set per prompt type, ``max_rationale_tokens = {"default": G, "query": Q, "document": D}``,
-and each type embeds its own texts on the scoreboard (grace_st.scoreboard, the same fixed samples and sizes as
+and each type embeds its own texts on the scoreboard (scoreboard, the same fixed samples and sizes as
 benchmarks/dev_eval.py):
 
   default    ``encode``: STS-B dev and SICK-R trial (Spearman), Banking77 (kNN accuracy), MRPC val (AP)
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grace_st import scoreboard
+import scoreboard
 
 RESULTS = Path(__file__).resolve().parent / "results"
 DEFAULT_TASKS = ("STS-B dev", "SICK-R trial", "Banking77", "MRPC val")

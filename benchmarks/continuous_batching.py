@@ -34,7 +34,7 @@ import torch
 import grace_st
 from grace_st.runtime import decoding
 from grace_st.runtime.cpu.packed_linear import matmul_peak_flops
-from grace_st.scoreboard import sentences
+from scoreboard import sentences
 
 OUT = Path(__file__).parent / "results" / "continuous_batching.json"
 

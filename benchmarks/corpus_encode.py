@@ -28,7 +28,7 @@ import torch
 
 import grace_st
 from grace_st.corpus import encode_corpus
-from grace_st.scoreboard import FALLBACK_SENTENCES, data_dir
+from scoreboard import FALLBACK_SENTENCES, data_dir
 
 
 def corpus_texts(count: int) -> tuple[list[str], str]:

@@ -23,7 +23,7 @@ import grace_st
 from grace_st.runtime.batch import masked_mean
 from grace_st.runtime.cpu.packed_linear import matmul_peak_flops
 from grace_st.runtime.decoding import DecodeOptions
-from grace_st.scoreboard import sentences
+from scoreboard import sentences
 
 
 def main() -> None:

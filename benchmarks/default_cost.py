@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 import grace_st
-from grace_st import scoreboard
+import scoreboard
 from grace_st.cli import _budget
 
 # name → (default_model_path's arguments, or None for the peer; budgets to run at, or None for the saved ones)

@@ -71,7 +71,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grace_st.scoreboard import HELD_BACK, METRICS, SEED, SIZES, TASKS, data_dir, evaluate, load_tasks, write_json
+from scoreboard import HELD_BACK, METRICS, SEED, SIZES, TASKS, data_dir, evaluate, load_tasks, write_json
 
 
 def is_grace(model) -> bool:

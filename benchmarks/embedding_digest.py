@@ -52,7 +52,7 @@ def main() -> None:
         try:
             from scoreboard import sentences  # benchmarks/scoreboard.py, beside this script
         except ImportError:
-            from grace_st.scoreboard import sentences
+            from scoreboard import sentences
 
         texts, source = sentences(args.texts)
     found, arrays = digests(texts, args.batch_size)

@@ -29,7 +29,7 @@ import torch
 
 import grace_st
 from grace_st.runtime.cpu.packed_linear import matmul_peak_flops
-from grace_st.scoreboard import data_dir, sentences
+from scoreboard import data_dir, sentences
 
 try:
     from grace_st.runtime.second_pass import two_pass_reference

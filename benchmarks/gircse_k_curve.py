@@ -25,7 +25,7 @@ import torch
 
 import grace_st
 from grace_st.runtime.batch import left_pad
-from grace_st.scoreboard import SIZES, evaluate, load_tasks
+from scoreboard import SIZES, evaluate, load_tasks
 
 TASKS = ("STS-B dev", "SICK-R trial", "Banking77", "MRPC val")
 STEPS = (1, 3, 5, 10, 20)

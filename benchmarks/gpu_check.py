@@ -83,7 +83,7 @@ def torch_problem() -> str | None:
 def _data() -> Path:
     """../shared/data (or $GRACE_ST_DATA), as the dev scoreboard reads it; imported late: the
     preflight needs the standard library only."""
-    from grace_st.scoreboard import data_dir
+    from scoreboard import data_dir
 
     return data_dir()
 
@@ -92,7 +92,7 @@ def sentences(count: int) -> list[str]:
     dev = _data() / "stsb" / "dev.tsv"
     if not dev.is_file():
         return [SENTENCES[i % len(SENTENCES)] for i in range(count)]
-    from grace_st.scoreboard import sts_pairs
+    from scoreboard import sts_pairs
 
     first, second, _ = sts_pairs(dev, (count + 1) // 2)
     return [text for pair in zip(first, second) for text in pair][:count]

@@ -33,7 +33,7 @@ import torch
 
 import grace_st
 from grace_st.methods.grc import RECONSTRUCTION_PROMPTS, latent_pass, turn_logits
-from grace_st.scoreboard import SIZES, data_dir, scifact, sts_pairs, write_json
+from scoreboard import SIZES, data_dir, scifact, sts_pairs, write_json
 from grace_training.algorithms.grc.loss import reconstruction_turns, token_loss
 
 BUCKETS = ((0, 16), (17, 32), (33, 64), (65, 128), (129, 10**9))

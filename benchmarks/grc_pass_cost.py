@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from default_cost import cost_arguments, texts_by_prompt_type
 
 import grace_st
-from grace_st import scoreboard
+import scoreboard
 from grace_st.methods.grc import latent_pass
 from grace_st.runtime.decoding import packed_linears_for
 

@@ -13,7 +13,7 @@ import argparse
 import collections
 
 import grace_st
-from grace_st import scoreboard
+import scoreboard
 
 
 def main() -> None:

@@ -40,7 +40,7 @@ import torch
 import grace_st
 from grace_st.runtime.cpu.packed_linear import matmul_peak_flops, native_bfloat16
 from grace_st.runtime.cpu.quantization import Int8WeightOnlyLinear
-from grace_st.scoreboard import banking77, data_dir, scifact, write_json
+from scoreboard import banking77, data_dir, scifact, write_json
 
 WEIGHTS = {
     "float32": {},

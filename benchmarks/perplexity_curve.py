@@ -1,7 +1,7 @@
 """The LM perplexity of each checkpoint of training runs: how far training has moved the model's own
 language model, against the step (a trained default must still generate: within +5 % of its base's perplexity).
 
-The same measure and texts as the dev scoreboard's perplexity column (``grace_st.scoreboard.perplexity``
+The same measure and texts as the dev scoreboard's perplexity column (``scoreboard.perplexity``
 on its held-back SICK-R trial sentences), so a point here is the scoreboard's number for that checkpoint.
 Prints a table and writes JSON.
 
@@ -14,7 +14,7 @@ import argparse
 import json
 from pathlib import Path
 
-from grace_st.scoreboard import data_dir, perplexity, sts_pairs, write_json
+from scoreboard import data_dir, perplexity, sts_pairs, write_json
 from grace_training.run.checkpoint import list_checkpoints
 from grace_training.run.metrics import cpu_hours
 

@@ -50,7 +50,7 @@ import numpy as np
 
 import grace_st
 from grace_st.data.formats import read_beir
-from grace_st.scoreboard import banking77, data_dir, scifact, write_json
+from scoreboard import banking77, data_dir, scifact, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WEIGHTS = {"float32": {}, "int8": {"weight_quantization": "int8"}}

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from grace_st.scoreboard import spearman
+from grace_st.evaluation.metrics import spearman
 from grace_training.data.examples import Triplet
 
 

@@ -7,6 +7,7 @@ import functools
 import importlib.util
 import os
 import signal
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,8 +80,12 @@ def _trained_tokenizer_json() -> str:
 
 
 def load_benchmark(name: str):
-    """A script of benchmarks/, imported as a module (the folder is not a package)."""
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    """A script of benchmarks/, imported as a module (the folder is not a package; its scripts import their shared
+    ``scoreboard`` module from beside them, as they do when run)."""
+    folder = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(folder) not in sys.path:
+        sys.path.append(str(folder))
+    path = folder / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

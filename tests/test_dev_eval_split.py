@@ -1,4 +1,4 @@
-"""The dev scoreboard (grace_st.scoreboard, run by benchmarks/dev_eval.py) holds back exactly the SciFact claims training leaves out (no data folder needed)."""
+"""The dev scoreboard (benchmarks/scoreboard.py, run by benchmarks/dev_eval.py) holds back exactly the SciFact claims training leaves out (no data folder needed)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,11 @@ from pathlib import Path
 import pytest
 from conftest import load_benchmark
 
-from grace_st import scoreboard
 from grace_st.data import id_fraction
 from grace_training.data.examples import load_beir
+
+
+scoreboard = load_benchmark("scoreboard")
 
 
 @pytest.fixture(scope="module")

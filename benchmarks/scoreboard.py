@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from grace_st.evaluation.metrics import spearman
 from grace_st.data import (
     SCOREBOARD_SEED,
     id_fraction,
@@ -121,12 +122,6 @@ def banking77(path: Path, train: int, test: int) -> tuple[list[str], list[str], 
 
 
 # -- metrics ---------------------------------------------------------------------------------
-
-
-def spearman(x: np.ndarray, y: np.ndarray) -> float:
-    from scipy.stats import spearmanr
-
-    return float(spearmanr(x, y).statistic)
 
 
 def ndcg_per_query(scores: np.ndarray, doc_ids: list[str], relevant: list[set[str]]) -> np.ndarray:
