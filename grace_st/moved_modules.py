@@ -68,7 +68,10 @@ class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Answers an old module path with the module at its new one (and ``python -m`` with its code)."""
 
     def find_spec(self, name, path=None, target=None):
-        return importlib.util.spec_from_loader(name, self) if name in MOVED else None
+        if name not in MOVED:
+            return None
+        # the new module's file as the origin: ``python -m`` sets ``__file__`` from it
+        return importlib.util.spec_from_loader(name, self, origin=importlib.util.find_spec(MOVED[name]).origin)
 
     def create_module(self, spec):
         warnings.warn(
