@@ -74,11 +74,12 @@ def forbidden_output_dir(path: str | Path) -> str | None:
 
 
 def _package_dirs() -> list[Path]:
-    """grace_st's and this package's sources, found without importing them."""
-    found = [Path(__file__).parent]
-    spec = importlib.util.find_spec("grace_st")
-    if spec is not None and spec.submodule_search_locations:
-        found += [Path(p) for p in spec.submodule_search_locations]
+    """grace_st's and grace_training's sources, found without importing them."""
+    found = []
+    for package in ("grace_st", "grace_training"):
+        spec = importlib.util.find_spec(package)
+        if spec is not None and spec.submodule_search_locations:
+            found += [Path(p) for p in spec.submodule_search_locations]
     return [Path(os.path.realpath(p)) for p in found]
 
 
