@@ -556,9 +556,10 @@ class GenerativeEncoder(InputModule):
     ) -> dict[str, Any]:
         """The saved settings, checked (:func:`grace_st.files.model_files.read_config`): unlike other
         sentence-transformers modules, a missing file is an error."""
-        where = {"token": token, "cache_folder": cache_folder, "revision": revision}
-        where["local_files_only"] = local_files_only
-        return model_files.read_config(model_name_or_path, config_filename or cls.config_file_name, subfolder, **where)
+        name = config_filename or cls.config_file_name
+        return model_files.read_config(
+            model_name_or_path, name, subfolder, token, cache_folder, revision, local_files_only
+        )
 
     @classmethod
     def load(
@@ -579,8 +580,9 @@ class GenerativeEncoder(InputModule):
         """An encoder built from its saved settings (:meth:`load_config`) and weights, from a directory or a Hub
         id (its snapshot: :func:`grace_st.files.model_files.local_snapshot`); weights loaded as saved are checked
         against ``weights_revision`` (:func:`grace_st.files.model_files.check_weights_revision`)."""
-        where = {"token": token, "cache_folder": cache_folder, "revision": revision}
-        where["local_files_only"] = local_files_only
+        where = {
+            "token": token, "cache_folder": cache_folder, "revision": revision, "local_files_only": local_files_only
+        }
         name = cls.config_file_name
         path, where["revision"] = model_files.local_snapshot(model_name_or_path, subfolder, name, **where)
         config = cls.load_config(path, subfolder=subfolder, **where)
