@@ -9,14 +9,14 @@ trained as a LoRA adapter saves the adapter instead (PEFT's ``adapter_config.jso
 ``modules.json`` names the installed package's class, ``grace_st.encoder.GenerativeEncoder``.
 
 The class holds the settings, which instruction, rationale budget and count a call gets, and the steps
-of ``preprocess`` and ``forward``; their parts have files of their own: the features ``preprocess`` builds
-(:mod:`grace_st.encoder_inputs`) and what ``forward`` returns, from rollouts or the rationale cache
-(:mod:`grace_st.encoder_outputs`). ``save``, ``load`` and ``load_config`` are those of
-:mod:`grace_st.files.model_files`. Files of their own also hold the model as it thinks and embeds, which
-training's rollouts share (:mod:`grace_st.methods`), the method's decoding loop (:mod:`grace_st.runtime.generation`)
-and its speed-ups (:mod:`grace_st.runtime.decoding`), the second pass for vLLM's rationales
-(:mod:`grace_st.runtime.second_pass`), the rationale cache's storage (:mod:`grace_st.cache`), the mteb name and
-revision (:mod:`grace_st.files.mteb_identity`), adapters (:mod:`grace_st.files.adapter`), settings and their checks
+of ``preprocess``, ``forward``, ``save`` and ``load``. What those steps carry has files of its own: the encode
+data path, from the batch ``preprocess`` builds to what ``forward`` returns, from rollouts or the rationale cache
+(:mod:`grace_st.encoding`), and the file work of saving and loading (:mod:`grace_st.files.model_files`).
+Files of their own also hold the model as it thinks and embeds, which training's rollouts share
+(:mod:`grace_st.methods`), the method's decoding loop (:mod:`grace_st.runtime.generation`) and its speed-ups
+(:mod:`grace_st.runtime.decoding`), the second pass for vLLM's rationales (:mod:`grace_st.runtime.second_pass`),
+the rationale cache's storage (:mod:`grace_st.cache`), the mteb name and revision
+(:mod:`grace_st.files.mteb_identity`), adapters (:mod:`grace_st.files.adapter`), settings and their checks
 (:mod:`grace_st.settings`), prompts (:mod:`grace_st.prompts`).
 """
 
@@ -33,10 +33,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from grace_st import encoder_inputs, encoder_outputs
-from grace_st.files import model_files as encoder_files
-from grace_st.files import mteb_identity
-from grace_st.cache import REQUIRED_SETTINGS, CacheEntry, CacheFile, is_deterministic
+from grace_st import encoding
+from grace_st.cache import REQUIRED_SETTINGS, CacheFile, is_deterministic
+from grace_st.encoding import EncodeBatch, Plan, Sampling, TextResult, cached, per_text, to_features
+from grace_st.files import model_files, mteb_identity
+from grace_st.files.adapter import check_learned_state
+from grace_st.files.hub import snapshot_repo
 from grace_st.methods import ENGINES, RationaleEngine
 from grace_st.methods.grc import LatentTokens, latent_tokens_for
 from grace_st.prompts import (
@@ -91,6 +93,9 @@ class GenerativeEncoder(InputModule):
     # Prompt names the calling libraries use, and the prompt type each one means:
     # mteb and sentence-transformers say query/document, LlamaIndex says "text" for documents.
     prompt_names = {"query": "query", "document": "document", "text": "document", "passage": "document"}
+    # A Hub snapshot's revision under the settings it was saved with (set by load): settings changed since then
+    # add their hash to the commit mteb files results under (describe_for_mteb).
+    _saved_revision: str | None = None
 
     def __init__(
         self,
@@ -124,7 +129,7 @@ class GenerativeEncoder(InputModule):
         if max_rationale_tokens is None:
             settings["max_rationale_tokens"] = default_budget(method)
         check_settings(settings)  # before the weights load: a bad value costs no time
-        self.model, self.tokenizer = encoder_files.model_and_tokenizer(
+        self.model, self.tokenizer = model_files.model_and_tokenizer(
             model_name_or_path, model, tokenizer, merge_adapter, model_kwargs, tokenizer_kwargs
         )
         for name, value in plain(settings).items():
@@ -287,10 +292,8 @@ class GenerativeEncoder(InputModule):
     def batch_plan(self, features: dict[str, Any]) -> tuple[int, int]:
         """(rationale budget, rationales per text) that :meth:`preprocess` chose for a batch;
         the default type's for features built elsewhere."""
-        return (
-            features.get("rationale_budget", self.rationale_budget()),
-            features.get("num_rationales", self.rationales_per_text()),
-        )
+        plan = self._batch(features).plan
+        return plan.budget, plan.repeats
 
     def on_model_ready(self, model) -> None:
         """sentence-transformers 6.x hook, run once the model is built or loaded.
@@ -310,13 +313,24 @@ class GenerativeEncoder(InputModule):
         self.describe_for_mteb(model)
 
     def revision(self) -> str:
-        """What mteb files results under besides the name (:func:`grace_st.files.mteb_identity.revision`)."""
-        return mteb_identity.revision(self)
+        """What mteb files results under besides the name (:func:`grace_st.files.mteb_identity.revision`). Records
+        the weights' fingerprint as ``weights_revision`` when none was saved, so the revision names the weights it
+        was computed from."""
+        if self.weights_revision is None:
+            self.weights_revision = self.weights_key()[:16]
+        return mteb_identity.revision(self.get_config_dict(), self.weights_revision)
 
     def describe_for_mteb(self, model) -> None:
         """Name and revision in ``model``'s card data (:func:`grace_st.files.mteb_identity.describe_for_mteb`).
         Call again after changing settings at run time (``grace-st eval`` does)."""
-        mteb_identity.describe_for_mteb(self, model)
+        self._described = mteb_identity.describe_for_mteb(
+            model.model_card_data,
+            self.model_id,
+            self.revision,
+            source=self._source_path,
+            saved_revision=self._saved_revision,
+            described=self._described,
+        )
 
     # -- the rationale cache ------------------------------------------------------------------
 
@@ -398,29 +412,23 @@ class GenerativeEncoder(InputModule):
         ``prompt`` (a sentence-transformers prompt, e.g. an mteb task instruction) joins the
         system instruction of ``task``; both are excluded from pooling. The call's prompt type
         (:meth:`prompt_type`) picks the rationale budget and count, carried to :meth:`forward`
-        as ``rationale_budget`` and ``num_rationales``.
+        as ``rationale_budget`` and ``num_rationales`` (the features of an :class:`~grace_st.encoding.EncodeBatch`).
         """
         self.check_settings()
         texts = list(inputs)
         rows, instruction_span = self.prompt_token_ids(texts, task=task, prompt=prompt)
-        kind = self.prompt_type(task, prompt)
         instruction = self.instruction_for(task, prompt)
-        cache_keys = None
-        settings = self.generation_settings(kind)
+        settings = self.generation_settings(self.prompt_type(task, prompt))
+        plan = Plan(settings["max_rationale_tokens"], settings["num_rationales"])
         # GRC reads its latents whatever the budget; the other methods pool the prompt itself at budget 0
-        pools_prompt = settings["max_rationale_tokens"] == 0 and self.method != "grc"
-        encoder_inputs.check_prompts(rows, instruction_span, pools_prompt)
+        encoding.check_prompts(rows, instruction_span, pools_prompt=plan.budget == 0 and self.method != "grc")
+        cache_keys = None
         if self._rationale_cache is not None and is_deterministic(settings):
             cache_keys = CacheFile.keys(self.weights_key(), instruction, texts, rows, settings)
-        repeats = settings["num_rationales"]
-        features = encoder_inputs.features(
-            rows, instruction_span, repeats, settings["max_rationale_tokens"], self.pad_token_id
-        )
+        seeds = None
         if self.do_sample and self.seed is not None:
-            features["rationale_seeds"] = encoder_inputs.rationale_seeds(self.seed, instruction, texts, repeats)
-        if cache_keys is not None:
-            features["cache_keys"] = cache_keys
-        return features
+            seeds = encoding.rationale_seeds(self.seed, instruction, texts, plan.repeats)
+        return EncodeBatch.build(rows, instruction_span, plan, self.pad_token_id, seeds, cache_keys).features()
 
     def prompt_token_ids(
         self, texts: Sequence[str], task: str | None = None, prompt: str | None = None
@@ -431,10 +439,10 @@ class GenerativeEncoder(InputModule):
         (Eq. 3 pools after it). What :meth:`preprocess` pads for ``encode``, and the prompts GRPO
         rollouts start from.
         """
-        encoder_inputs.check_texts(texts)
+        encoding.check_texts(texts)
         template = self.prompt_template(self.instruction_for(task, prompt))
         rows = template.rows(self.tokenizer, texts, self.max_input_tokens)
-        encoder_inputs.check_prompts(rows, template.instruction_span)
+        encoding.check_prompts(rows, template.instruction_span)
         return rows, template.instruction_span
 
     def tokenize(self, texts: list[str], **kwargs):
@@ -442,7 +450,8 @@ class GenerativeEncoder(InputModule):
         return self.preprocess(texts, **kwargs)
 
     def forward(self, features: dict[str, Tensor], task: str | None = None, **kwargs) -> dict[str, Tensor]:
-        """Generate, pool (Eq. 3) and average over ``num_rationales``.
+        """Generate, pool (Eq. 3) and average over ``num_rationales``; through the rationale cache when the
+        batch carries its keys (:func:`grace_st.encoding.cached`).
 
         Adds ``sentence_embedding`` (B, H), ``token_embeddings`` and ``attention_mask`` of the
         first rationale's ``P(x) ⊕ r``, ``rationale_token_ids`` (B, num_rationales, G; -1 pads),
@@ -451,57 +460,36 @@ class GenerativeEncoder(InputModule):
         token's most probable token, and ``soft_token_ids`` / ``soft_token_probs`` (B, K, 5) hold
         each step's five most probable tokens (not for texts answered from the rationale cache).
         """
-        if "cache_keys" in features:
-            return encoder_outputs.through_cache(self, features)
-        return self.embed(features)
+        batch = self._batch(features)
+        if batch.cache_keys is None:
+            return to_features(batch, *self._think(batch))
+        return to_features(batch, cached(lambda part: self._think(part)[0], self._rationale_cache, batch))
 
-    @staticmethod
-    def cache_entries(out: dict[str, Tensor]) -> list[CacheEntry]:
-        """Each text of :meth:`embed`'s output as the rationale cache stores it."""
-        return encoder_outputs.cache_entries(out)
+    def _batch(self, features: dict[str, Any]) -> EncodeBatch:
+        """The batch ``features`` carry; the default prompt type's plan for features built without one."""
+        return EncodeBatch.from_features(features, Plan(self.rationale_budget(), self.rationales_per_text()))
+
+    def _think(self, batch: EncodeBatch) -> tuple[list[TextResult], dict[str, Tensor]]:
+        """Each text's result, through :attr:`engine` (the HF one-pass rollout, or vLLM generation and an HF
+        pass when :meth:`use_vllm` is on): Eq. 3 on each rollout, then the mean over a text's rollouts; and the
+        per-token states of each text's first rollout, when the engine kept them."""
+        engine, request = self.engine, batch.request(self.sampling())
+        thoughts = engine.generate(request)
+        return per_text(thoughts, engine.embed(request, thoughts), batch.plan.repeats)
 
     def embed(self, features: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Rationales and pooled embeddings for preprocessed prompts, through :attr:`engine` (the HF
-        one-pass rollout, or vLLM generation and an HF pass when :meth:`use_vllm` is on): Eq. 3 on
-        each rollout, then the mean over a text's ``num_rationales`` rollouts."""
-        repeats = self.batch_plan(features)[1]
-        engine, request = self.engine, self.rollout_request(features)
-        thoughts = engine.generate(request)
-        per_text, per_token = encoder_outputs.per_text(thoughts, engine.embed(request, thoughts), repeats)
-        return self.outputs(features, *per_text, **per_token)
+        """:meth:`forward` without the rationale cache."""
+        batch = self._batch(features)
+        return to_features(batch, *self._think(batch))
+
+    def sampling(self) -> Sampling:
+        """How rollouts are sampled: at ``temperature`` when ``do_sample`` (else greedy), ``top_p``, the
+        repetition penalty."""
+        return Sampling(self.temperature if self.do_sample else 0.0, self.top_p, self.repetition_penalty)
 
     def rollout_request(self, features: dict[str, Tensor]) -> RolloutRequest:
-        """The engine's request for preprocessed prompts: each row unpadded, its L_sys, the sampling
-        settings (temperature 0 unless ``do_sample``, the repetition penalty) and seeds, and the batch's budget."""
-        input_ids, attention_mask = features["input_ids"], features["attention_mask"]
-        prompts = [row[mask.bool()].tolist() for row, mask in zip(input_ids, attention_mask)]
-        # preprocess padded them: the engine takes them as they are, unless rows were picked out of a wider batch
-        padded = (input_ids, attention_mask) if bool(attention_mask[:, :1].any()) else None
-        return RolloutRequest(
-            prompts,
-            features["instruction_lengths"].tolist(),
-            temperatures=self.temperature if self.do_sample else 0.0,
-            top_p=self.top_p,
-            max_new_tokens=self.batch_plan(features)[0],
-            seeds=features["rationale_seeds"].tolist() if "rationale_seeds" in features else None,
-            repetition_penalty=self.repetition_penalty,
-            padded=padded,
-        )
-
-    def outputs(
-        self,
-        features: dict[str, Tensor],
-        embeddings: Tensor,
-        rationale_token_ids: Tensor,
-        truncated: Tensor,
-        **states: Tensor,
-    ) -> dict[str, Tensor]:
-        """What :meth:`forward` returns, however the rationales came (one-pass rollout, vLLM, the
-        rationale cache): per text, its embedding (B, H), rationales (B, num_rationales, G),
-        truncation flags and budget; ``states`` adds the first rollout's token states."""
-        return encoder_outputs.outputs(
-            features, *self.batch_plan(features), embeddings, rationale_token_ids, truncated, **states
-        )
+        """The engine's request for preprocessed prompts (:meth:`grace_st.encoding.EncodeBatch.request`)."""
+        return self._batch(features).request(self.sampling())
 
     def decode_rationales(self, rationale_token_ids: Tensor) -> list[str]:
         """Text of each rationale exactly as pooled (special tokens kept, EOS not part of it)."""
@@ -536,10 +524,80 @@ class GenerativeEncoder(InputModule):
         finally:
             self._adapter_to_save = None
 
-    # sentence-transformers calls these three; how a model is saved and loaded is grace_st.files.model_files
-    save = encoder_files.save
-    load_config = classmethod(encoder_files.load_config)
-    load = classmethod(encoder_files.load)
+    def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
+        """The LM's weights (the ones given to :meth:`saving_weights`, the adapter given to :meth:`saving_adapter`,
+        a PEFT model's adapter, or the weights in memory), GRC's latents, the tokenizer and the settings, with
+        ``weights_revision`` set to the saved weights' fingerprint (:func:`grace_st.files.model_files.save_model`)."""
+        if not safe_serialization:
+            raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
+        given = self._weights_to_save
+        model_files.save_model(
+            output_path,
+            self.model,
+            self.tokenizer,
+            state_dict=given,
+            adapter=self._adapter_to_save,
+            latent_tokens=self.latent_tokens,
+        )
+        fingerprint = weights_fingerprint(self.model, given) if given is not None else self.weights_key()
+        self.weights_revision = fingerprint[:16]
+        self.save_config(output_path)
+
+    @classmethod
+    def load_config(
+        cls,
+        model_name_or_path: str,
+        subfolder: str = "",
+        config_filename: str | None = None,
+        token: bool | str | None = None,
+        cache_folder: str | None = None,
+        revision: str | None = None,
+        local_files_only: bool = False,
+    ) -> dict[str, Any]:
+        """The saved settings, checked (:func:`grace_st.files.model_files.read_config`): unlike other
+        sentence-transformers modules, a missing file is an error."""
+        name = config_filename or cls.config_file_name
+        return model_files.read_config(
+            model_name_or_path, name, subfolder, token, cache_folder, revision, local_files_only
+        )
+
+    @classmethod
+    def load(
+        cls,
+        model_name_or_path: str,
+        subfolder: str = "",
+        token: bool | str | None = None,
+        cache_folder: str | None = None,
+        revision: str | None = None,
+        local_files_only: bool = False,
+        trust_remote_code: bool = False,
+        model_kwargs: dict[str, Any] | None = None,
+        processor_kwargs: dict[str, Any] | None = None,
+        tokenizer_kwargs: dict[str, Any] | None = None,
+        config_kwargs: dict[str, Any] | None = None,
+        **kwargs,
+    ) -> GenerativeEncoder:
+        """An encoder built from its saved settings (:meth:`load_config`) and weights, from a directory or a Hub
+        id (its snapshot: :func:`grace_st.files.model_files.local_snapshot`); weights loaded as saved are checked
+        against ``weights_revision`` (:func:`grace_st.files.model_files.check_weights_revision`)."""
+        where = {
+            "token": token, "cache_folder": cache_folder, "revision": revision, "local_files_only": local_files_only
+        }
+        name = cls.config_file_name
+        path, where["revision"] = model_files.local_snapshot(model_name_or_path, subfolder, name, **where)
+        config = cls.load_config(path, subfolder=subfolder, **where)
+        check_learned_state(path)  # an adapter folder's recorded files, before any weights load
+        model_args, tokenizer_args = model_files.loading_kwargs(
+            subfolder, **where, model=model_kwargs, processor=processor_kwargs, tokenizer=tokenizer_kwargs,
+            config=config_kwargs,
+        )
+        encoder = cls(path, **config, model_kwargs=model_args, tokenizer_kwargs=tokenizer_args)
+        if encoder.weights_revision is not None and model_files.loads_as_saved(path, model_kwargs, config_kwargs):
+            found = encoder.weights_key()[:16]
+            model_files.check_weights_revision(path, cls.config_file_name, encoder.weights_revision, found)
+        if snapshot_repo(path) is not None:  # settings as saved: the commit alone names them
+            encoder._saved_revision = encoder.revision()
+        return encoder
 
     def __repr__(self) -> str:
         return f"GenerativeEncoder({self.get_config_dict()}, model={type(self.model).__name__})"

@@ -19,6 +19,8 @@ MOVED = {
     "grace_st.build": "grace_st.from_causal_lm",
     "grace_st.decoding": "grace_st.runtime.decoding",
     "grace_st.encoder_files": "grace_st.files.model_files",
+    "grace_st.encoder_inputs": "grace_st.encoding",
+    "grace_st.encoder_outputs": "grace_st.encoding",
     "grace_st.engine": "grace_st.methods",
     "grace_st.generation": "grace_st.runtime.generation",
     "grace_st.grc": "grace_st.methods.grc",

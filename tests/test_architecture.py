@@ -1,9 +1,11 @@
 """The packages' shape, read from their source: the layers (which folder may import which), no import cycle,
-and functions and classes of a size a reader takes in at once."""
+the encoder's coupling (who may name ``GenerativeEncoder``), and functions of a size a reader takes in at once."""
 
 from __future__ import annotations
 
 import ast
+import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,11 +23,20 @@ LAYERS = (
     ("grace_st.runtime.cpu", "grace_st.runtime.home", "grace_st.runtime.weights", "grace_st.data"),
     ("grace_st.runtime",),
     ("grace_st.methods",),
-    ("grace_st.prompts", "grace_st.settings", "grace_st.cache", "grace_st.encoder_inputs", "grace_st.encoder_outputs"),
+    ("grace_st.prompts", "grace_st.settings", "grace_st.cache", "grace_st.encoding"),
     ("grace_st.files", "grace_st.serve"),
     ("grace_st.encoder",),
 )
-MAX_FUNCTION_LINES, MAX_CLASS_LINES = 60, 480  # sentence-transformers' own Transformer module is 469 lines
+MAX_FUNCTION_LINES = 60
+# The modules besides grace_st.encoder that import GenerativeEncoder, and why; the encode data path, files and
+# serving take plain values, the serving scheduler a SentenceTransformer.
+ENCODER_IMPORTERS = {
+    "grace_st": "the package's face exports it",
+    "grace_st.from_causal_lm": "builds one around a causal LM",
+    "grace_st.corpus": "reads a saved model's settings with its load_config, no weights loaded",
+    "grace_training.policy": "checks that a loaded model's first module is one",
+    "grace_training.algorithms.infonce": "subclasses it: InfoNCE's prompt-pooling encoder",
+}
 
 
 def module_name(path: Path) -> str:
@@ -142,13 +153,69 @@ def test_no_import_cycle(graph):
     assert not cycles, " → ".join(cycles[0])
 
 
-def test_functions_and_classes_stay_readable():
+def annotations(tree: ast.Module) -> Iterator[ast.expr]:
+    """Every annotation of a module: each parameter's, each return's, each annotated name's."""
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            arguments = node.args
+            every = [*arguments.posonlyargs, *arguments.args, arguments.vararg, *arguments.kwonlyargs, arguments.kwarg]
+            yield from (argument.annotation for argument in every if argument is not None and argument.annotation)
+            if not isinstance(node, ast.Lambda) and node.returns is not None:
+                yield node.returns
+        elif isinstance(node, ast.AnnAssign):
+            yield node.annotation
+
+
+def names_the_encoder(node: ast.AST) -> bool:
+    """``node`` names GenerativeEncoder: as a name, an attribute, an imported name, or a word of a string
+    annotation."""
+    for inner in ast.walk(node):
+        if isinstance(inner, ast.Name) and inner.id == "GenerativeEncoder":
+            return True
+        if isinstance(inner, ast.Attribute) and inner.attr == "GenerativeEncoder":
+            return True
+        if isinstance(inner, ast.ImportFrom) and any(alias.name == "GenerativeEncoder" for alias in inner.names):
+            return True
+        is_text = isinstance(inner, ast.Constant) and isinstance(inner.value, str)
+        if is_text and re.search(r"\bGenerativeEncoder\b", inner.value):
+            return True
+    return False
+
+
+def test_no_module_but_the_encoder_takes_a_generative_encoder():
+    """The coupling rule: no module of grace_st or grace_training but grace_st.encoder takes a GenerativeEncoder as
+    a parameter, so what the encoder hands its parts (the encode data path, saving and loading, the mteb identity)
+    are plain values and no part calls back into it. Checked from the source in two ways:
+
+    - no annotation outside grace_st.encoder (a parameter's, a return's, an annotated name's) names
+      GenerativeEncoder, in any spelling (``GenerativeEncoder``, ``type[GenerativeEncoder]``, a string);
+    - no module outside grace_st.encoder imports GenerativeEncoder (at module level, in a function, or for type
+      checkers only) or reaches it as an attribute, except those in ENCODER_IMPORTERS, each for its stated reason.
+
+    A module may still take a SentenceTransformer (the serving scheduler, the CLI, evaluation) and use its first
+    module through the model; that is the entry points' business, not a part of the encoder."""
+    annotated, imported = [], []
+    for name, tree in modules().items():
+        if name == "grace_st.encoder":
+            continue
+        found = [node for node in annotations(tree) if names_the_encoder(node)]
+        annotated += [f"{name}:{node.lineno} {ast.unparse(node)}" for node in found]
+        reaches = [
+            node
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.ImportFrom, ast.Attribute)) and names_the_encoder(node)
+        ]
+        if reaches and name not in ENCODER_IMPORTERS:
+            imported.append(f"{name}:{reaches[0].lineno}")
+    assert not annotated, annotated
+    assert not imported, imported
+
+
+def test_functions_stay_readable():
     too_long = []
     for name, tree in modules().items():
         for node in ast.walk(tree):
             lines = getattr(node, "end_lineno", 0) - getattr(node, "lineno", 0) + 1
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > MAX_FUNCTION_LINES:
                 too_long.append(f"{name}.{node.name}: {lines} lines")
-            if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
-                too_long.append(f"class {name}.{node.name}: {lines} lines")
     assert not too_long

@@ -14,7 +14,7 @@ from conftest import make_st_model
 from test_server import KEY, Running, needs_compiler
 
 import grace_st
-from grace_st import encoder_inputs
+from grace_st.encoding import EncodeBatch, Plan
 from grace_st.prompts import InstructTemplate
 from grace_st.serve.server import create_app
 
@@ -51,7 +51,7 @@ def injected_embedding(encoder, text: str, task: str | None) -> torch.Tensor:
     kind = task or "default"
     row = injected_row(encoder, text, task)
     span = encoder.prompt_template(encoder.instruction_for(task, None)).instruction_span
-    features = encoder_inputs.features([row], span, 1, encoder.rationale_budget(kind), encoder.pad_token_id)
+    features = EncodeBatch.build([row], span, Plan(encoder.rationale_budget(kind), 1), encoder.pad_token_id).features()
     with torch.no_grad():
         return F.normalize(encoder.embed(features)["sentence_embedding"][0].float(), dim=-1)
 

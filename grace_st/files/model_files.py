@@ -1,10 +1,10 @@
-"""How a :class:`~grace_st.encoder.GenerativeEncoder` is saved and loaded.
+"""The file work of saving and loading a GRACE model, on plain values (a model, a tokenizer, a path, a state dict).
 
-:func:`save` writes the causal LM's weights (or its LoRA adapter), the tokenizer and the settings
-(``grace_config.json``) at the root of the model directory; :func:`load` reads them back, from a
-directory or a Hub id, and checks that the weights are the ones the settings were saved with
-(``weights_revision``). :func:`save`, :func:`load` and :func:`load_config` are the class's methods of those
-names, which sentence-transformers calls.
+:func:`save_model` writes the causal LM's weights (or its LoRA adapter) and the tokenizer at the root of the model
+directory; :func:`read_config` reads the settings (``grace_config.json``) back, :func:`local_snapshot` finds a Hub
+id's files, :func:`model_and_tokenizer` loads the LM, and :func:`check_weights_revision` checks that the weights are
+the ones the settings were saved with (``weights_revision``). ``GenerativeEncoder.save``, ``load`` and
+``load_config``, which sentence-transformers calls, are thin methods over these.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from grace_st.runtime.cpu import quantization
+from torch import Tensor
+
 from grace_st.files.adapter import (
     ADAPTER_WEIGHTS,
     adapter_base,
-    check_learned_state,
     copy_adapter,
     is_adapter_dir,
     is_peft_model,
@@ -26,11 +26,8 @@ from grace_st.files.adapter import (
     record_learned_state,
     save_adapter,
 )
-from grace_st.runtime.weights import weights_fingerprint
+from grace_st.runtime.cpu import quantization
 from grace_st.settings import read_settings_file
-
-if TYPE_CHECKING:
-    from grace_st.encoder import GenerativeEncoder
 
 # model_kwargs that load the weights in another form than saved (their fingerprint differs by design).
 CHANGES_WEIGHTS = frozenset(
@@ -129,47 +126,49 @@ def naming_damaged_weights(model_name_or_path: str | None) -> Iterator[None]:
         ) from error
 
 
-def save(encoder: GenerativeEncoder, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
-    """``GenerativeEncoder.save``: the LM's weights (the ones given to ``saving_weights``, the adapter given to
-    ``saving_adapter``, a PEFT model's adapter, or the weights in memory), the tokenizer and the settings, with
-    ``weights_revision`` set to the saved weights' fingerprint."""
-    if not safe_serialization:
-        raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
-    if quantization.quantization_scheme(encoder.model) is not None:
+def save_model(
+    path: str,
+    model,
+    tokenizer,
+    *,
+    state_dict: dict[str, Tensor] | None = None,
+    adapter: tuple[str, str] | None = None,
+    latent_tokens=None,
+) -> None:
+    """Write a causal LM and its tokenizer at the root of ``path``: the LoRA adapter ``adapter`` names
+    (``(adapter_dir, base)``, copied), a PEFT model's adapter, or the weights (``state_dict`` in place of the
+    ones in memory when given); GRC's ``latent_tokens`` beside them. An adapter folder records its files
+    (:func:`grace_st.files.adapter.record_learned_state`). Weights quantized at load are refused."""
+    if quantization.quantization_scheme(model) is not None:
         raise ValueError(
             "this model was loaded with weight_quantization: its int8 weights are a load-time form of the "
             "saved float weights. Save the model loaded without it (quantize again at load)"
         )
-    given = encoder._weights_to_save
-    encoder.weights_revision = (
-        weights_fingerprint(encoder.model, given) if given is not None else encoder.weights_key()
-    )[:16]
-    if encoder._adapter_to_save is not None:
-        adapter_dir, base = encoder._adapter_to_save
-        copy_adapter(adapter_dir, output_path, base)
-    elif is_peft_model(encoder.model):
-        save_adapter(encoder.model, output_path, state_dict=encoder._weights_to_save)
+    if adapter is not None:
+        adapter_dir, base = adapter
+        copy_adapter(adapter_dir, path, base)
+    elif is_peft_model(model):
+        save_adapter(model, path, state_dict=state_dict)
     else:
-        encoder.model.save_pretrained(output_path, state_dict=encoder._weights_to_save)
-    if encoder.latent_tokens is not None:  # GRC's latents and adapter A, beside the weights or the adapter
-        encoder.latent_tokens.save(output_path)
-    if is_adapter_dir(output_path):  # weights_revision is not checked for adapters: their files are
-        record_learned_state(output_path)
-    encoder.tokenizer.save_pretrained(output_path)
-    encoder.save_config(output_path)
+        model.save_pretrained(path, state_dict=state_dict)
+    if latent_tokens is not None:  # GRC's latents and adapter A, beside the weights or the adapter
+        latent_tokens.save(path)
+    if is_adapter_dir(path):  # weights_revision is not checked for adapters: their files are
+        record_learned_state(path)
+    tokenizer.save_pretrained(path)
 
 
-def load_config(
-    cls: type[GenerativeEncoder],
+def read_config(
     model_name_or_path: str,
+    name: str,
     subfolder: str = "",
-    config_filename: str | None = None,
     token: bool | str | None = None,
     cache_folder: str | None = None,
     revision: str | None = None,
     local_files_only: bool = False,
 ) -> dict[str, Any]:
-    """``GenerativeEncoder.load_config``: the saved settings, checked (:func:`grace_st.settings.read_settings_file`).
+    """The settings file ``name`` of a model directory or Hub id, checked
+    (:func:`grace_st.settings.read_settings_file`).
 
     Unlike other sentence-transformers modules, a missing file is an error: the class
     defaults (a 256-token rationale, a 1024-token prompt) are not what the model was
@@ -177,7 +176,6 @@ def load_config(
     """
     from sentence_transformers.util import load_file_path
 
-    name = config_filename or cls.config_file_name
     path = load_file_path(
         model_name_or_path,
         name,
@@ -197,80 +195,71 @@ def load_config(
     return read_settings_file(path)
 
 
-def load(
-    cls: type[GenerativeEncoder],
+def local_snapshot(
     model_name_or_path: str,
+    subfolder: str,
+    config_file_name: str,
+    token: bool | str | None = None,
+    cache_folder: str | None = None,
+    revision: str | None = None,
+    local_files_only: bool = False,
+) -> tuple[str, str | None]:
+    """Where a model loads from, and the revision left to ask for there: a directory as it is; a Hub id
+    (sentence-transformers 5.x and 6.x both pass the id, not the snapshot path) as its snapshot in the Hugging
+    Face cache, so the model is named by repository and commit, an adapter is seen as one, and a snapshot
+    missing offline says what to download. The snapshot is the revision; an adapter's base has its own."""
+    from grace_st.files.hub import hub_snapshot, is_repo_id
+
+    if os.path.isdir(model_name_or_path) or not is_repo_id(model_name_or_path):
+        return model_name_or_path, revision
+    inside = (lambda name: f"{subfolder}/{name}") if subfolder else (lambda name: name)
+    weights = ("model.safetensors", "model.safetensors.index.json", ADAPTER_WEIGHTS)
+    path = hub_snapshot(
+        model_name_or_path,
+        revision,
+        cache_dir=cache_folder,
+        token=token,
+        local_files_only=local_files_only,
+        needs=(inside(config_file_name), tuple(inside(name) for name in weights)),
+    )
+    return path, None
+
+
+def loading_kwargs(
     subfolder: str = "",
     token: bool | str | None = None,
     cache_folder: str | None = None,
     revision: str | None = None,
     local_files_only: bool = False,
-    trust_remote_code: bool = False,
-    model_kwargs: dict[str, Any] | None = None,
-    processor_kwargs: dict[str, Any] | None = None,
-    tokenizer_kwargs: dict[str, Any] | None = None,
-    config_kwargs: dict[str, Any] | None = None,
-    **kwargs,
-) -> GenerativeEncoder:
-    """``GenerativeEncoder.load``: an encoder of class ``cls`` built from its saved settings
-    (``cls.load_config``) and weights, from a directory or a Hub id; weights loaded as saved are checked
-    against ``weights_revision`` (:func:`check_weights_revision`)."""
-    from grace_st.files.hub import hub_snapshot, is_repo_id, snapshot_repo
-
-    if not os.path.isdir(model_name_or_path) and is_repo_id(model_name_or_path):
-        # A Hub id (sentence-transformers 5.x and 6.x both pass the id, not the snapshot path):
-        # work from its snapshot in the Hugging Face cache, so the model is named by repository
-        # and commit, an adapter is seen as one, and a snapshot missing offline says what to
-        # download. The snapshot is the revision; an adapter's base has its own.
-        inside = (lambda name: f"{subfolder}/{name}") if subfolder else (lambda name: name)
-        weights = ("model.safetensors", "model.safetensors.index.json", ADAPTER_WEIGHTS)
-        model_name_or_path = hub_snapshot(
-            model_name_or_path,
-            revision,
-            cache_dir=cache_folder,
-            token=token,
-            local_files_only=local_files_only,
-            needs=(inside(cls.config_file_name), tuple(inside(name) for name in weights)),
-        )
-        revision = None
-    config = cls.load_config(
-        model_name_or_path,
-        subfolder=subfolder,
-        token=token,
-        cache_folder=cache_folder,
-        revision=revision,
-        local_files_only=local_files_only,
-    )
-    check_learned_state(model_name_or_path)  # an adapter folder's recorded files, before any weights load
+    model: dict[str, Any] | None = None,
+    processor: dict[str, Any] | None = None,
+    tokenizer: dict[str, Any] | None = None,
+    config: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``from_pretrained``'s keywords for the model and for the tokenizer: where to read (the Hub's), then
+    sentence-transformers' ``config_kwargs`` / ``model_kwargs`` and ``tokenizer_kwargs`` / ``processor_kwargs``."""
     # sentence-transformers 6 passes trust_remote_code=True for importing this class at all; it
     # is not a wish to run the base's own code (grace_st.files.loading). model_kwargs says that.
-    trusted = bool((model_kwargs or {}).get("trust_remote_code", False))
+    trusted = bool((model or {}).get("trust_remote_code", False))
     hub = hub_kwargs(token, cache_folder, revision, local_files_only, trusted, subfolder)
-    encoder = cls(
-        model_name_or_path,
-        **config,
-        model_kwargs={**hub, **(config_kwargs or {}), **(model_kwargs or {})},
-        tokenizer_kwargs={**hub, **(tokenizer_kwargs or {}), **(processor_kwargs or {})},
-    )
-    if not (config_kwargs or set(model_kwargs or {}) & CHANGES_WEIGHTS) and not is_adapter_dir(model_name_or_path):
-        check_weights_revision(encoder, model_name_or_path)
-    if snapshot_repo(model_name_or_path) is not None:  # settings as saved: the commit alone names them
-        encoder._snapshot_revision = encoder.revision()
-    return encoder
+    return {**hub, **(config or {}), **(model or {})}, {**hub, **(tokenizer or {}), **(processor or {})}
 
 
-def check_weights_revision(encoder: GenerativeEncoder, path: str) -> None:
-    """The weights (and config) loaded are the ones :func:`save` fingerprinted: a config.json or
-    model.safetensors swapped or edited since would otherwise give other embeddings under the
-    saved name, cache keys and mteb revision. One fingerprint pass (0.3 s a 135M model), which
-    the rationale cache and mteb reuse. Not for adapters (saved unmerged, loaded merged: their files are checked,
-    :func:`grace_st.files.adapter.check_learned_state`) nor for loads that convert the weights (:data:`CHANGES_WEIGHTS`)."""
-    if encoder.weights_revision is None:
-        return
-    found = encoder.weights_key()[:16]
-    if found != encoder.weights_revision:
+def loads_as_saved(path: str, model_kwargs: dict[str, Any] | None, config_kwargs: dict[str, Any] | None) -> bool:
+    """Whether the weights load as they were fingerprinted: not an adapter (saved unmerged, loaded merged: its
+    files are checked, :func:`grace_st.files.adapter.check_learned_state`) and no load option that converts them
+    (:data:`CHANGES_WEIGHTS`)."""
+    return not (config_kwargs or set(model_kwargs or {}) & CHANGES_WEIGHTS) and not is_adapter_dir(path)
+
+
+def check_weights_revision(path: str, config_file_name: str, saved: str, found: str) -> None:
+    """The weights (and config) loaded, fingerprinted as ``found``, are the ones saved as ``saved``
+    (``weights_revision``): a config.json or model.safetensors swapped or edited since would otherwise give
+    other embeddings under the saved name, cache keys and mteb revision. One fingerprint pass (0.3 s a 135M
+    model), which the rationale cache and mteb reuse."""
+    if found != saved:
         raise ValueError(
-            f"{path}: the weights and config.json loaded are not the ones {encoder.config_file_name} was saved "
-            f"with (weights_revision {encoder.weights_revision}, found {found}): a file was replaced or edited "
+            f"{path}: the weights and config.json loaded are not the ones {config_file_name} was saved "
+            f"with (weights_revision {saved}, found {found}): a file was replaced or edited "
             "after saving. Restore it, or save the model again (GenerativeEncoder.save) to accept these weights."
         )

@@ -12,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from grace_st.cache import NEUTRAL_SETTINGS
 from grace_st.files.hub import snapshot_repo
@@ -33,47 +35,55 @@ def model_id(name_or_path: str) -> str:
 ADDED_LATER = {name: value for name, value in NEUTRAL_SETTINGS.items() if name != "repetition_penalty"}
 
 
-def revision(encoder) -> str:
-    """The weights' fingerprint and a hash of the current settings: what determines an embedding."""
-    if encoder.weights_revision is None:
-        encoder.weights_revision = encoder.weights_key()[:16]
+def revision(settings: Mapping[str, Any], weights_revision: str) -> str:
+    """The weights' fingerprint and a hash of the settings (a model's ``get_config_dict()``): what determines
+    an embedding."""
     # merge_adapter changes how the weights are held, not what they compute; a setting added since results were
     # first filed, at the value that computes what was computed before it, leaves the revision as it was
-    settings = {
+    kept = {
         k: v
-        for k, v in encoder.get_config_dict().items()
+        for k, v in settings.items()
         if k not in ("weights_revision", "merge_adapter") and not (k in ADDED_LATER and v == ADDED_LATER[k])
     }
-    digest = hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()[:8]
-    return f"{encoder.weights_revision}-{digest}"
+    digest = hashlib.sha256(json.dumps(kept, sort_keys=True).encode()).hexdigest()[:8]
+    return f"{weights_revision}-{digest}"
 
 
-def describe_for_mteb(encoder, model) -> None:
-    """Give ``model`` (the SentenceTransformer around ``encoder``) a name and revision in its model
-    card data, where mteb reads them. A Hub-loaded model (a snapshot in the Hugging Face cache) is
-    filed under its repository id and commit, the commit even where the revision asked for was a
-    branch or tag; settings changed at run time add a hash of them to the commit. Values a user
-    set are left alone: only None, or what an earlier call wrote, is replaced."""
-    card = model.model_card_data
-    ours_name, ours_revision = encoder._described
-    snapshot = snapshot_repo(encoder._source_path)
+Described = tuple[str | None, str | None]
+
+
+def describe_for_mteb(
+    card,
+    model_id: str,
+    current_revision: Callable[[], str],
+    *,
+    source: str | None,
+    saved_revision: str | None,
+    described: Described,
+) -> Described:
+    """Give ``card`` (a SentenceTransformer's model card data, where mteb reads them) the name ``model_id`` and
+    a revision; return the (name, revision) written, to pass as ``described`` next time. A model loaded from
+    ``source``, a Hub snapshot (in the Hugging Face cache), is filed under its repository id and commit, the
+    commit even where the revision asked for was a branch or tag; settings changed at run time since the
+    ``saved_revision`` add a hash of ``current_revision()`` to the commit. Values a user set are left alone:
+    only None, or what the ``described`` call wrote, is replaced."""
+    ours_name, ours_revision = described
+    snapshot = snapshot_repo(source)
     if snapshot is not None:
-        commit, current = snapshot[1], revision(encoder)
-        saved = getattr(encoder, "_snapshot_revision", None)  # the settings it was saved with (see load)
+        commit, current = snapshot[1], current_revision()
         filed = commit
-        if saved not in (None, current):
+        if saved_revision not in (None, current):
             filed = f"{commit}-{hashlib.sha256(current.encode()).hexdigest()[:8]}"
         if card.model_name in (None, ours_name):
-            card.model_name = encoder.model_id
+            card.model_name = model_id
         # the first time, sentence-transformers' value (None, or a branch name) gives way to the commit
-        if encoder._described == (None, None) or card.base_model_revision == ours_revision:
+        if described == (None, None) or card.base_model_revision == ours_revision:
             card.base_model_revision = filed
-        encoder._described = (card.model_name, card.base_model_revision)
-        return
+        return card.model_name, card.base_model_revision
     if card.base_model and ours_name is None:  # loaded from the Hub: its id and commit stand
-        return
+        return described
     if card.model_name in (None, ours_name):
-        card.model_name = encoder.model_id
+        card.model_name = model_id
     if card.base_model_revision in (None, ours_revision):
-        card.base_model_revision = revision(encoder)
-    encoder._described = (card.model_name, card.base_model_revision)
+        card.base_model_revision = current_revision()
+    return card.model_name, card.base_model_revision

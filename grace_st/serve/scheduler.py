@@ -15,8 +15,9 @@ admissions) is bounded whatever a request holds, a small request is not queued b
 rows, and a request whose client left is dropped within a step. Each row is pooled (Eq. 3) when it ends
 and its states let go: what a queued text holds is its text, its prompt's token ids and its pooled vector.
 
-Each finished row is pooled, averaged over its text's rationales and passed through the
-model's modules after the encoder (``Normalize``) by the encoder's own output builder, so a text's
+Each finished row is pooled, averaged over its text's rationales and assembled by ``encode``'s own data path
+(:mod:`grace_st.encoding`: the rationale cache's lookup and store, :func:`~grace_st.encoding.to_features`), then
+passed through the model's modules after the encoder (``Normalize``), so a text's
 embedding is the one ``model.encode`` gives it, bit for bit where the native step runs: every per-row
 computation is batch-invariant (``tests/test_batch_invariance.py``).
 
@@ -46,9 +47,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-import grace_st.encoder_inputs as encoder_inputs
-from grace_st.cache import CacheEntry
-from grace_st.runtime.batch import masked_mean, pad_rationales
+from grace_st.encoding import EncodeBatch, Plan, TextResult, lookup, store, text_results, to_features
+from grace_st.runtime.batch import masked_mean
 from grace_st.runtime.cpu.quantization import quantization_scheme
 from grace_st.runtime.decoding import continuous_batching, incremental_decoder
 from grace_st.runtime.generation import RolloutStream, StreamedRow, streamed_row
@@ -95,19 +95,19 @@ class _Job:
     future: Future
     chars: int
     tokenised: int = 0  # texts tokenised so far (the first ones): their rows are fed, waiting in `unfed`, or done
-    plan: tuple[int, int] = (0, 1)  # the rationale budget and rationales a text, as preprocess chose them
+    plan: Plan = field(default_factory=lambda: Plan(0, 1))  # the budget and rationales a text, as preprocess chose
     instruction_span: int = 0
     prompts: list[list[int]] = field(default_factory=list)  # each tokenised text's prompt ids, P(x)
     unfed: deque[StreamedRow] = field(default_factory=deque)  # rows tokenised, not yet in the stream
     fed: set = field(default_factory=set)  # keys of its rows in the stream
     means: dict[int, tuple] = field(default_factory=dict)  # row → (pooled mean, rationale, truncated) until its text's
-    entries: dict[int, CacheEntry] = field(default_factory=dict)  # text → its pooled embedding, rationales, truncation
+    results: dict[int, TextResult] = field(default_factory=dict)  # text → its embedding, rationales, truncation
     cache_keys: dict[int, str] = field(default_factory=dict)  # text → rationale-cache key, for texts embedded here
-    fresh: dict[str, CacheEntry] = field(default_factory=dict)  # what to store in the rationale cache
+    fresh: dict[int, str] = field(default_factory=dict)  # text → key, of the results to store in the rationale cache
 
     @property
     def done(self) -> bool:
-        return self.tokenised == len(self.texts) and len(self.entries) == len(self.texts)
+        return self.tokenised == len(self.texts) and len(self.results) == len(self.texts)
 
 
 class Scheduler:
@@ -322,19 +322,20 @@ class Scheduler:
             end += 1
         try:
             prompt, task = self._call(job.prompt_type)
-            features = self.encoder.preprocess(job.texts[job.tokenised : end], prompt=prompt, task=task)
-            request = self.encoder.rollout_request(features)
-            job.plan = budget, repeats = self.encoder.batch_plan(features)
-            job.instruction_span = int(features["instruction_lengths"][0])
-            keys = features.get("cache_keys")
-            found = self.encoder.rationale_cache.lookup(keys) if keys is not None else {}
+            batch = EncodeBatch.from_features(
+                self.encoder.preprocess(job.texts[job.tokenised : end], prompt=prompt, task=task)
+            )
+            request = batch.request(self.encoder.sampling())
+            job.plan, job.instruction_span = batch.plan, batch.instruction_span
+            repeats = batch.plan.repeats
+            found = lookup(self.encoder.rationale_cache, batch) if batch.cache_keys is not None else {}
             for local, index in enumerate(range(job.tokenised, end)):
                 job.prompts.append(request.prompt_ids[local * repeats])
-                if keys is not None and keys[local] in found:
-                    job.entries[index] = found[keys[local]]
+                if local in found:
+                    job.results[index] = found[local]
                     continue
-                if keys is not None:
-                    job.cache_keys[index] = keys[local]
+                if batch.cache_keys is not None:
+                    job.cache_keys[index] = batch.cache_keys[local]
                 for k in range(repeats):
                     row = local * repeats + k
                     seed = None if request.seeds is None else request.seeds[row]
@@ -343,7 +344,7 @@ class Scheduler:
                             (job.id, index * repeats + k),
                             request.prompt_ids[row],
                             request.instruction_lengths[row],
-                            budget,
+                            batch.plan.budget,
                             request.temperatures[row],
                             seed,
                         )
@@ -364,39 +365,31 @@ class Scheduler:
         job.fed.discard(row.key)
         mean = masked_mean(row.token_embeddings()[None], row.pooling_mask()[None])
         job.means[row.key[1]] = (mean, row.rationale_ids, row.truncated)
-        repeats = job.plan[1]
+        repeats = job.plan.repeats
         index = row.key[1] // repeats
         rollouts = [job.means.get(index * repeats + k) for k in range(repeats)]
         if any(rollout is None for rollout in rollouts):
             return
         for k in range(repeats):
             del job.means[index * repeats + k]
-        means = torch.cat([rollout[0] for rollout in rollouts])
-        job.entries[index] = entry = CacheEntry(
-            rationale_ids=[rollout[1] for rollout in rollouts],
-            truncated=[rollout[2] for rollout in rollouts],
-            embedding=means.view(1, repeats, -1).mean(1)[0].float().cpu().numpy(),
-        )
+        pooled, rationale_ids, truncated = zip(*rollouts)
+        result = text_results(torch.cat(pooled), rationale_ids, truncated, repeats)[0]
+        # the vector waits on the CPU as the rationale cache holds it: nothing of the rows stays on the device
+        job.results[index] = TextResult.from_entry(result.entry())
         if index in job.cache_keys:
-            job.fresh[job.cache_keys.pop(index)] = entry
+            job.fresh[index] = job.cache_keys.pop(index)
         if job.done:
             self._complete(job)
 
     def _complete(self, job: _Job) -> None:
-        """The job's embeddings from its texts' entries, through the encoder's output builder and the model's
-        later modules."""
+        """The job's embeddings from its texts' results, assembled as ``forward`` assembles them, through the
+        model's later modules; fresh results stored in the rationale cache."""
         try:
-            encoder, (budget, repeats) = self.encoder, job.plan
-            entries = [job.entries[index] for index in range(len(job.texts))]
+            encoder = self.encoder
             if job.fresh:
-                encoder.rationale_cache.store(job.fresh)
-            features = encoder_inputs.features(job.prompts, job.instruction_span, repeats, budget, encoder.pad_token_id)
-            out = encoder.outputs(
-                features,
-                torch.stack([torch.from_numpy(entry.embedding) for entry in entries]),
-                pad_rationales([entry.rationale_ids for entry in entries], repeats),
-                torch.tensor([entry.truncated for entry in entries]),
-            )
+                store(encoder.rationale_cache, list(job.fresh.values()), [job.results[i] for i in job.fresh])
+            batch = EncodeBatch.build(job.prompts, job.instruction_span, job.plan, encoder.pad_token_id)
+            out = to_features(batch, [job.results[index] for index in range(len(job.texts))])
             for module in list(self.model)[1:]:
                 out = module(out)
             ids = out["rationale_token_ids"][:, 0]
@@ -423,8 +416,7 @@ class Scheduler:
                 if self._encoding.future.cancelled():
                     raise _Abandoned
                 features = args[0] if args else kwargs["features"]
-                repeats = self.encoder.batch_plan(features)[1]
-                self._encoded_tokens += int(features["attention_mask"].sum()) // max(1, repeats)
+                self._encoded_tokens += EncodeBatch.from_features(features).prompt_tokens()
 
         def after(_module, _args, output):
             if self._encoding is None or threading.current_thread() is not self._thread:

@@ -202,7 +202,7 @@ def train_infonce(
     encoder = model[0]
     if train_data is None:
         train_data, _ = load_data(config.train_data, **config.data_settings())
-    st = _prompt_pooling_model(encoder, config)
+    st = _prompt_pooling_model(model, config)
     output = Path(config.output_dir)
     arguments = _trainer_arguments(config, output)
     dataset, arguments["router_mapping"] = infonce_datasets(
@@ -227,9 +227,9 @@ def train_infonce(
     return final
 
 
-def _prompt_pooling_model(encoder: GenerativeEncoder, config: GRPOConfig):
-    """The SentenceTransformer InfoNCE trains: a :class:`PromptPoolingEncoder` with ``encoder``'s settings over the
-    very LM object of ``encoder`` (training it trains the model that is saved), then normalisation."""
+def _prompt_pooling_model(model, config: GRPOConfig):
+    """The SentenceTransformer InfoNCE trains: a :class:`PromptPoolingEncoder` with the settings of ``model``'s
+    encoder over the very LM object of it (training it trains the model that is saved), then normalisation."""
     from sentence_transformers import SentenceTransformer
 
     try:
@@ -237,6 +237,7 @@ def _prompt_pooling_model(encoder: GenerativeEncoder, config: GRPOConfig):
     except ImportError:  # sentence-transformers 5.x
         from sentence_transformers.models import Normalize
 
+    encoder = model[0]
     settings = {key: getattr(encoder, key) for key in ("instructions", "hidden_layer")}
     trainable = PromptPoolingEncoder(
         model=encoder.model,
