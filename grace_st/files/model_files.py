@@ -151,8 +151,8 @@ def save(encoder: GenerativeEncoder, output_path: str, *args, safe_serialization
         save_adapter(encoder.model, output_path, state_dict=encoder._weights_to_save)
     else:
         encoder.model.save_pretrained(output_path, state_dict=encoder._weights_to_save)
-    if encoder.latent_tokens is not None:  # GRC's latents and adapter A, beside the weights or the adapter
-        encoder.latent_tokens.save(output_path)
+    for kind, state in encoder.learned_states():  # a method's learned state (GRC's latents), beside the weights
+        kind.save(state, output_path)
     if is_adapter_dir(output_path):  # weights_revision is not checked for adapters: their files are
         record_learned_state(output_path)
     encoder.tokenizer.save_pretrained(output_path)
