@@ -173,7 +173,7 @@ def calibration_grams(model, names: list[str], config: Path, count: int, seed: i
 def _pooled_states(lm, hidden_layer: int, sequences: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
     """The hidden states ``encode`` pools (Eq. 3: layer ``hidden_layer``, positions after L_sys) of each sequence, run
     as one right-padded batch."""
-    from grace_st.methods import right_padded_states
+    from grace_st.methods.grace import right_padded_states
 
     states = right_padded_states(lm, [ids for ids, _ in sequences], 0, hidden_layer)
     return [states[row, span : len(ids)] for row, (ids, span) in enumerate(sequences)]
