@@ -17,15 +17,13 @@ from typing import Any
 
 from grace_st.methods.gircse import GIRCSE_DEFAULT_K  # noqa: F401 (the GIRCSE budget, where callers look for it)
 from grace_st.methods.grc import MAX_LATENT_TOKENS  # noqa: F401 (a bound, where callers look for it)
-from grace_st.methods.registry import METHODS, on_change
+from grace_st.methods.registry import METHODS, on_change  # METHODS: the records, by name
 from grace_st.prompts import DEFAULT_INSTRUCTIONS
 from grace_st.setting import WHAT as _WHAT
 from grace_st.setting import Setting, int_in
 from grace_st.setting import how as _how
 from grace_st.setting import is_int as _is_int
 from grace_st.setting import is_number as _is_number
-
-__all__ = ["METHODS", "SETTINGS", "Setting", "check_settings", "int_in"]
 
 
 def _is_instructions(value: Any) -> bool:

@@ -156,6 +156,11 @@ def test_the_engine_is_built_once_and_again_when_the_state_changes():
     assert encoder.engine is engine and engine.bias is encoder.toy_bias
     encoder.toy_bias = Bias(encoder.toy_bias.bias.shape[0], 2.0)
     assert encoder.engine is not engine and encoder.engine.bias is encoder.toy_bias
+    encoder.toy_bias = None
+    encoder.check_settings()  # a check makes no state
+    assert encoder.toy_bias is None
+    encoder.prepare_method_state()  # this does: a fresh bias at the setting's value
+    assert torch.equal(encoder.toy_bias.bias, torch.zeros_like(encoder.toy_bias.bias))
 
 
 def test_the_bias_is_saved_beside_the_weights_and_loads_back(tmp_path):
