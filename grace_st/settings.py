@@ -10,22 +10,20 @@ from __future__ import annotations
 
 import json
 import math
-import numbers
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from grace_st.methods.gircse import GIRCSE_DEFAULT_K  # noqa: F401 (the GIRCSE budget, where callers look for it)
+from grace_st.methods.grc import MAX_LATENT_TOKENS  # noqa: F401 (a bound, where callers look for it)
+from grace_st.methods.registry import METHODS, on_change  # METHODS: the records, by name
 from grace_st.prompts import DEFAULT_INSTRUCTIONS
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+from grace_st.setting import WHAT as _WHAT
+from grace_st.setting import Setting, int_in
+from grace_st.setting import how as _how
+from grace_st.setting import is_int as _is_int
+from grace_st.setting import is_number as _is_number
 
 
 def _is_instructions(value: Any) -> bool:
@@ -38,13 +36,7 @@ MAX_RATIONALE_TOKENS = 32_768  # a rationale's KV cache is allocated for the who
 MAX_INPUT_TOKENS = 1_048_576  # a cap on the prompt (the text itself decides its length)
 MAX_NUM_RATIONALES = 1_024  # each one is a row of the generation batch
 MAX_HIDDEN_LAYER = 1_024  # the model's own layer count bounds it further (check_settings' num_layers)
-MAX_LATENT_TOKENS = 4_096  # each one is a position of every pass and of the memory
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.Generator.manual_seed takes: a 64-bit integer
-
-
-def int_in(low: int, high: float) -> Callable[[Any], bool]:
-    """An int (a NumPy integer too, not a bool) in ``[low, high]``."""
-    return lambda value: _is_int(value) and low <= value <= high
 
 
 def per_prompt_type(low: int, high: float = math.inf) -> Callable[[Any], bool]:
@@ -85,58 +77,16 @@ def prompt_types(*values: Any) -> set[str]:
     return {"default"}.union(*(set(v) for v in values if isinstance(v, Mapping)))
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One saved setting of the GenerativeEncoder: its default, what it means, what it must be, and
-    where else it counts. :data:`SETTINGS` is the one source of the settings: the constructor's
-    defaults and its docstring, ``config_keys`` (what is saved), the rationale cache key, the
-    ``grace-st`` options and docs/usage.md's table (:func:`settings_table`) are read from it."""
-
-    default: Any
-    help: str  # what it does: the constructor's docstring, the CLI's help, docs/usage.md's table
-    requirement: str  # what it must be, as an error says it
-    valid: Callable[[Any], bool]
-    decides_rationale: bool  # keys the rationale cache (instructions enter through the prompt's token ids)
-    cli: str | None  # the ``grace-st`` option's kind: "int", "float", "flag", "per_type" (N or TYPE=N,...), "choice"; None: none
-    shown_default: str | None = None  # the table's default, where the value itself is too long to show
-    choices: tuple[str, ...] | None = None  # a "choice" setting's values
-
-    @property
-    def cli_option(self) -> bool:
-        return self.cli is not None
-
-
-def _how(cli: str) -> dict[str, Any]:
-    """A setting of how a text is encoded: it decides the rationale and has a ``grace-st`` option."""
-    return {"decides_rationale": True, "cli": cli}
-
-
-_WHAT = {"decides_rationale": False, "cli": None}  # instructions, or a fact about the saved weights
 _PER_TYPE = "an int, or a mapping of prompt type to one with a 'default' entry"
 
-# The ways a model thinks before it embeds (grace_st.methods.ENGINES has a class for each).
-METHODS = ("grace", "gircse", "grc")
-# K of a GIRCSE model built or loaded without a max_rationale_tokens value: the best K of the trained models' K curve
-# on the dev scoreboard (docs/gircse.md; decisions/D033).
-GIRCSE_DEFAULT_K = 5
 # How a text becomes a prompt: the model's chat template, or GIRCSE's reference format (grace_st.prompts).
 PROMPT_FORMATS = ("chat", "instruct")
 
-# Combination rules live in check_settings below.
-SETTINGS: dict[str, Setting] = {
-    "method": Setting(
-        "grace",
-        "how the model thinks before it embeds: 'grace' writes a rationale of up to max_rationale_tokens tokens "
-        "and pools the text and the rationale (GRACE); 'gircse' feeds its next-token distribution back as "
-        "max_rationale_tokens soft tokens and pools their states (GIRCSE: deterministic, nothing sampled); 'grc' "
-        "writes a response of up to max_rationale_tokens tokens ('None' at 0), then embeds with the final states of "
-        "num_latent_tokens learned latent tokens after it (GRC), whose keys and values are also the text's "
-        "compressed memory",
-        "'grace', 'gircse' or 'grc'",
-        lambda v: v in METHODS,
-        **_how("choice"),
-        choices=METHODS,
-    ),
+# The settings every method shares. "method" and "max_rationale_tokens" name the methods, so their entries are built
+# from grace_st.methods.registry.METHODS (_method_setting, _budget_setting); each method's own settings come from its
+# record and follow "prompt_format". Combination rules live in check_settings below and in each method's record.
+_SHARED: dict[str, Setting | None] = {
+    "method": None,
     "prompt_format": Setting(
         "chat",
         "how a text becomes a prompt: 'chat' puts the instruction in the model's chat template as the system turn "
@@ -148,21 +98,6 @@ SETTINGS: dict[str, Setting] = {
         **_how("choice"),
         choices=PROMPT_FORMATS,
     ),
-    "num_latent_tokens": Setting(
-        16,
-        "method 'grc': m, the meta latent tokens after the response (learned vectors saved in "
-        "latent_tokens.safetensors): the embedding's read-out and the memory's size, the same for any text length",
-        f"an int in [1, {MAX_LATENT_TOKENS}]",
-        int_in(1, MAX_LATENT_TOKENS),
-        **_WHAT,
-    ),
-    "soft_token_temperature": Setting(
-        1.0,
-        "method 'gircse': the temperature of each fed-back distribution, softmax(logits / T); 1 is the paper's",
-        "a finite number > 0",
-        lambda v: _is_number(v) and v > 0,
-        **_how("float"),
-    ),
     "instructions": Setting(
         DEFAULT_INSTRUCTIONS,
         "system instructions by prompt type: 'default', 'query', 'document'. encode_query / encode_document "
@@ -173,18 +108,7 @@ SETTINGS: dict[str, Setting] = {
         **_WHAT,
         shown_default="`grace_st.prompts.DEFAULT_INSTRUCTIONS`",
     ),
-    "max_rationale_tokens": Setting(
-        256,
-        "rationale length limit; 0 pools the prompt alone (the paper's 'Base' row, no generation). An int for "
-        "every text, or a budget by prompt type, e.g. {'query': 64, 'document': 0, 'default': 64}: a corpus "
-        "embedded once and cheaply, queries that reason (the shipped default model: 0 for every prompt type, "
-        f"decisions/D042). Method 'gircse' reads it as K, the soft tokens, and a GIRCSE model built or loaded without a value gets "
-        f"K = {GIRCSE_DEFAULT_K} (measured: docs/gircse.md)",
-        f"an int in [0, {MAX_RATIONALE_TOKENS}], or a mapping of prompt type to one with a 'default' entry",
-        per_prompt_type(0, MAX_RATIONALE_TOKENS),
-        **_how("per_type"),
-        shown_default=f"`256` (`gircse`: `{GIRCSE_DEFAULT_K}`)",
-    ),
+    "max_rationale_tokens": None,  # _budget_setting(): its help names each method's own budget
     "max_input_tokens": Setting(
         1024,
         "limit on the templated prompt; longer texts are cut at the end so that instruction and template stay "
@@ -260,15 +184,86 @@ SETTINGS: dict[str, Setting] = {
         **_WHAT,
     ),
 }
+_BUDGET_HELP = (
+    "rationale length limit; 0 pools the prompt alone (the paper's 'Base' row, no generation). An int for "
+    "every text, or a budget by prompt type, e.g. {'query': 64, 'document': 0, 'default': 64}: a corpus "
+    "embedded once and cheaply, queries that reason (the shipped default model: 0 for every prompt type, "
+    "decisions/D042)"
+)
+_BUDGET_DEFAULT = 256
 
+
+def _one_of(names: list[str]) -> str:
+    quoted = [f"'{name}'" for name in names]
+    return quoted[0] if len(quoted) == 1 else f"{', '.join(quoted[:-1])} or {quoted[-1]}"
+
+
+def _method_setting() -> Setting:
+    """The ``method`` setting: its help and choices list :data:`METHODS`."""
+    names = list(METHODS)
+    ways = "; ".join(f"'{name}' {method.help}" for name, method in METHODS.items())
+    return Setting(
+        "grace",
+        f"how the model thinks before it embeds: {ways}",
+        _one_of(names),
+        lambda v: v in METHODS,
+        **_how("choice"),
+        choices=tuple(names),
+    )
+
+
+def _budget_setting() -> Setting:
+    """``max_rationale_tokens``: its help and shown default say what each method makes of it."""
+    notes = [method.budget_note for method in METHODS.values() if method.budget_note]
+    own = [f"`{name}`: `{json.dumps(m.default_budget)}`" for name, m in METHODS.items() if m.default_budget is not None]
+    return Setting(
+        _BUDGET_DEFAULT,
+        ". ".join([_BUDGET_HELP, *notes]),
+        f"an int in [0, {MAX_RATIONALE_TOKENS}], or a mapping of prompt type to one with a 'default' entry",
+        per_prompt_type(0, MAX_RATIONALE_TOKENS),
+        **_how("per_type"),
+        shown_default=f"`{_BUDGET_DEFAULT}`" + (f" ({', '.join(own)})" if own else ""),
+    )
+
+
+SETTINGS: dict[str, Setting] = {}  # the one table: the shared settings with every method's own merged in
+_defaults: dict[str, Any] = {}
 # Each setting's default, read-only: the constructor's signature reads them here.
-DEFAULTS = MappingProxyType({name: setting.default for name, setting in SETTINGS.items()})
+DEFAULTS = MappingProxyType(_defaults)
+SETTING_NAMES: list[str] = []  # the table's names, the encoder's config_keys (kept in step with it)
+# The settings that decide a rationale and the embedding pooled over it: the rationale cache keys
+# its entries by these.
+RATIONALE_SETTINGS: tuple[str, ...] = ()
+
+
+def _merge() -> None:
+    """Build :data:`SETTINGS` (in place: every importer holds the one table) and what is read from it, from the
+    shared settings and :data:`METHODS`; run again whenever a method is registered."""
+    global RATIONALE_SETTINGS
+    built = {"method": _method_setting(), "max_rationale_tokens": _budget_setting()}
+    own = {name: setting for method in METHODS.values() for name, setting in method.settings.items()}
+    table: dict[str, Setting] = {}
+    for name, setting in _SHARED.items():
+        table[name] = built.get(name) or setting
+        if name == "prompt_format":
+            table.update(own)
+    SETTINGS.clear()
+    SETTINGS.update(table)
+    _defaults.clear()
+    _defaults.update({name: setting.default for name, setting in table.items()})
+    SETTING_NAMES[:] = list(table)
+    RATIONALE_SETTINGS = tuple(name for name, setting in table.items() if setting.decides_rationale)
+
+
+_merge()
+on_change(_merge)
 
 
 def default_budget(method: str) -> int | dict[str, int]:
-    """``max_rationale_tokens`` where none is given: GIRCSE's measured K for its soft tokens, else the setting's
-    default."""
-    return GIRCSE_DEFAULT_K if method == "gircse" else default("max_rationale_tokens")
+    """``max_rationale_tokens`` where none is given: the method's own (GIRCSE's measured K for its soft tokens), else
+    the setting's default."""
+    own = METHODS[method].default_budget if method in METHODS else None
+    return own if own is not None else default("max_rationale_tokens")
 
 
 def overridden(current: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
@@ -327,11 +322,6 @@ def settings_docstring(indent: str = "        ") -> str:
     return "\n".join(entries)
 
 
-# The settings that decide a rationale and the embedding pooled over it: the rationale cache keys
-# its entries by these.
-RATIONALE_SETTINGS = tuple(name for name, setting in SETTINGS.items() if setting.decides_rationale)
-
-
 def _where(source: str | None) -> str:
     return f"{source}: " if source else ""
 
@@ -366,17 +356,10 @@ def check_settings(values: Mapping[str, Any], *, num_layers: int | None = None, 
             raise ValueError(f"{where}num_rationales > 1{of} averages sampled rationales: set do_sample=True as well")
         if for_prompt_type(repeats, kind) > 1 and for_prompt_type(budgets, kind) == 0:
             raise ValueError(f"{where}num_rationales > 1{of} needs max_rationale_tokens > 0")
-    if get("method", "grace") == "gircse" and get("do_sample", False):
-        raise ValueError(f"{where}method 'gircse' samples nothing (its soft tokens are the whole distribution): set do_sample=False")
-    if get("prompt_format", "chat") == "instruct" and get("method", "grace") != "gircse":
-        raise ValueError(
-            f"{where}prompt_format 'instruct' is GIRCSE's reference format (soft tokens right after the text); "
-            f"method {get('method', 'grace')!r} thinks in the chat template's assistant turn: use prompt_format 'chat'"
-        )
-    if get("soft_token_temperature", 1.0) != 1.0 and get("method", "grace") != "gircse":
-        raise ValueError(f"{where}soft_token_temperature is GIRCSE's (method 'gircse'); a rationale's is temperature")
-    if get("method", "grace") == "gircse" and get("repetition_penalty", 1.0) != 1.0:
-        raise ValueError(f"{where}method 'gircse' writes no tokens to penalise (it feeds back soft tokens): set repetition_penalty=1")
+    for method in METHODS.values():  # each method's own combination rules (GIRCSE's: nothing sampled ...)
+        problems = method.rules(values)
+        if problems:
+            raise ValueError(f"{where}{problems[0]}")
     if get("do_sample", False) and not get("temperature", 1.0) > 0:
         raise ValueError(f"{where}temperature must be > 0 when sampling, got {get('temperature')!r}")
     if num_layers is not None and "hidden_layer" in values and not -1 <= values["hidden_layer"] <= num_layers:

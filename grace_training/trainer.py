@@ -175,7 +175,7 @@ class GRPOTrainer:
             except ValueError as error:
                 raise ConfigError(f"algorithm: grc: {error}", key="algorithm") from None
             self.encoder.num_latent_tokens = config.num_latent_tokens
-            self.encoder.check_settings()  # the latent tokens: the start model's, or fresh ones
+            self.encoder.prepare_method_state()  # the latent tokens: the start model's, or fresh ones
         if config.instructions is not None:
             self.encoder.instructions = dict(config.instructions)
         if self.encoder.repetition_penalty != 1.0:

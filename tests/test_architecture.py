@@ -16,11 +16,11 @@ PACKAGES = ("grace_st", "grace_training")
 GENERATION_INTERNALS = ("grace_st.runtime.generation", "grace_st.runtime.decoding", "grace_st.runtime.second_pass",
                         "grace_st.runtime.cpu")
 # grace_st's layers, lowest first: a module imports its own layer or lower ones, never a higher one. The CPU kernels
-# (with the two runtime leaves they read, and the data-file readers) feed the runtime; the runtime feeds any method and knows none; the encode vocabulary (prompts, settings, the
+# (with the two runtime leaves they read, the data-file readers and the setting record) feed the runtime; the runtime feeds any method and knows none; the encode vocabulary (prompts, settings, the
 # cache, the encode data path) sits on the methods; files and serving on that; the sentence-transformers module on
 # all of it; the entry points (the package's face, the CLI, corpus encoding, explain, ...) on top.
 LAYERS = (
-    ("grace_st.runtime.cpu", "grace_st.runtime.home", "grace_st.runtime.weights", "grace_st.data"),
+    ("grace_st.runtime.cpu", "grace_st.runtime.home", "grace_st.runtime.weights", "grace_st.data", "grace_st.setting"),
     ("grace_st.runtime",),
     ("grace_st.methods",),
     ("grace_st.prompts", "grace_st.settings", "grace_st.cache", "grace_st.encoding"),

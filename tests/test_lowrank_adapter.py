@@ -90,7 +90,7 @@ def test_a_grc_model_is_cut_with_its_latents_by_the_plain_svd(tmp_path):
     base = saved(tmp_path / "base")
     tuned = SentenceTransformer(str(tuned_by_a_low_rank_delta(base, tmp_path / "lm")), trust_remote_code=True, device="cpu")
     tuned[0].method, tuned[0].num_latent_tokens = "grc", 3
-    tuned[0].check_settings()  # fresh latents; moved, as training moves them
+    tuned[0].prepare_method_state()  # fresh latents; moved, as training moves them
     with torch.no_grad():
         tuned[0].latent_tokens.latents.add_(0.5)
     tuned.save(str(tmp_path / "tuned"))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -133,11 +133,12 @@ def save_model(
     *,
     state_dict: dict[str, Tensor] | None = None,
     adapter: tuple[str, str] | None = None,
-    latent_tokens=None,
+    learned_states: Sequence[tuple[Any, Any]] = (),
 ) -> None:
     """Write a causal LM and its tokenizer at the root of ``path``: the LoRA adapter ``adapter`` names
     (``(adapter_dir, base)``, copied), a PEFT model's adapter, or the weights (``state_dict`` in place of the
-    ones in memory when given); GRC's ``latent_tokens`` beside them. An adapter folder records its files
+    ones in memory when given); a method's learned state beside them (``learned_states``: (its
+:class:`~grace_st.methods.base.LearnedState`, the module) pairs, e.g. GRC's latents). An adapter folder records its files
     (:func:`grace_st.files.adapter.record_learned_state`). Weights quantized at load are refused."""
     if quantization.quantization_scheme(model) is not None:
         raise ValueError(
@@ -151,8 +152,8 @@ def save_model(
         save_adapter(model, path, state_dict=state_dict)
     else:
         model.save_pretrained(path, state_dict=state_dict)
-    if latent_tokens is not None:  # GRC's latents and adapter A, beside the weights or the adapter
-        latent_tokens.save(path)
+    for kind, state in learned_states:  # a method's learned state (GRC's latents), beside the weights or the adapter
+        kind.save(state, path)
     if is_adapter_dir(path):  # weights_revision is not checked for adapters: their files are
         record_learned_state(path)
     tokenizer.save_pretrained(path)

@@ -20,15 +20,23 @@ position a step. The readable trace is the top tokens of each s_k with their pro
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from grace_st.methods.base import Method
 from grace_st.methods.grace import RationaleEngine
 from grace_st.runtime.batch import RolloutRequest, Rollouts, Thoughts, position_ids_from_mask, prompt_pooling_mask
 from grace_st.runtime.decoding import DecodeOptions, packed_linears_for
 from grace_st.runtime.transformers_compat import cache_kwargs
+from grace_st.setting import Setting, how, is_number
+
+# K of a GIRCSE model built or loaded without a max_rationale_tokens value: the best K of the trained models' K curve
+# on the dev scoreboard (docs/gircse.md; decisions/D033).
+GIRCSE_DEFAULT_K = 5
 
 
 @dataclass
@@ -228,3 +236,65 @@ class SoftTokenEngine(RationaleEngine):
             )
         spans = torch.tensor([request.instruction_lengths[i] for i in chunk], device=device)
         return soft_token_rollouts(soft, attention_mask, spans)
+
+
+def soft_token_trace(tokenizer, item: Mapping[str, Any]) -> list[list[tuple[str, float]]] | None:
+    """Each soft token's most probable tokens, as (text, probability), step by step; None without a trace (a text
+    answered from the rationale cache)."""
+    if "soft_token_ids" not in item:
+        return None
+    ids, probs = item["soft_token_ids"].tolist(), item["soft_token_probs"].tolist()
+    return [
+        [(tokenizer.decode([token]), round(float(p), 4)) for token, p in zip(step_ids, step_probs)]
+        for step_ids, step_probs in zip(ids, probs)
+    ]
+
+
+def _rules(values: Mapping[str, Any]) -> list[str]:
+    """GIRCSE's combinations: nothing sampled or penalised under it, and its temperature and reference prompt format
+    under no other method."""
+    method = values.get("method", "grace")
+    mine, problems = method == "gircse", []
+    if mine and values.get("do_sample", False):
+        problems.append("method 'gircse' samples nothing (its soft tokens are the whole distribution): set do_sample=False")
+    if values.get("prompt_format", "chat") == "instruct" and not mine:
+        problems.append(
+            "prompt_format 'instruct' is GIRCSE's reference format (soft tokens right after the text); "
+            f"method {method!r} thinks in the chat template's assistant turn: use prompt_format 'chat'"
+        )
+    if values.get("soft_token_temperature", 1.0) != 1.0 and not mine:
+        problems.append("soft_token_temperature is GIRCSE's (method 'gircse'); a rationale's is temperature")
+    if mine and values.get("repetition_penalty", 1.0) != 1.0:
+        problems.append(
+            "method 'gircse' writes no tokens to penalise (it feeds back soft tokens): set repetition_penalty=1"
+        )
+    return problems
+
+
+GIRCSE = Method(
+    "gircse",
+    SoftTokenEngine,
+    "feeds its next-token distribution back as max_rationale_tokens soft tokens and pools their states "
+    "(GIRCSE: deterministic, nothing sampled)",
+    settings={
+        "soft_token_temperature": Setting(
+            1.0,
+            "method 'gircse': the temperature of each fed-back distribution, softmax(logits / T); 1 is the paper's",
+            "a finite number > 0",
+            lambda v: is_number(v) and v > 0,
+            **how("float"),
+        ),
+    },
+    engine_options=lambda settings, state: {"temperature": settings["soft_token_temperature"]},
+    rules=_rules,
+    default_budget=GIRCSE_DEFAULT_K,
+    budget_note=(
+        f"Method 'gircse' reads it as K, the soft tokens, and a GIRCSE model built or loaded without a value gets "
+        f"K = {GIRCSE_DEFAULT_K} (measured: docs/gircse.md)"
+    ),
+    trace=lambda tokenizer, item: {"soft_tokens": soft_token_trace(tokenizer, item)},
+    vllm=False,
+    vllm_refusal="feeds back soft tokens",
+    shipped_adapter="gircse",
+    trained_by="icr",
+)

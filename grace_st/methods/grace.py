@@ -23,9 +23,9 @@ Another way of thinking is one more class with the same two calls: :class:`SoftT
 (:mod:`grace_st.methods.gircse`) and returns :class:`Thoughts` with the K states and a readable trace
 (the top tokens of each step) instead of sampled ids; its ``embed`` pools the generated states
 (Eq. 4). :class:`LatentEngine` (GRC, ``grc.md``) writes a response as GRACE does, then embeds with the final
-states of learned latent tokens that follow it (:mod:`grace_st.methods.grc`). The encoder picks the class by its saved
-``method`` setting through :data:`ENGINES`;
-nothing that calls ``generate``/``embed`` changes.
+states of learned latent tokens that follow it (:mod:`grace_st.methods.grc`). Each module declares its method's
+record (:class:`~grace_st.methods.base.Method`: :data:`GRACE` here); the encoder picks the engine class by its saved
+``method`` setting through :data:`grace_st.methods.registry.METHODS`; nothing that calls ``generate``/``embed`` changes.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from grace_st.methods.base import Method
 from grace_st.runtime.batch import (
     Rationales,
     RolloutRequest,
@@ -259,3 +260,12 @@ class RationaleEngine:
             temperature=temperatures,
             seeds=None if request.seeds is None else [request.seeds[i] for i in chunk],
         )
+
+
+GRACE = Method(
+    "grace",
+    RationaleEngine,
+    "writes a rationale of up to max_rationale_tokens tokens and pools the text and the rationale (GRACE)",
+    shipped_adapter="default",
+    trained_by="grpo",
+)

@@ -48,12 +48,15 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from grace_st.methods.base import LearnedState, Method
 from grace_st.methods.grace import RationaleEngine
 from grace_st.runtime.batch import Rationales, RolloutRequest, Thoughts, left_pad, position_ids_from_mask, right_pad
 from grace_st.runtime.decoding import DecodeOptions, decoder_states, incremental_decoder
 from grace_st.runtime.transformers_compat import cache_kwargs
+from grace_st.setting import WHAT, Setting, int_in
 
 LATENT_FILE = "latent_tokens.safetensors"
+MAX_LATENT_TOKENS = 4_096  # each one is a position of every pass and of the memory
 # A document's response y (grc.md: documents are not reasoned about; the paper trains y = "None").
 DOCUMENT_RESPONSE = "None"
 # The system turn of the conversation a memory is read in (training's reconstruction turn and answers alike).
@@ -124,16 +127,24 @@ class LatentTokens(nn.Module):
         return head.to(device) if device is not None else head
 
 
+def latent_tokens_problem(latents: LatentTokens, num_latent_tokens: int) -> str | None:
+    """Why ``latents`` cannot serve ``num_latent_tokens``, or None."""
+    if latents.num_latent_tokens != num_latent_tokens:
+        return (
+            f"num_latent_tokens is {num_latent_tokens}, but the model's latent tokens number "
+            f"{latents.num_latent_tokens}: trained latents cannot be resized; set it back"
+        )
+    return None
+
+
 def latent_tokens_for(model, latents: LatentTokens | None, num_latent_tokens: int) -> LatentTokens:
     """The latent tokens a GRC encoder uses: its own, or fresh ones (:meth:`LatentTokens.initialised`) where it has
     none; refused where their number is not ``num_latent_tokens``."""
     if latents is None:
         return LatentTokens.initialised(num_latent_tokens, model.get_input_embeddings().weight)
-    if latents.num_latent_tokens != num_latent_tokens:
-        raise ValueError(
-            f"num_latent_tokens is {num_latent_tokens}, but the model's latent tokens number "
-            f"{latents.num_latent_tokens}: trained latents cannot be resized; set it back"
-        )
+    problem = latent_tokens_problem(latents, num_latent_tokens)
+    if problem is not None:
+        raise ValueError(problem)
     return latents
 
 
@@ -680,4 +691,32 @@ class LatentEngine(RationaleEngine):
         ]
 
 
-# The engines a saved ``method`` setting names.
+GRC = Method(
+    "grc",
+    LatentEngine,
+    "writes a response of up to max_rationale_tokens tokens ('None' at 0), then embeds with the final states of "
+    "num_latent_tokens learned latent tokens after it (GRC), whose keys and values are also the text's "
+    "compressed memory",
+    settings={
+        "num_latent_tokens": Setting(
+            16,
+            "method 'grc': m, the meta latent tokens after the response (learned vectors saved in "
+            f"{LATENT_FILE}): the embedding's read-out and the memory's size, the same for any text length",
+            f"an int in [1, {MAX_LATENT_TOKENS}]",
+            int_in(1, MAX_LATENT_TOKENS),
+            **WHAT,
+        ),
+    },
+    engine_options=lambda settings, state: {"latents": state},
+    state=LearnedState(
+        "latent_tokens",
+        LATENT_FILE,
+        load=LatentTokens.load,
+        save=lambda state, folder: state.save(folder),
+        prepare=lambda model, state, settings: latent_tokens_for(model, state, settings["num_latent_tokens"]),
+        problem=lambda state, settings: latent_tokens_problem(state, settings["num_latent_tokens"]),
+    ),
+    pools_prompt_at_budget_zero=False,
+    shipped_adapter="grc",
+    trained_by="grc",
+)

@@ -26,6 +26,7 @@ the latents' own next-token predictions are not trained (Eq. 3 trains c only).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
@@ -59,7 +60,7 @@ def response_targets(
     trained (``whose="policy"``) or from the start model (``"start"``; the paper's y is data, not the policy's: a
     fixed target keeps the answers from drifting with training): ``start_model``, the trainer's frozen copy under
     full fine-tuning, or else the policy with its LoRA adapter disabled."""
-    engine = encoder.engine  # a view built on each call: pointing it at the frozen copy leaves the encoder alone
+    engine = copy.copy(encoder.engine)  # a copy: pointing it at the frozen copy leaves the encoder's engine alone
     if whose == "policy":
         return engine.responses(rows, instruction_length, budget)
     if start_model is not None:
