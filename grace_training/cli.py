@@ -244,7 +244,7 @@ def _train_infonce(
 ) -> int:
     """The InfoNCE baseline, in a directory it owns as a GRPO run does; ``--max-minutes`` ends a chunk
     with a checkpoint and ``--resume`` goes on from it."""
-    from grace_training.algorithms.infonce import resume_checkpoint, train_infonce
+    from grace_training.algorithms.infonce.train import resume_checkpoint, train_infonce
 
     try:
         checkpoint = resume_checkpoint(config.output_dir, resume)  # refused before the directory is claimed

@@ -84,7 +84,7 @@ def test_train_then_resume(setup, tmp_path, capsys):
 
 def _record_prompt_types(monkeypatch) -> list:
     """The prompt type of every batch the InfoNCE baseline's encoder preprocesses."""
-    from grace_training.algorithms.infonce import PromptPoolingEncoder
+    from grace_training.algorithms.infonce.train import PromptPoolingEncoder
 
     tasks = []
     original = PromptPoolingEncoder.preprocess
@@ -99,7 +99,7 @@ def _record_prompt_types(monkeypatch) -> list:
 
 def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import train_infonce
+    from grace_training.algorithms.infonce.train import train_infonce
 
     model = make_st_model()
     before = {k: v.clone() for k, v in model[0].model.state_dict().items()}
@@ -130,7 +130,7 @@ def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
 def test_infonce_baseline_stops_and_saves_after_max_minutes(tmp_path):
     """GRPO's --max-minutes for the yardstick: a run at a given cost ends at the first step past it, saved."""
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import train_infonce
+    from grace_training.algorithms.infonce.train import train_infonce
 
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
     cfg = GRPOConfig(batch_size=2, max_steps=4, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"])
@@ -142,7 +142,7 @@ def test_infonce_baseline_stops_and_saves_after_max_minutes(tmp_path):
 def test_infonce_baseline_stops_at_a_step_and_a_second_call_trains_nothing(tmp_path):
     """--stop-at-step for the yardstick: decisions/D028's warm start is step 455 of a 1000-step run."""
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import last_trainer_checkpoint, train_infonce
+    from grace_training.algorithms.infonce.train import last_trainer_checkpoint, train_infonce
 
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
     cfg = GRPOConfig(
@@ -163,7 +163,7 @@ def test_infonce_baseline_resumes_where_max_minutes_stopped_it(tmp_path):
     """The yardstick in chunks: a run stopped by --max-minutes and resumed ends with the weights and the
     per-step losses of the same run done in one go (the Trainer restores AdamW, the RNG and the data position)."""
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import last_trainer_checkpoint, train_infonce
+    from grace_training.algorithms.infonce.train import last_trainer_checkpoint, train_infonce
     from grace_training.run.checkpoint import CheckpointError
 
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
@@ -194,7 +194,7 @@ def test_infonce_baseline_resumes_where_max_minutes_stopped_it(tmp_path):
 def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, monkeypatch):
     """The yardstick on the scale recipe's data: a batch a source by weight, symmetric sources under "default"."""
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import infonce_datasets, train_infonce
+    from grace_training.algorithms.infonce.train import infonce_datasets, train_infonce
 
     pairs = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "sts", symmetric=True) for i in range(8)]
     retrieval = [Triplet(CORPUS[i + 1], CORPUS[i], (CORPUS[i + 3],), "beir") for i in range(8)]
@@ -227,7 +227,7 @@ def test_the_baseline_trains_a_graded_source_with_cosent_on_its_scores(tmp_path,
     """Scored pairs (an sts source) are a dataset of their own, (anchor, positive, score), trained with
     sentence-transformers' CoSENTLoss, as GRPO trains them with its graded term; refused outside by_source."""
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import infonce_datasets, train_infonce
+    from grace_training.algorithms.infonce.train import infonce_datasets, train_infonce
 
     graded = [Triplet(CORPUS[i], CORPUS[i + 1], (), "graded", float(i % 5), symmetric=True) for i in range(8)]
     retrieval = [Triplet(CORPUS[i + 1], CORPUS[i], (CORPUS[i + 3],), "beir") for i in range(8)]

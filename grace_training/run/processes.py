@@ -176,7 +176,7 @@ def reduce_metrics(accelerator, metrics: dict[str, float]) -> dict[str, float]:
     Counts, losses (already divided by the global token count) and throughputs add up; maxima
     and times take the slowest or largest; the rest are means, exact because every process holds
     as many instances and positive rollouts (ratios over negatives, whose numbers differ, are
-    computed from global sums in :func:`grace_training.run.metrics.step_metrics`).
+    computed from global sums in :func:`grace_training.algorithms.grpo.metrics.step_metrics`).
     """
     if accelerator.num_processes == 1:
         return metrics
