@@ -10,7 +10,7 @@ from conftest import CORPUS, make_st_model
 from sentence_transformers import SentenceTransformer
 
 from grace_training.cli import main
-from grace_training.config.train_config import GRPOConfig
+from grace_training.config.train_config import TrainConfig
 from grace_training.data.examples import Triplet
 
 
@@ -104,7 +104,7 @@ def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
     model = make_st_model()
     before = {k: v.clone() for k, v in model[0].model.state_dict().items()}
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
-    cfg = GRPOConfig(
+    cfg = TrainConfig(
         batch_size=4,
         max_steps=2,
         max_input_tokens=160,
@@ -133,7 +133,7 @@ def test_infonce_baseline_stops_and_saves_after_max_minutes(tmp_path):
     from grace_training.algorithms.infonce.train import train_infonce
 
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
-    cfg = GRPOConfig(batch_size=2, max_steps=4, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"])
+    cfg = TrainConfig(batch_size=2, max_steps=4, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"])
     path = train_infonce(cfg, model=make_st_model(), train_data=data, max_minutes=0)
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
     assert (path / "modules.json").is_file()  # saved where it stopped
@@ -145,7 +145,7 @@ def test_infonce_baseline_stops_at_a_step_and_a_second_call_trains_nothing(tmp_p
     from grace_training.algorithms.infonce.train import last_trainer_checkpoint, train_infonce
 
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
-    cfg = GRPOConfig(
+    cfg = TrainConfig(
         batch_size=2, max_steps=4, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"], save_steps=0
     )
 
@@ -169,7 +169,7 @@ def test_infonce_baseline_resumes_where_max_minutes_stopped_it(tmp_path):
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
 
     def config(out):
-        return GRPOConfig(batch_size=2, max_steps=3, max_input_tokens=160, output_dir=str(out), report_to=["jsonl"],
+        return TrainConfig(batch_size=2, max_steps=3, max_input_tokens=160, output_dir=str(out), report_to=["jsonl"],
                           infonce_learning_rate=1e-3, save_steps=0)
 
     def losses(out):
@@ -202,7 +202,7 @@ def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, 
         {"type": "pairs", "path": "sts.tsv", "name": "sts", "weight": 3.0},
         {"type": "beir", "path": "beir", "name": "beir", "weight": 1.0},
     ]
-    cfg = GRPOConfig(
+    cfg = TrainConfig(
         batch_size=2,
         max_steps=4,
         max_input_tokens=160,
@@ -234,7 +234,7 @@ def test_the_baseline_trains_a_graded_source_with_cosent_on_its_scores(tmp_path,
     specs = [{"type": "sts", "path": "sts.tsv", "name": "graded"}, {"type": "beir", "path": "beir", "name": "beir"}]
     settings = dict(batch_size=2, max_steps=2, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"],
                     contrastive_beta=1.0, batch_sampling="by_source", train_data=specs)
-    cfg = GRPOConfig(**settings)
+    cfg = TrainConfig(**settings)
     datasets, _ = infonce_datasets(graded + retrieval, cfg, 2)
     assert datasets["graded"].column_names == ["anchor", "positive", "score"]
     part = datasets["graded"]
@@ -254,4 +254,4 @@ def test_the_baseline_trains_a_graded_source_with_cosent_on_its_scores(tmp_path,
         "graded": "CoSENTLoss", "beir": "MultipleNegativesRankingLoss"
     }
     with pytest.raises(ValueError, match="scored pairs .* by_source"):
-        infonce_datasets(graded, GRPOConfig(**{**settings, "batch_sampling": "shuffled", "train_data": []}), 2)
+        infonce_datasets(graded, TrainConfig(**{**settings, "batch_sampling": "shuffled", "train_data": []}), 2)

@@ -237,8 +237,9 @@ class TrainConfig:
 
     # -- GIRCSE: soft tokens trained end to end (gircse.md, Eqs. 7–8) ---------------------------
     algorithm: str = key(
-        "grpo", "what trains the model: " + "; ".join(f"`{record.name}`, {record.summary}" for record in
-        ALGORITHMS.values()) + ". Each algorithm's own keys apply to it alone (docs/training.md)",
+        "grpo", "what trains the model, and how the saved model thinks: " + "; ".join(
+            f"`{record.name}`, {record.summary} (`method: {record.method}`)" for record in ALGORITHMS.values()
+        ) + ". An algorithm's own keys apply to it alone (docs/training.md, Algorithms)",
         REGISTERED, resume=FIXED, card=True,
     )
     icr_temperature: float = key(0.02, "τ of Eq. 7's InfoNCE (icr; the paper's 0.02)", POSITIVE, resume=APPLIED, card=True)

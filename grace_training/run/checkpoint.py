@@ -34,8 +34,8 @@ A run touches only what it wrote (:class:`RunFamily`): listing for --resume, kee
 the cleanup of temporaries and a re-save skip or refuse any ``checkpoint-*`` (or look-alike) whose
 ``run.json`` names another run, so a directory shared with other files never loses them.
 
-Why one file of ~570 lines: writing, verifying, loading and rotating checkpoints are one atomicity
-contract (what is written in which order is what loading checks), kept in one place.
+The module is the checkpoint contract: what is written in which order is what loading, verifying and rotating
+check.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from grace_training.config.train_config import ConfigError, GRPOConfig, LaunchError
+from grace_training.config.train_config import ConfigError, LaunchError, TrainConfig
 
 # How :func:`reduce_metrics` combines a metric over processes (default: mean; ``time/*``: max).
 _REDUCTIONS = {
@@ -41,7 +41,7 @@ def processes_without_a_gpu() -> bool:
     return several and not torch.cuda.is_available() and not is_xpu_available()
 
 
-def check_sharding(accelerator, config: GRPOConfig) -> None:
+def check_sharding(accelerator, config: TrainConfig) -> None:
     """Sharding that would not run what was asked for, refused before the model loads.
 
     - FSDP asked for (``accelerate launch`` with an FSDP config) but not set up: accelerate 1.x

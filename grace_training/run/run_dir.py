@@ -336,7 +336,7 @@ def saved_config(state: Mapping[str, Any], output_dir: str | Path) -> dict[str, 
 
 
 def config_changes(saved: Mapping[str, Any] | None, config) -> list[ConfigChange]:
-    """Each key of ``config`` (a :class:`~grace_training.config.train_config.GRPOConfig`) that differs from
+    """Each key of ``config`` (a :class:`~grace_training.config.train_config.TrainConfig`) that differs from
     ``saved``; a key the saved config lacks (added since) is compared with its default, the
     value the older code ran with."""
     if saved is None:

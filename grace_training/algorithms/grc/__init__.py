@@ -6,8 +6,8 @@ from grace_training.algorithms.grpo import POLICY_KEYS
 ALGORITHM = Algorithm(
     name="grc",
     method="grc",
-    summary="GRC: meta latent tokens trained by Eq. 5 (generation, reconstruction, representation) in one masked "
-    "forward a text",
+    summary="GRC: meta latent tokens, Eq. 5 (α L_Gen + β L_Recons + γ L_Rep) in one masked forward a text; the saved "
+    "model answers, then embeds with its latents",
     step="grace_training.algorithms.grc.step:GRCStep",
     label="GRC",
     config_keys=(
