@@ -75,7 +75,7 @@ def forbidden_output_dir(path: str | Path) -> str | None:
 
 def _package_dirs() -> list[Path]:
     """grace_st's and this package's sources, found without importing them."""
-    found = [Path(__file__).parent]
+    found = [Path(__file__).parents[1]]  # grace_training (this module sits in its config/ folder)
     spec = importlib.util.find_spec("grace_st")
     if spec is not None and spec.submodule_search_locations:
         found += [Path(p) for p in spec.submodule_search_locations]

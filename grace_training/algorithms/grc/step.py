@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from grace_st.methods.grc import sliding_window
+from grace_st.methods.grc import LATENT_FILE, sliding_window
 from grace_training.algorithms.grc.loss import grc_batch_loss
 from grace_training.config.validation import ConfigError
 from grace_training.data.examples import Triplet
-from grace_training.run.checkpoint import load_latent_tokens
+from grace_training.run.checkpoint import load_state_file
 from grace_training.steps import StepContext, TrainingStep
 
 
@@ -49,7 +49,7 @@ class GRCStep(TrainingStep):
     @classmethod
     def load_extra_state(cls, checkpoint: str | Path, encoder) -> None:
         if encoder.latent_tokens is not None:
-            load_latent_tokens(checkpoint, encoder.latent_tokens)
+            load_state_file(checkpoint, LATENT_FILE, encoder.latent_tokens, "a GRC run")
 
     def loss(self, batch: list[Triplet], step: int, scores: torch.Tensor | None) -> tuple[torch.Tensor, dict]:
         """Eq. 5: α L_Gen + β L_Recons + γ L_Rep, and each term."""

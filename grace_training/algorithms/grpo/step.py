@@ -70,7 +70,7 @@ class UpdateContext:
 
     num_tokens: float
     num_text: float = 0.0
-    candidates: torch.Tensor | None = None
+    candidates: tuple[torch.Tensor, ...] | None = None
     scores: torch.Tensor | None = None
 
 
