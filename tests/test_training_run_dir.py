@@ -307,8 +307,8 @@ def test_a_warm_start_stage_goes_on_with_the_yaml_values_when_asked(tmp_path, mo
     rows = []
     rollout = GRPOStep.rollout
 
-    def counted(self, batch, step):
-        rollouts = rollout(self, batch, step)
+    def counted(self, batch, step, **kwargs):
+        rollouts = rollout(self, batch, step, **kwargs)
         rows.append(len(rollouts.positives))
         return rollouts
 
