@@ -17,9 +17,8 @@ The cache is storage only: :class:`CacheFile` looks entries up and stores them b
 connection a process; the encoder decides what to embed (the misses) and how
 (``GenerativeEncoder.set_rationale_cache``).
 
-Why one file of ~630 lines: the file format is one unit (what a key covers, how an entry is encoded,
-how a foreign or damaged file is recognised, and the SQLite access that relies on both); split, a
-format change would have to be made in several places at once.
+The module is the cache's file format: what a key covers, how an entry is encoded, how a foreign or damaged
+file is recognised, and the SQLite access that relies on them.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ MOVED = {
     "grace_st.weights": "grace_st.runtime.weights",
     "grace_training.average_adapters": "grace_training.tools.average_adapters",
     "grace_training.checkpoint": "grace_training.run.checkpoint",
-    "grace_training.contrastive": "grace_training.algorithms.infonce",
+    "grace_training.contrastive": "grace_training.algorithms.infonce.train",
     "grace_training.export_adapter": "grace_training.tools.export_adapter",
     "grace_training.gircse": "grace_training.algorithms.icr.loss",
     "grace_training.grc": "grace_training.algorithms.grc.loss",

@@ -1,4 +1,5 @@
-"""``grace-train``: training from a YAML config: GRACE's GRPO, GIRCSE's ICR on soft tokens, or the InfoNCE baseline.
+"""``grace-train``: training from a YAML config, by one of four algorithms: GRACE's GRPO, GIRCSE's ICR on soft tokens,
+GRC's latent tokens (Eq. 5), or the InfoNCE yardstick (:mod:`grace_training.algorithms.registry`).
 
 grace-train --config grace_training/configs/cpu_smollm2.yaml                 # train
 grace-train --config FILE max_steps=10 output_dir=runs/x              # key=value overrides
@@ -11,6 +12,7 @@ grace-train --config FILE --dry-run                                   # validate
 grace-train --config FILE --algorithm infonce output_dir=runs/infonce    # the "w/ CL" baseline
 grace-train --config FILE --algorithm infonce output_dir=runs/infonce --resume --max-minutes 55  # its next chunk
 grace-train --config grace_training/configs/gircse_smollm2.yaml         # GIRCSE (algorithm: icr)
+grace-train --config grace_training/configs/grc_smollm2.yaml            # GRC (algorithm: grc)
 """
 
 from __future__ import annotations
@@ -24,11 +26,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from grace_training.algorithms.registry import ALGORITHMS, current_name
 from grace_training.config.train_config import (
-    ALGORITHMS,
     ConfigError,
-    GRPOConfig,
     LaunchError,
+    TrainConfig,
     check_batches,
     check_environment,
     check_launch,
@@ -42,7 +44,7 @@ from grace_training.run.run_dir import ConfigChangeError, OutputDirError, claim_
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="grace-train", description="GRACE GRPO training (contrastive rewards).")
-    parser.add_argument("--config", required=True, help="YAML file with GRPOConfig keys")
+    parser.add_argument("--config", required=True, help="YAML file with TrainConfig keys")
     parser.add_argument("overrides", nargs="*", help="key=value overrides (values parsed as YAML)")
     parser.add_argument(
         "--resume",
@@ -91,8 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--algorithm",
         choices=ALGORITHMS,
         default=None,
-        help="grpo (GRACE), icr (GIRCSE's soft tokens) or infonce (the sentence-transformers MNRL baseline); "
-        "default: the config's algorithm",
+        help="; ".join(f"{name}: {record.summary.split(':')[0]}" for name, record in ALGORITHMS.items())
+        + " (docs/training.md, Algorithms); default: the config's algorithm",
     )
     parser.add_argument(
         "--method", choices=("grpo", "gircse", "infonce"), default=None, help="the old name of --algorithm (gircse: icr)"
@@ -110,7 +112,7 @@ def _instructions(model_path: str) -> dict[str, str]:
     return dict(DEFAULT_INSTRUCTIONS)
 
 
-def plan(config: GRPOConfig, sample: int = 256) -> dict[str, Any]:
+def plan(config: TrainConfig, sample: int = 256) -> dict[str, Any]:
     """Steps, rollouts per step and expected tokens, from the data and the tokenizer alone."""
     from transformers import AutoTokenizer
 
@@ -181,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         algorithm = _algorithm(args)
         if algorithm is not None:
             overrides.append(f"algorithm={algorithm}")
-        config = GRPOConfig.from_yaml(args.config, overrides)
+        config = TrainConfig.from_yaml(args.config, overrides)
         check_environment(config)
         check_launch()
     except ConfigError as error:
@@ -203,12 +205,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if config.algorithm == "infonce":
         return _train_infonce(config, directory, args.max_minutes, args.resume, args.stop_at_step)
-    from grace_training.trainer import GRPOTrainer
+    from grace_training.trainer import Trainer
 
     try:
         # before any model loads (the trainer checks again, with the run's last step, when it starts)
         inspect_output_dir(config.output_dir, **directory, last_step=config.max_steps if config.max_steps > 0 else None)
-        trainer = GRPOTrainer(
+        trainer = Trainer(
             config, overwrite_output_dir=args.overwrite_output_dir, allow_config_change=args.allow_config_change
         )
         result = trainer.train(resume=args.resume, max_minutes=args.max_minutes, stop_at_step=args.stop_at_step)
@@ -228,7 +230,7 @@ def _algorithm(args: argparse.Namespace) -> str | None:
     """``--algorithm``, or the old ``--method`` (with a warning); None: the config's."""
     if args.method is None:
         return args.algorithm
-    algorithm = {"gircse": "icr"}.get(args.method, args.method)
+    algorithm = current_name(args.method)
     if args.algorithm not in (None, algorithm):
         raise ConfigError(f"--method {args.method} (the old name of --algorithm) and --algorithm {args.algorithm} disagree")
     logging.getLogger(__name__).warning("--method is now called --algorithm (--algorithm %s)", algorithm)
@@ -236,7 +238,7 @@ def _algorithm(args: argparse.Namespace) -> str | None:
 
 
 def _train_infonce(
-    config: GRPOConfig,
+    config: TrainConfig,
     directory: dict[str, Any],
     max_minutes: float | None,
     resume: bool | str,
@@ -244,7 +246,7 @@ def _train_infonce(
 ) -> int:
     """The InfoNCE baseline, in a directory it owns as a GRPO run does; ``--max-minutes`` ends a chunk
     with a checkpoint and ``--resume`` goes on from it."""
-    from grace_training.algorithms.infonce import resume_checkpoint, train_infonce
+    from grace_training.algorithms.infonce.train import resume_checkpoint, train_infonce
 
     try:
         checkpoint = resume_checkpoint(config.output_dir, resume)  # refused before the directory is claimed

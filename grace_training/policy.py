@@ -5,7 +5,7 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-from grace_training.config.train_config import GRPOConfig
+from grace_training.config.train_config import TrainConfig
 
 
 class ModelLoadError(ValueError):
@@ -28,7 +28,7 @@ def check_model_source(path: str) -> None:
         raise ModelLoadError(f"model_name_or_path: {path}: no such local directory (and not a Hub model id)")
 
 
-def load_grace_model(config: GRPOConfig, device: str | None = None):
+def load_grace_model(config: TrainConfig, device: str | None = None):
     """The policy as a GRACE SentenceTransformer: a GRACE directory as saved, or any chat causal LM
     wrapped; neither may run code that ships with the model (``grace_st.load``). A model that cannot
     be loaded is a :class:`ModelLoadError` naming it (``grace-train`` prints it as one line)."""
@@ -48,7 +48,7 @@ def load_grace_model(config: GRPOConfig, device: str | None = None):
         raise ModelLoadError(f"model_name_or_path: cannot load {path}: {why}") from error
 
 
-def card_base_model(config: GRPOConfig) -> str | None:
+def card_base_model(config: TrainConfig) -> str | None:
     """``base_model`` on the model card: the configured one, else the start model when it is a
     Hub id (``owner/name``); a local path names nothing a reader could fetch."""
     path = config.model_name_or_path
@@ -59,7 +59,7 @@ def card_base_model(config: GRPOConfig) -> str | None:
     return path
 
 
-def add_lora_adapter(model, config: GRPOConfig):
+def add_lora_adapter(model, config: TrainConfig):
     """The policy as a PEFT LoRA adapter on a frozen base (rank, alpha, targets from the config)."""
     from peft import LoraConfig, get_peft_model
 
@@ -80,7 +80,7 @@ def add_lora_adapter(model, config: GRPOConfig):
     return model
 
 
-def load_init_adapter(model, config: GRPOConfig) -> None:
+def load_init_adapter(model, config: TrainConfig) -> None:
     """Set the fresh adapter's weights to those of ``config.init_adapter`` (PEFT's format,
     safetensors only), so that a run goes on from a shipped adapter or another run's checkpoint.
 

@@ -1,16 +1,17 @@
 """The training loop: one run of ``grace-train``, whatever the algorithm.
 
-Read :meth:`GRPOTrainer.train` top to bottom: claim ``output_dir`` (a marker, only the run's own
+Read :meth:`Trainer.train` top to bottom: claim ``output_dir`` (a marker, only the run's own
 checkpoints rotated; :mod:`.run_dir`), resume (the checkpoint's config compared with the one given),
-then for each step take the step's B triplets (:meth:`~GRPOTrainer.batch_for_step`: a function of the
+then for each step take the step's B triplets (:meth:`~Trainer.batch_for_step`: a function of the
 step number, so a resumed run sees the batches a straight run would), run the algorithm's step, log,
-evaluate, checkpoint (:meth:`~GRPOTrainer.save_checkpoint`, pushed to the Hub when asked), and stop at
+evaluate, checkpoint (:meth:`~Trainer.save_checkpoint`, pushed to the Hub when asked), and stop at
 the last step, at ``--stop-at-step`` or when a chunk's time is up.
 
-What a step does is the algorithm's (:mod:`.steps`; :data:`ALGORITHMS`): GRACE's GRPO with its hybrid
-term (:mod:`.grpo_step`) or GIRCSE's ICR (:mod:`.icr_step`). The loop owns what every algorithm shares:
-the data order, the policy (with its LoRA adapter and KL reference), the optimiser and schedule, the
-checkpoints and the metrics.
+What a step does is the algorithm's (:mod:`.steps`; its record in :mod:`.algorithms.registry`): GRACE's GRPO with
+its hybrid term, GIRCSE's ICR, or GRC's Eq. 5 (the fourth algorithm, the InfoNCE yardstick, trains through
+sentence-transformers' trainer). The loop owns what every algorithm shares: the data order, the policy (with its LoRA
+adapter and KL reference), the optimiser and schedule, the checkpoints and the metrics; it asks the algorithm's step
+class what it adds (its hooks: the encoder's preparation, a frozen reference, parameters beside the policy's).
 
 Processes: ``accelerate`` runs it as one process, several CPU processes over gloo (DDP, tested
 equal to one process), or several GPUs (DDP or FSDP2); see docs/training.md. The global batch is
@@ -26,19 +27,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
-from grace_st.methods.grc import sliding_window
 from grace_st.runtime.transformers_compat import enable_activation_checkpointing
-from grace_training.algorithms.grc.step import GRCStep
-from grace_training.algorithms.grpo.step import GRPOStep
-from grace_training.algorithms.icr.step import ICRStep
+from grace_training.algorithms.registry import ALGORITHMS
 from grace_training.config.train_config import (
-    EMBEDDING_LOSS,
     ConfigError,
-    GRPOConfig,
+    TrainConfig,
     check_batches,
     check_environment,
     check_launch,
+    embedding_loss_names,
 )
 from grace_training.data.examples import Triplet, cap_per_source, load_data, source_weights
 from grace_training.data.sampling import BatchSchedule
@@ -48,7 +47,6 @@ from grace_training.run.checkpoint import (
     RunFamily,
     check_checkpoint,
     load_checkpoint,
-    load_latent_tokens,
     load_newest_loadable,
     remove_incomplete,
     rotate_checkpoints,
@@ -67,12 +65,9 @@ from grace_training.run.run_dir import (
     record_config_changes,
     saved_config,
 )
-from grace_training.steps import TrainingStep
+from grace_training.steps import StepContext, TrainingStep
 
 logger = logging.getLogger(__name__)
-
-# The training step of each algorithm (grace_training.steps): the one place a new algorithm is registered.
-ALGORITHMS: dict[str, type[TrainingStep]] = {"grpo": GRPOStep, "icr": ICRStep, "grc": GRCStep}
 
 # Settings the optimizer and the schedule hold in their state, restored from a checkpoint over the config's.
 OPTIMIZER_KEYS = frozenset(
@@ -81,8 +76,9 @@ OPTIMIZER_KEYS = frozenset(
 )
 
 
-class GRPOTrainer:
-    """The training loop over a GRACE SentenceTransformer's causal LM; each step is ``config.algorithm``'s (:data:`ALGORITHMS`).
+class Trainer:
+    """The training loop over a GRACE SentenceTransformer's causal LM; each step is ``config.algorithm``'s (its
+    record's step class, :mod:`grace_training.algorithms.registry`).
 
     Args:
         config: the run's settings (paper defaults).
@@ -99,7 +95,7 @@ class GRPOTrainer:
 
     def __init__(
         self,
-        config: GRPOConfig,
+        config: TrainConfig,
         *,
         model=None,
         train_data: list[Triplet] | None = None,
@@ -113,12 +109,8 @@ class GRPOTrainer:
         from accelerate.utils import set_seed
 
         config.validate()
-        if config.algorithm not in ALGORITHMS:
-            raise ConfigError(
-                f"algorithm: {config.algorithm} trains through sentence-transformers' trainer "
-                "(grace_training.algorithms.infonce.train_infonce, which grace-train runs), not this loop",
-                key="algorithm",
-            )
+        self.record = ALGORITHMS[config.algorithm]
+        self.step_class = loop_step(config.algorithm)
         check_environment(config)
         check_launch()
         self.config = config
@@ -144,7 +136,7 @@ class GRPOTrainer:
         self._load_policy(model)
         self._build_optimisation()
 
-        self.algorithm = ALGORITHMS[config.algorithm](self)  # what a step does (and its rollout backend)
+        self.algorithm = self.step_class(self._step_context())  # what a step does (and its rollout backend)
 
         self.hub_api = hub_api
         self.overwrite_output_dir = overwrite_output_dir
@@ -169,13 +161,7 @@ class GRPOTrainer:
         self.encoder.max_rationale_tokens = config.max_rationale_tokens
         self.encoder.method = config.method  # how the saved model thinks: what the algorithm trains
         self.encoder.prompt_format = config.prompt_format
-        if config.algorithm == "grc":
-            try:  # Eq. 5's masked pass masks each layer as the model's own pass does, or the model is refused here
-                sliding_window(self.encoder.model.config)
-            except ValueError as error:
-                raise ConfigError(f"algorithm: grc: {error}", key="algorithm") from None
-            self.encoder.num_latent_tokens = config.num_latent_tokens
-            self.encoder.prepare_method_state()  # the latent tokens: the start model's, or fresh ones
+        self.step_class.prepare_encoder(self.encoder, config)
         if config.instructions is not None:
             self.encoder.instructions = dict(config.instructions)
         if self.encoder.repetition_penalty != 1.0:
@@ -197,11 +183,10 @@ class GRPOTrainer:
         """The frozen start model (full fine-tuning only), the optimizer and the schedule; the policy prepared
         by accelerate."""
         config = self.config
-        # The start model, frozen: the KL reference, or GRC's `start` response targets. With LoRA it is the
-        # adapter disabled (no second copy in memory).
+        # The start model, frozen, where the step reads it (a KL reference, GRC's `start` response targets). With
+        # LoRA it is the adapter disabled (no second copy in memory).
         self.reference = None
-        start_targets = config.algorithm == "grc" and config.grc_response_targets == "start"
-        if (config.kl_coef > 0 or config.text_kl_coef > 0 or start_targets) and config.finetune == "full":
+        if self.step_class.needs_reference(config) and config.finetune == "full":
             self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False)
         optimizer = build_optimizer(self.trained_parameters(), config)
         # The scheduler is stepped once per training step here, not through accelerate (which
@@ -218,13 +203,13 @@ class GRPOTrainer:
             eval_data, _ = load_data(config.eval_data, **config.data_settings())
         train_data = list(train_data)
         graded_ready = config.batch_sampling == "by_source" and (
-            config.contrastive_beta > 0 or config.algorithm in EMBEDDING_LOSS
+            config.contrastive_beta > 0 or self.record.embedding_loss
         )
         if not graded_ready and any(row.score is not None for row in train_data):
             # a scored pair trained as a positive would pull a pair scored 0 together
             raise ValueError(
                 "train_data: scored pairs (graded) train β · CoSENT on batches of their own: "
-                "they need batch_sampling: by_source and contrastive_beta > 0 (or algorithm: icr or grc)"
+                f"they need batch_sampling: by_source and contrastive_beta > 0 (or algorithm: {embedding_loss_names()})"
             )
         return train_data, cap_per_source(eval_data or [], config.eval_max_examples, config.eval_seed)
 
@@ -268,7 +253,8 @@ class GRPOTrainer:
         if self.step == 0 and self.eval_data:
             self.last_scores = self.evaluate()
             self.metrics.log(0, self.last_scores)
-        progress = _progress_bar(self.algorithm.label, self.total_steps, self.step, disable=not main)
+        progress = tqdm(total=self.total_steps, initial=self.step, disable=not main, desc=self.record.label or cfg.algorithm,
+                        unit="step", dynamic_ncols=True)
         saved_at = None
         while self.step < self.total_steps:
             batch = self.batch_for_step(self.step)
@@ -331,8 +317,27 @@ class GRPOTrainer:
         return late > 0
 
     def training_step(self, batch: list[Triplet], step: int) -> dict[str, float]:
-        """One step of the run's algorithm (:data:`ALGORITHMS`): its metrics, after one optimiser step."""
-        return self.algorithm(batch, step)
+        """One step of the run's algorithm: its metrics, after one optimiser step (its example kept for the card)."""
+        result = self.algorithm(batch, step)
+        self.last_example = result.example
+        return result.metrics
+
+    def _step_context(self) -> StepContext:
+        return StepContext(
+            config=self.config,
+            accelerator=self.accelerator,
+            st_model=self.st_model,
+            encoder=self.encoder,
+            policy=self.policy,
+            policy_wrapped=self.policy_wrapped,
+            optimizer=self.optimizer,
+            scheduler=self.scheduler,
+            reference=self.reference,
+            steps_per_epoch=self.steps_per_epoch,
+            local_batch_size=self.local_batch_size,
+            parameters=self.trainable_parameters(),
+            graded_scores=self.graded_scores,
+        )
 
     # ------------------------------------------------------------------------------------------
     # stages
@@ -354,15 +359,14 @@ class GRPOTrainer:
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
         """What the optimiser steps, as the wrapped policy holds it (gradient clipping reads these)."""
-        return [p for p in self.policy_wrapped.parameters() if p.requires_grad] + self._latent_parameters()
+        return [p for p in self.policy_wrapped.parameters() if p.requires_grad] + self.step_class.extra_parameters(
+            self.encoder
+        )
 
     def trained_parameters(self) -> list[torch.nn.Parameter]:
-        """The policy's trainable parameters (the adapter's alone with LoRA), and GRC's latent tokens."""
-        return [p for p in self.policy.parameters() if p.requires_grad] + self._latent_parameters()
-
-    def _latent_parameters(self) -> list[torch.nn.Parameter]:
-        latents = self.encoder.latent_tokens if self.config.algorithm == "grc" else None
-        return list(latents.parameters()) if latents is not None else []
+        """The policy's trainable parameters (the adapter's alone with LoRA), and those the algorithm trains beside
+        them (GRC's latent tokens)."""
+        return [p for p in self.policy.parameters() if p.requires_grad] + self.step_class.extra_parameters(self.encoder)
 
     # ------------------------------------------------------------------------------------------
     # metrics, evaluation
@@ -492,8 +496,7 @@ class GRPOTrainer:
         state = load_checkpoint(
             path, policy=self.policy, optimizer=self.optimizer, scheduler=self.scheduler, accelerator=self.accelerator
         )
-        if self._latent_parameters():
-            load_latent_tokens(path, self.encoder.latent_tokens)
+        self.step_class.load_extra_state(path, self.encoder)
         if state.get("steps_per_epoch") not in (None, self.steps_per_epoch):
             logger.warning(
                 "the data changed since the checkpoint (%s batches an epoch, now %s): the order differs",
@@ -503,14 +506,25 @@ class GRPOTrainer:
         return state
 
 
+def loop_step(algorithm: str) -> type[TrainingStep]:
+    """The step class of an algorithm that trains in this loop; one that trains outside it is refused."""
+    record = ALGORITHMS[algorithm]
+    step_class = record.step_class()
+    if step_class is None:
+        raise ConfigError(
+            f"algorithm: {algorithm} trains outside this loop ({record.summary}); grace-train runs it", key="algorithm"
+        )
+    return step_class
+
+
 def batch_source(batch: list[Triplet]) -> str:
     """The source a step's batch came from (one under ``batch_sampling: by_source``; several joined by "+"):
     logged beside the step's times, which differ by source as its texts' lengths do."""
     return "+".join(sorted({row.source for row in batch}))
 
 
-def build_optimizer(parameters: list[torch.nn.Parameter], config: GRPOConfig) -> torch.optim.Optimizer:
-    """AdamW over the trained parameters (:meth:`GRPOTrainer.trained_parameters`)."""
+def build_optimizer(parameters: list[torch.nn.Parameter], config: TrainConfig) -> torch.optim.Optimizer:
+    """AdamW over the trained parameters (:meth:`Trainer.trained_parameters`)."""
     return torch.optim.AdamW(
         parameters,
         lr=config.learning_rate,
@@ -520,7 +534,7 @@ def build_optimizer(parameters: list[torch.nn.Parameter], config: GRPOConfig) ->
     )
 
 
-def lr_schedule(config: GRPOConfig, total_steps: int):
+def lr_schedule(config: TrainConfig, total_steps: int):
     """Multiplier of the learning rate at a step: constant (paper), or linear decay; optional warm-up."""
 
     def factor(step: int) -> float:
@@ -533,14 +547,7 @@ def lr_schedule(config: GRPOConfig, total_steps: int):
     return factor
 
 
-def _progress_bar(label: str, total: int, initial: int, disable: bool):
-    """Named after the algorithm trained (a GIRCSE run labelled "GRPO" would misstate what it does)."""
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, initial=initial, disable=disable, desc=label, unit="step", dynamic_ncols=True)
-
-
-def apply_optimizer_settings(optimizer, scheduler, cfg: GRPOConfig) -> None:
+def apply_optimizer_settings(optimizer, scheduler, cfg: TrainConfig) -> None:
     """A loaded optimizer holds the checkpoint's rate, betas, eps and weight decay, and the
     schedule its base rate: set them to the config's, and the current rate to the (possibly
     new) schedule's value at this step, so the next update uses what the record says."""
@@ -559,7 +566,7 @@ def apply_optimizer_settings(optimizer, scheduler, cfg: GRPOConfig) -> None:
     scheduler._last_lr = rates  # what get_last_lr() reports; LambdaLR sets it in step()
 
 
-def hub_pusher(cfg: GRPOConfig, api=None):
+def hub_pusher(cfg: TrainConfig, api=None):
     """The background pusher of checkpoints to ``hub_model_id`` (:class:`grace_training.run.hub.HubPusher`)."""
     from grace_training.run.hub import HubPusher
 
@@ -576,3 +583,7 @@ def close_pusher(pusher, wait_s: float) -> None:
         logger.error("Hub pushes were disabled (%s); %s lists what was not pushed", pusher.disabled, pusher.journal)
     else:
         logger.warning("Hub pushes still pending; %s keeps them for the next run", pusher.journal)
+
+
+# The name of earlier releases, kept importable for one release.
+GRPOTrainer = Trainer

@@ -35,7 +35,7 @@ ENCODER_IMPORTERS = {
     "grace_st.from_causal_lm": "builds one around a causal LM",
     "grace_st.corpus": "reads a saved model's settings with its load_config, no weights loaded",
     "grace_training.policy": "checks that a loaded model's first module is one",
-    "grace_training.algorithms.infonce": "subclasses it: InfoNCE's prompt-pooling encoder",
+    "grace_training.algorithms.infonce.train": "subclasses it: InfoNCE's prompt-pooling encoder",
 }
 
 

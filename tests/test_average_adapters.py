@@ -12,7 +12,7 @@ from test_training_trainer import DATA, config
 
 from grace_training.tools.average_adapters import average_adapters
 from grace_training.tools.export_adapter import export
-from grace_training.trainer import GRPOTrainer
+from grace_training.trainer import Trainer
 
 TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]
 
@@ -21,7 +21,7 @@ TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the centra
 def run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("average")
     cfg = config(tmp_path, finetune="lora", max_steps=2, save_steps=1, learning_rate=5e-2, max_rationale_tokens=3)
-    GRPOTrainer(cfg, model=saved_base(tmp_path), train_data=DATA).train()
+    Trainer(cfg, model=saved_base(tmp_path), train_data=DATA).train()
     return tmp_path / "run"
 
 
@@ -106,7 +106,7 @@ def test_a_soup_of_runs_at_different_ranks_needs_a_rank_and_is_their_mean(run, t
     a rank that holds both deltas (8 + 4) the soup's merged weights are the mean of the runs' merged weights."""
     cfg = config(tmp_path, finetune="lora", lora_r=4, lora_alpha=8, max_steps=1, save_steps=1, learning_rate=5e-2,
                  max_rationale_tokens=3, seed=7)
-    GRPOTrainer(cfg, model=saved_base(tmp_path), train_data=DATA).train()
+    Trainer(cfg, model=saved_base(tmp_path), train_data=DATA).train()
     other, last = tmp_path / "run" / "checkpoint-00000001", run / "checkpoint-00000002"
     with pytest.raises(SystemExit, match="different LoRA ranks"):
         average_adapters([other, last], tmp_path / "refused")

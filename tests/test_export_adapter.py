@@ -13,7 +13,7 @@ from conftest import make_st_model
 from safetensors.torch import load_file, save_file
 
 from grace_st import default_model as dm
-from grace_training.config.train_config import GRPOConfig
+from grace_training.config.train_config import TrainConfig
 from grace_training.tools.export_adapter import export, main
 
 
@@ -28,7 +28,7 @@ def _checkpoint(path, adapter_weights=None):
         shutil.copyfile(adapter_weights, path / "adapter_model.safetensors")
     (path / "grace_config.json").write_text(json.dumps({"instructions": {"default": "Think."}, "max_rationale_tokens": 4}))
     (path / "trainer_state").mkdir()
-    state = {"config": GRPOConfig(finetune="lora").to_dict(), "step": 7}
+    state = {"config": TrainConfig(finetune="lora").to_dict(), "step": 7}
     (path / "trainer_state" / "state.json").write_text(json.dumps(state))
     return path
 

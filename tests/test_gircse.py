@@ -19,7 +19,7 @@ from grace_st.methods.gircse import output_logits, soft_token_states
 from grace_st.runtime.batch import left_pad
 from grace_training.algorithms.icr.loss import refinement_loss, stepwise_cosent, stepwise_infonce
 from grace_training.data.examples import Triplet
-from grace_training.trainer import GRPOTrainer
+from grace_training.trainer import Trainer
 
 TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]
 
@@ -212,7 +212,7 @@ def test_a_gircse_run_trains_checkpoints_a_gircse_model_and_resumes_bit_identica
 
     base = saved_base(tmp_path)
     before = {k: v.clone() for k, v in base[0].model.state_dict().items() if "lora_" not in k}
-    result = GRPOTrainer(gircse_config("run", 2), model=base, train_data=DATA).train()
+    result = Trainer(gircse_config("run", 2), model=base, train_data=DATA).train()
     metrics = result["metrics"]
     assert {
         "loss",
@@ -251,8 +251,8 @@ def test_a_gircse_run_trains_checkpoints_a_gircse_model_and_resumes_bit_identica
         "dev slice at step 7: stsb/dev/spearman": 0.5
     }
 
-    GRPOTrainer(gircse_config("resumed", 1), model=saved_base(tmp_path), train_data=DATA).train()
-    second = GRPOTrainer(gircse_config("resumed", 2), model=saved_base(tmp_path), train_data=DATA)
+    Trainer(gircse_config("resumed", 1), model=saved_base(tmp_path), train_data=DATA).train()
+    second = Trainer(gircse_config("resumed", 2), model=saved_base(tmp_path), train_data=DATA)
     second.train(resume=True)
     straight = {k: v for k, v in base[0].model.state_dict().items() if "lora_" in k}
     again = {k: v for k, v in second.policy.state_dict().items() if "lora_" in k}
@@ -269,7 +269,7 @@ def test_a_gircse_run_refuses_the_grpo_steps_own_keys(tmp_path):
 def test_a_gircse_batch_of_scored_pairs_trains_cosent_at_every_step(tmp_path):
     pairs = [Triplet(DATA[i].query, DATA[i].positive, (), "sts", symmetric=True, score=float(i % 5)) for i in range(8)]
     cfg = config(tmp_path, algorithm="icr", max_rationale_tokens=2, batch_sampling="by_source", max_steps=1)
-    trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=pairs)
+    trainer = Trainer(cfg, model=make_st_model(), train_data=pairs)
     assert trainer.graded_scores(0) is not None
     metrics = trainer.training_step(trainer.batch_for_step(0), 0)
     assert metrics["loss/step_1"] > 0 and metrics["loss/step_2"] > 0

@@ -19,7 +19,7 @@ from grace_st.memory import memory_prompt
 from grace_st.methods.grc import LatentTokens, latent_pass, segment_mask, turn_logits
 from grace_st.runtime.decoding import DecodeOptions
 from grace_training.data.examples import Triplet
-from grace_training.trainer import GRPOTrainer
+from grace_training.trainer import Trainer
 
 TEXTS = ["The cat sat on the mat.", "Stock markets fell sharply after the central bank raised rates again."]
 BUDGETS = {"default": 4, "query": 4, "document": 0}
@@ -174,13 +174,13 @@ def test_grc_trains_a_sliding_window_model_and_refuses_layers_it_cannot_mask(tmp
     from grace_training.config.train_config import ConfigError
 
     model = sliding_grc_model("qwen2", 8)
-    trainer = GRPOTrainer(grc_config(tmp_path, "sliding", 1, finetune="full"), model=model, train_data=DATA)
+    trainer = Trainer(grc_config(tmp_path, "sliding", 1, finetune="full"), model=model, train_data=DATA)
     metrics = trainer.training_step(trainer.batch_for_step(0), 0)
     assert all(math.isfinite(metrics[f"loss/{name}"]) for name in ("generation", "reconstruction", "representation"))
     chunked = grc_model()
     chunked[0].model.config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ConfigError, match="algorithm: grc: .* layers of kind chunked_attention"):
-        GRPOTrainer(grc_config(tmp_path, "chunked", 1), model=chunked, train_data=DATA)
+        Trainer(grc_config(tmp_path, "chunked", 1), model=chunked, train_data=DATA)
 
 
 def test_training_reconstruction_reads_the_memory_compress_gives():
@@ -327,7 +327,7 @@ def grc_config(tmp_path, out, steps, **overrides):
 def test_a_grc_run_logs_each_loss_checkpoints_a_grc_model_and_resumes_bit_identically(tmp_path, finetune):
     base = saved_base(tmp_path)
     start = base[0]
-    result = GRPOTrainer(grc_config(tmp_path, "run", 2, finetune=finetune), model=base, train_data=DATA).train()
+    result = Trainer(grc_config(tmp_path, "run", 2, finetune=finetune), model=base, train_data=DATA).train()
     metrics = result["metrics"]
     assert {"loss/generation", "loss/reconstruction", "loss/representation", "time/step_cpu_s"} <= metrics.keys()
     assert all(math.isfinite(value) for value in metrics.values())
@@ -348,8 +348,8 @@ def test_a_grc_run_logs_each_loss_checkpoints_a_grc_model_and_resumes_bit_identi
     )
 
     resumed_config = functools.partial(grc_config, tmp_path, "resumed", finetune=finetune)
-    GRPOTrainer(resumed_config(1), model=saved_base(tmp_path), train_data=DATA).train()
-    second = GRPOTrainer(resumed_config(2), model=saved_base(tmp_path), train_data=DATA)
+    Trainer(resumed_config(1), model=saved_base(tmp_path), train_data=DATA).train()
+    second = Trainer(resumed_config(2), model=saved_base(tmp_path), train_data=DATA)
     second.train(resume=True)
     trained = "lora_" if finetune == "lora" else ""
     straight = {k: v for k, v in base[0].model.state_dict().items() if trained in k}
@@ -364,7 +364,7 @@ def test_grc_trains_cosent_on_scored_pairs_and_refuses_grpo_keys(tmp_path):
 
     pairs = [Triplet(DATA[i].query, DATA[i].positive, (), "sts", symmetric=True, score=float(i % 5)) for i in range(8)]
     cfg = grc_config(tmp_path, "sts", 1, batch_sampling="by_source")
-    trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=pairs)
+    trainer = Trainer(cfg, model=make_st_model(), train_data=pairs)
     metrics = trainer.training_step(trainer.batch_for_step(0), 0)
     assert metrics["loss/representation"] > 0 and metrics["loss/reconstruction"] > 0
     with pytest.raises(ConfigError, match="would be ignored: contrastive_beta"):
@@ -380,7 +380,7 @@ def test_start_targets_are_the_start_models_answers_however_far_the_policy_moved
     rows, span = encoder.prompt_token_ids(TEXTS, task="query")
     before = encoder.engine.responses(rows, span, 6)
     cfg = grc_config(tmp_path, "start", 1, grc_response_targets="start", finetune=finetune)
-    trainer = GRPOTrainer(cfg, model=base, train_data=DATA)
+    trainer = Trainer(cfg, model=base, train_data=DATA)
     moved = "lora_B" if finetune == "lora" else "weight"  # a policy far from where it started answers otherwise
     with torch.no_grad():
         for name, parameter in encoder.model.named_parameters():
@@ -420,7 +420,7 @@ def test_a_grc_checkpoint_exports_with_its_latents_and_builds_the_grc_default(tm
     from peft import LoraConfig, get_peft_model
 
     from grace_st import default_model as dm
-    from grace_training.config.train_config import GRPOConfig
+    from grace_training.config.train_config import TrainConfig
     from grace_training.tools.export_adapter import export
 
     base = grc_model()
@@ -433,7 +433,7 @@ def test_a_grc_checkpoint_exports_with_its_latents_and_builds_the_grc_default(tm
     trained[0].latent_tokens.save(checkpoint)
     (checkpoint / "grace_config.json").write_text(json.dumps(trained[0].get_config_dict()))
     (checkpoint / "trainer_state").mkdir()
-    state = {"config": GRPOConfig(algorithm="grc", finetune="lora").to_dict(), "step": 3}
+    state = {"config": TrainConfig(algorithm="grc", finetune="lora").to_dict(), "step": 3}
     (checkpoint / "trainer_state" / "state.json").write_text(json.dumps(state))
 
     adapter = export(checkpoint, tmp_path / "grc_adapter")

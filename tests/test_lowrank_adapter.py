@@ -160,13 +160,13 @@ def test_refuses_a_bad_rank_an_existing_output_calibration_without_data_and_anot
 
 
 def test_export_ships_it_with_what_it_approximates(tmp_path):
-    from grace_training.config.train_config import GRPOConfig
+    from grace_training.config.train_config import TrainConfig
     from grace_training.tools.export_adapter import export
 
     base = saved(tmp_path / "base")
     tuned = tuned_by_a_low_rank_delta(base, tmp_path / "tuned")
     (tuned / "trainer_state").mkdir()
-    state = {"config": GRPOConfig(model_name_or_path="runs/warm_start").to_dict(), "step": 7}
+    state = {"config": TrainConfig(model_name_or_path="runs/warm_start").to_dict(), "step": 7}
     (tuned / "trainer_state" / "state.json").write_text(json.dumps(state), encoding="utf-8")
     lowrank_adapter(tuned, tmp_path / "adapter", 2, base=base, calibration=0)
 

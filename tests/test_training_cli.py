@@ -10,7 +10,7 @@ from conftest import CORPUS, make_st_model
 from sentence_transformers import SentenceTransformer
 
 from grace_training.cli import main
-from grace_training.config.train_config import GRPOConfig
+from grace_training.config.train_config import TrainConfig
 from grace_training.data.examples import Triplet
 
 
@@ -84,7 +84,7 @@ def test_train_then_resume(setup, tmp_path, capsys):
 
 def _record_prompt_types(monkeypatch) -> list:
     """The prompt type of every batch the InfoNCE baseline's encoder preprocesses."""
-    from grace_training.algorithms.infonce import PromptPoolingEncoder
+    from grace_training.algorithms.infonce.train import PromptPoolingEncoder
 
     tasks = []
     original = PromptPoolingEncoder.preprocess
@@ -99,12 +99,12 @@ def _record_prompt_types(monkeypatch) -> list:
 
 def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import train_infonce
+    from grace_training.algorithms.infonce.train import train_infonce
 
     model = make_st_model()
     before = {k: v.clone() for k, v in model[0].model.state_dict().items()}
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
-    cfg = GRPOConfig(
+    cfg = TrainConfig(
         batch_size=4,
         max_steps=2,
         max_input_tokens=160,
@@ -130,10 +130,10 @@ def test_infonce_baseline_saves_a_grace_model(tmp_path, monkeypatch):
 def test_infonce_baseline_stops_and_saves_after_max_minutes(tmp_path):
     """GRPO's --max-minutes for the yardstick: a run at a given cost ends at the first step past it, saved."""
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import train_infonce
+    from grace_training.algorithms.infonce.train import train_infonce
 
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
-    cfg = GRPOConfig(batch_size=2, max_steps=4, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"])
+    cfg = TrainConfig(batch_size=2, max_steps=4, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"])
     path = train_infonce(cfg, model=make_st_model(), train_data=data, max_minutes=0)
     assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1]
     assert (path / "modules.json").is_file()  # saved where it stopped
@@ -142,10 +142,10 @@ def test_infonce_baseline_stops_and_saves_after_max_minutes(tmp_path):
 def test_infonce_baseline_stops_at_a_step_and_a_second_call_trains_nothing(tmp_path):
     """--stop-at-step for the yardstick: decisions/D028's warm start is step 455 of a 1000-step run."""
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import last_trainer_checkpoint, train_infonce
+    from grace_training.algorithms.infonce.train import last_trainer_checkpoint, train_infonce
 
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
-    cfg = GRPOConfig(
+    cfg = TrainConfig(
         batch_size=2, max_steps=4, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"], save_steps=0
     )
 
@@ -163,13 +163,13 @@ def test_infonce_baseline_resumes_where_max_minutes_stopped_it(tmp_path):
     """The yardstick in chunks: a run stopped by --max-minutes and resumed ends with the weights and the
     per-step losses of the same run done in one go (the Trainer restores AdamW, the RNG and the data position)."""
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import last_trainer_checkpoint, train_infonce
+    from grace_training.algorithms.infonce.train import last_trainer_checkpoint, train_infonce
     from grace_training.run.checkpoint import CheckpointError
 
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(8)]
 
     def config(out):
-        return GRPOConfig(batch_size=2, max_steps=3, max_input_tokens=160, output_dir=str(out), report_to=["jsonl"],
+        return TrainConfig(batch_size=2, max_steps=3, max_input_tokens=160, output_dir=str(out), report_to=["jsonl"],
                           infonce_learning_rate=1e-3, save_steps=0)
 
     def losses(out):
@@ -194,7 +194,7 @@ def test_infonce_baseline_resumes_where_max_minutes_stopped_it(tmp_path):
 def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, monkeypatch):
     """The yardstick on the scale recipe's data: a batch a source by weight, symmetric sources under "default"."""
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import infonce_datasets, train_infonce
+    from grace_training.algorithms.infonce.train import infonce_datasets, train_infonce
 
     pairs = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "sts", symmetric=True) for i in range(8)]
     retrieval = [Triplet(CORPUS[i + 1], CORPUS[i], (CORPUS[i + 3],), "beir") for i in range(8)]
@@ -202,7 +202,7 @@ def test_infonce_baseline_takes_the_same_mix_and_prompt_types_as_grpo(tmp_path, 
         {"type": "pairs", "path": "sts.tsv", "name": "sts", "weight": 3.0},
         {"type": "beir", "path": "beir", "name": "beir", "weight": 1.0},
     ]
-    cfg = GRPOConfig(
+    cfg = TrainConfig(
         batch_size=2,
         max_steps=4,
         max_input_tokens=160,
@@ -227,14 +227,14 @@ def test_the_baseline_trains_a_graded_source_with_cosent_on_its_scores(tmp_path,
     """Scored pairs (an sts source) are a dataset of their own, (anchor, positive, score), trained with
     sentence-transformers' CoSENTLoss, as GRPO trains them with its graded term; refused outside by_source."""
     pytest.importorskip("datasets")
-    from grace_training.algorithms.infonce import infonce_datasets, train_infonce
+    from grace_training.algorithms.infonce.train import infonce_datasets, train_infonce
 
     graded = [Triplet(CORPUS[i], CORPUS[i + 1], (), "graded", float(i % 5), symmetric=True) for i in range(8)]
     retrieval = [Triplet(CORPUS[i + 1], CORPUS[i], (CORPUS[i + 3],), "beir") for i in range(8)]
     specs = [{"type": "sts", "path": "sts.tsv", "name": "graded"}, {"type": "beir", "path": "beir", "name": "beir"}]
     settings = dict(batch_size=2, max_steps=2, max_input_tokens=160, output_dir=str(tmp_path), report_to=["jsonl"],
                     contrastive_beta=1.0, batch_sampling="by_source", train_data=specs)
-    cfg = GRPOConfig(**settings)
+    cfg = TrainConfig(**settings)
     datasets, _ = infonce_datasets(graded + retrieval, cfg, 2)
     assert datasets["graded"].column_names == ["anchor", "positive", "score"]
     part = datasets["graded"]
@@ -254,4 +254,4 @@ def test_the_baseline_trains_a_graded_source_with_cosent_on_its_scores(tmp_path,
         "graded": "CoSENTLoss", "beir": "MultipleNegativesRankingLoss"
     }
     with pytest.raises(ValueError, match="scored pairs .* by_source"):
-        infonce_datasets(graded, GRPOConfig(**{**settings, "batch_sampling": "shuffled", "train_data": []}), 2)
+        infonce_datasets(graded, TrainConfig(**{**settings, "batch_sampling": "shuffled", "train_data": []}), 2)

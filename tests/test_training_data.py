@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from grace_training.config.train_config import GRPOConfig, parse_overrides
+from grace_training.config.train_config import TrainConfig, parse_overrides
 from grace_training.data.examples import load_data, load_source
 from grace_training.data.mining import BM25, mine_negatives
 
@@ -157,10 +157,10 @@ def test_config_yaml_overrides_and_validation(tmp_path):
     file = write(
         tmp_path / "c.yaml", "learning_rate: 1e-6\nnum_rollouts: 4\ntrain_data:\n  - {type: text, path: x.txt}\n"
     )
-    config = GRPOConfig.from_yaml(file, ["batch_size=8", "report_to=[jsonl]", "tau=0.1"])
+    config = TrainConfig.from_yaml(file, ["batch_size=8", "report_to=[jsonl]", "tau=0.1"])
     assert config.learning_rate == 1e-6 and isinstance(config.learning_rate, float)
     assert (config.num_rollouts, config.batch_size, config.report_to, config.tau) == (4, 8, ["jsonl"], 0.1)
-    defaults = GRPOConfig()
+    defaults = TrainConfig()
     assert (
         defaults.num_rollouts,
         defaults.batch_size,
@@ -174,10 +174,10 @@ def test_config_yaml_overrides_and_validation(tmp_path):
         defaults.epochs,
     ) == (8, 64, 0.2, 0.2, 10.0, 1.0, 1e-6, 1024, 2048, 2)
     with pytest.raises(ValueError, match="unknown config key"):
-        GRPOConfig.from_yaml(file, ["lerning_rate=1"])
+        TrainConfig.from_yaml(file, ["lerning_rate=1"])
     with pytest.raises(ValueError, match="reward_mode"):
-        GRPOConfig(reward_mode="nope")
+        TrainConfig(reward_mode="nope")
     with pytest.raises(ValueError, match="temperature_positive"):
-        GRPOConfig(temperature_positive=0.0)
+        TrainConfig(temperature_positive=0.0)
     with pytest.raises(ValueError, match="key=value"):
         parse_overrides(["novalue"])

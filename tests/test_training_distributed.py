@@ -289,15 +289,15 @@ def test_fsdp_with_hf_rollouts_on_several_processes_is_refused():
 
     from accelerate.utils import DistributedType
 
-    from grace_training.config.train_config import ConfigError, GRPOConfig
+    from grace_training.config.train_config import ConfigError, TrainConfig
     from grace_training.run.processes import check_sharding as _check_sharding
 
     fsdp = SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=8)
     with pytest.raises(ConfigError, match="rollout_backend: hf cannot run under FSDP"):
-        _check_sharding(fsdp, GRPOConfig(rollout_backend="hf"))
-    _check_sharding(fsdp, GRPOConfig(rollout_backend="vllm"))
-    _check_sharding(SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=1), GRPOConfig())
-    _check_sharding(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2), GRPOConfig())
+        _check_sharding(fsdp, TrainConfig(rollout_backend="hf"))
+    _check_sharding(fsdp, TrainConfig(rollout_backend="vllm"))
+    _check_sharding(SimpleNamespace(distributed_type=DistributedType.FSDP, num_processes=1), TrainConfig())
+    _check_sharding(SimpleNamespace(distributed_type=DistributedType.MULTI_CPU, num_processes=2), TrainConfig())
 
 
 def _free_port() -> int:

@@ -11,11 +11,11 @@ from types import SimpleNamespace
 import pytest
 from conftest import CORPUS, make_st_model
 
-from grace_training.config.train_config import GRPOConfig
+from grace_training.config.train_config import TrainConfig
 from grace_training.data.examples import Triplet
 from grace_training.run.checkpoint import list_checkpoints
 from grace_training.run.hub import HubPusher, permanent_reason
-from grace_training.trainer import GRPOTrainer
+from grace_training.trainer import Trainer
 
 
 class StandInHfApi:
@@ -102,7 +102,7 @@ def test_pending_pushes_resume_after_a_restart(tmp_path):
 def pushing_trainer(tmp_path, api, **extra):
     """A two-step tiny run that checkpoints (keep-last-1) and pushes every step through ``api``."""
     data = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],)) for i in range(4)]
-    cfg = GRPOConfig(
+    cfg = TrainConfig(
         num_rollouts=2,
         batch_size=2,
         max_input_tokens=160,
@@ -117,7 +117,7 @@ def pushing_trainer(tmp_path, api, **extra):
         hub_retry_backoff_s=0.01,
         **extra,
     )
-    return GRPOTrainer(cfg, model=make_st_model(), train_data=data, hub_api=api), cfg
+    return Trainer(cfg, model=make_st_model(), train_data=data, hub_api=api), cfg
 
 
 def test_trainer_pushes_every_checkpoint(tmp_path):

@@ -22,7 +22,7 @@ from grace_training.algorithms.grpo.loss import (
 )
 from grace_training.algorithms.grpo.rewards import compute_rewards, reward_parts
 from grace_training.data.examples import Triplet
-from grace_training.trainer import GRPOTrainer
+from grace_training.trainer import Trainer
 
 
 def saved_base(tmp_path):
@@ -75,7 +75,7 @@ def test_group_std_scaling_and_advantage_shares():
 
 
 def test_mask_truncated_drops_cut_rollouts_from_the_loss(tmp_path):
-    trainer = GRPOTrainer(
+    trainer = Trainer(
         config(tmp_path, mask_truncated=True, max_rationale_tokens=2), model=make_st_model(), train_data=DATA
     )
     rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
@@ -111,7 +111,7 @@ def test_pooled_contrastive_loss_is_infonce_over_the_batch():
 
 def test_update_pass_pools_the_embedding_encode_returns(tmp_path):
     """The rule: the embedding trained in the update pass is the rollout's, which is encode's."""
-    trainer = GRPOTrainer(config(tmp_path, contrastive_beta=1.0), model=make_st_model(), train_data=DATA)
+    trainer = Trainer(config(tmp_path, contrastive_beta=1.0), model=make_st_model(), train_data=DATA)
     rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
     for role in (rollouts.positives, rollouts.queries, rollouts.negatives):
         batch = build_policy_batch(
@@ -140,12 +140,12 @@ ADVANTAGES = torch.tensor([0.3, -0.1, -0.2, 0.5, 0.0, -0.5])
 def test_beta_zero_is_the_paper_and_beta_adds_the_infonce_gradient(tmp_path):
     grads = {}
     for beta in (0.0, 0.5):
-        trainer = GRPOTrainer(
+        trainer = Trainer(
             config(tmp_path / str(beta), contrastive_beta=beta), model=make_st_model(), train_data=DATA
         )
         rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
         grads[beta] = gradients(trainer, rollouts, ADVANTAGES)
-    paper = GRPOTrainer(config(tmp_path / "paper"), model=make_st_model(), train_data=DATA)
+    paper = Trainer(config(tmp_path / "paper"), model=make_st_model(), train_data=DATA)
     reference = gradients(paper, paper.algorithm.rollout(paper.batch_for_step(0), 0), ADVANTAGES)
     for name, grad in reference.items():
         torch.testing.assert_close(grads[0.0][name], grad)
@@ -156,7 +156,7 @@ def test_beta_zero_is_the_paper_and_beta_adds_the_infonce_gradient(tmp_path):
 @pytest.mark.parametrize("anchors", ["detached", "recompute"])
 def test_hybrid_gradient_reaches_the_lora_parameters_only(tmp_path, anchors):
     cfg = config(tmp_path, finetune="lora", contrastive_beta=1.0, contrastive_anchors=anchors)
-    trainer = GRPOTrainer(cfg, model=saved_base(tmp_path), train_data=DATA)
+    trainer = Trainer(cfg, model=saved_base(tmp_path), train_data=DATA)
     rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
     grads = gradients(trainer, rollouts, torch.zeros(6))  # no advantage: only the InfoNCE term moves weights
     assert grads and all("lora_" in name for name in grads)
@@ -169,7 +169,7 @@ def test_hybrid_chunks_add_up_to_the_batch_loss(tmp_path):
     values = {}
     for parts in (1, 2, 3):
         cfg = config(tmp_path / str(parts), contrastive_beta=1.0, gradient_accumulation_steps=parts)
-        trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
+        trainer = Trainer(cfg, model=make_st_model(), train_data=DATA)
         rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
         values[parts] = trainer.algorithm.update(rollouts, ADVANTAGES)["contrastive_loss"]
     assert values[1] > 0
@@ -186,7 +186,7 @@ def test_lora_run_checkpoints_an_adapter_that_loads_and_resumes(tmp_path):
     )
     base = saved_base(tmp_path)
     before = {k: v.clone() for k, v in base[0].model.state_dict().items()}
-    GRPOTrainer(cfg, model=base, train_data=DATA).train()
+    Trainer(cfg, model=base, train_data=DATA).train()
     checkpoint = tmp_path / "run" / "checkpoint-00000002"
     assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
     # the frozen base is untouched; the adapter moved
@@ -212,8 +212,8 @@ def test_lora_run_checkpoints_an_adapter_that_loads_and_resumes(tmp_path):
             output_dir=str(tmp_path / "resumed"),
         )
 
-    GRPOTrainer(resumable(1), model=saved_base(tmp_path), train_data=DATA).train()
-    second = GRPOTrainer(resumable(2), model=saved_base(tmp_path), train_data=DATA)
+    Trainer(resumable(1), model=saved_base(tmp_path), train_data=DATA).train()
+    second = Trainer(resumable(2), model=saved_base(tmp_path), train_data=DATA)
     second.train(resume=True)
     straight = {k: v for k, v in base[0].model.state_dict().items() if "lora_" in k}
     again = {k: v for k, v in second.policy.state_dict().items() if "lora_" in k}
@@ -226,7 +226,7 @@ def test_a_run_starts_from_another_runs_adapter_and_refuses_one_that_does_not_fi
     goes on from the shipped adapter when a machine lost its checkpoints); the KL reference stays
     the base (the adapter disabled)."""
     first = config(tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=1, save_steps=1)
-    GRPOTrainer(first, model=saved_base(tmp_path), train_data=DATA).train()
+    Trainer(first, model=saved_base(tmp_path), train_data=DATA).train()
     checkpoint = tmp_path / "run" / "checkpoint-00000001"
     saved = load_file(str(checkpoint / "adapter_model.safetensors"))
     assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # a trained adapter, not PEFT's B = 0
@@ -236,7 +236,7 @@ def test_a_run_starts_from_another_runs_adapter_and_refuses_one_that_does_not_fi
             tmp_path, finetune="lora", contrastive_beta=1.0, text_kl_coef=0.5, max_steps=1,
             init_adapter=str(checkpoint), output_dir=str(tmp_path / "second"), **overrides,
         )
-        return GRPOTrainer(cfg, model=saved_base(tmp_path), train_data=DATA)
+        return Trainer(cfg, model=saved_base(tmp_path), train_data=DATA)
 
     trainer = second()
     started = {k.replace(".default.", "."): v for k, v in trainer.policy.state_dict().items() if "lora_" in k}
@@ -272,14 +272,14 @@ def test_an_adapter_grows_in_rank_with_the_same_embeddings_and_trains_its_new_di
     scale, so the saved B is rescaled by 3) encodes as the saved adapter does; the saved rows of A are kept,
     the new ones are PEFT's random ones, the new columns of B start at zero and move in the first step."""
     first = config(tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=1, save_steps=1)
-    GRPOTrainer(first, model=saved_base(tmp_path), train_data=DATA).train()
+    Trainer(first, model=saved_base(tmp_path), train_data=DATA).train()
     checkpoint = tmp_path / "run" / "checkpoint-00000001"
     saved = load_file(str(checkpoint / "adapter_model.safetensors"))
     grown_config = config(
         tmp_path, finetune="lora", contrastive_beta=1.0, max_steps=1, save_steps=1, lora_r=24, lora_alpha=16,
         init_adapter=str(checkpoint), output_dir=str(tmp_path / "grown"),
     )
-    trainer = GRPOTrainer(grown_config, model=saved_base(tmp_path), train_data=DATA)
+    trainer = Trainer(grown_config, model=saved_base(tmp_path), train_data=DATA)
     started = {k.replace(".default.", "."): v.detach().clone() for k, v in trainer.policy.state_dict().items() if "lora_" in k}
     assert started.keys() == saved.keys()
     for key, value in saved.items():
@@ -318,7 +318,7 @@ def test_recompute_prompts_trains_the_prompt_only_documents_and_nothing_else(tmp
                 contrastive_anchors=anchors,
                 max_rationale_tokens=budgets,
             )
-            trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
+            trainer = Trainer(cfg, model=make_st_model(), train_data=DATA)
             rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
             assert (rollouts.queries.budgets == [0, 0]) == (budgets == SHIPPED)
             grads[anchors, budgets == 5] = gradients(trainer, rollouts, torch.zeros(6))
@@ -329,7 +329,7 @@ def test_recompute_prompts_trains_the_prompt_only_documents_and_nothing_else(tmp
 
 def test_a_run_with_budgets_by_prompt_type_saves_the_model_that_encodes_with_them(tmp_path):
     cfg = config(tmp_path, contrastive_beta=1.0, max_rationale_tokens=SHIPPED, max_steps=1, batch_sampling="by_source")
-    trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
+    trainer = Trainer(cfg, model=make_st_model(), train_data=DATA)
     trainer.train()
     saved = SentenceTransformer(str(tmp_path / "run" / "checkpoint-00000001"), trust_remote_code=True)
     assert saved[0].max_rationale_tokens == SHIPPED
@@ -341,12 +341,12 @@ def test_warm_start_rolls_out_one_greedy_rationale_a_text_then_the_configured_k(
     """The first warm_start_steps train β · InfoNCE on one greedy rollout a text (the same rollouts
     as a K = 1 run at temperature 0); the steps after it roll out the configured K, sampled."""
     cfg = config(tmp_path / "warm", contrastive_beta=1.0, warm_start_steps=1, temperature_positive=1.0)
-    trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=DATA)
+    trainer = Trainer(cfg, model=make_st_model(), train_data=DATA)
     greedy = config(
         tmp_path / "greedy", contrastive_beta=1.0, num_rollouts=1,
         temperature_positive=0.0, temperature_query=0.0, temperature_negative=0.0,
     )
-    reference = GRPOTrainer(greedy, model=make_st_model(), train_data=DATA)
+    reference = Trainer(greedy, model=make_st_model(), train_data=DATA)
     warm = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
     expected = reference.algorithm.rollout(reference.batch_for_step(0), 0)
     assert warm.num_rollouts == 1 and len(warm.positives.rationale_ids) == cfg.batch_size
@@ -387,7 +387,7 @@ def test_a_batch_of_scored_pairs_trains_cosent_on_one_greedy_rollout_a_text(tmp_
     is CoSENT on the rollouts' cosines against the gold scores; other sources' steps keep K and InfoNCE."""
     rows = graded_rows() + DATA
     cfg = config(tmp_path / "run", contrastive_beta=1.0, batch_sampling="by_source", batch_size=4)
-    trainer = GRPOTrainer(cfg, model=make_st_model(), train_data=rows)
+    trainer = Trainer(cfg, model=make_st_model(), train_data=rows)
     steps = {source: next(s for s in range(50) if trainer.batch_for_step(s)[0].source == source)
              for source in ("sts/train", DATA[0].source)}
     step = steps["sts/train"]
@@ -400,6 +400,6 @@ def test_a_batch_of_scored_pairs_trains_cosent_on_one_greedy_rollout_a_text(tmp_
     assert metrics["loss/contrastive"] == pytest.approx(expected.item(), rel=1e-4)
     assert trainer.graded_scores(steps[DATA[0].source]) is None
     with pytest.raises(ValueError, match="scored pairs .* by_source"):
-        GRPOTrainer(config(tmp_path / "mixed", contrastive_beta=1.0), model=make_st_model(), train_data=rows)
+        Trainer(config(tmp_path / "mixed", contrastive_beta=1.0), model=make_st_model(), train_data=rows)
     with pytest.raises(ValueError, match="'sts' source .* by_source"):
         config(tmp_path / "spec", contrastive_beta=1.0, train_data=[{"type": "sts", "path": "x.tsv"}])

@@ -20,10 +20,10 @@ import pytest
 import torch
 from conftest import CORPUS, make_st_model
 
-from grace_training.run import checkpoint as checkpoint_module
 from grace_training.cli import main
-from grace_training.config.train_config import RULES, ConfigError, GRPOConfig, config_table
+from grace_training.config.train_config import RULES, ConfigError, TrainConfig, config_table
 from grace_training.data.examples import Triplet
+from grace_training.run import checkpoint as checkpoint_module
 from grace_training.run.checkpoint import (
     CheckpointError,
     list_checkpoints,
@@ -33,12 +33,12 @@ from grace_training.run.checkpoint import (
 )
 from grace_training.run.metrics import MetricsLogger
 from grace_training.run.run_dir import config_changes
-from grace_training.trainer import GRPOTrainer
+from grace_training.trainer import Trainer
 
 DATA = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "toy") for i in range(8)]
 
 
-def small_config(output_dir: Path, **overrides) -> GRPOConfig:
+def small_config(output_dir: Path, **overrides) -> TrainConfig:
     settings = {
         "num_rollouts": 2,
         "batch_size": 2,
@@ -51,7 +51,7 @@ def small_config(output_dir: Path, **overrides) -> GRPOConfig:
         "output_dir": str(output_dir),
         "report_to": ["jsonl"],
     }
-    return GRPOConfig(**{**settings, **overrides})
+    return TrainConfig(**{**settings, **overrides})
 
 
 # -- 5. re-saving a step never leaves recovery without a complete copy ------------------------------
@@ -277,7 +277,7 @@ def test_a_line_torn_by_the_crash_is_dropped_on_resume(tmp_path, caplog):
 def trained_run(tmp_path_factory):
     """A two-step run with checkpoints at steps 1 and 2, copied by each test that spoils it."""
     run = tmp_path_factory.mktemp("reliability") / "run"
-    GRPOTrainer(small_config(run), model=make_st_model(), train_data=DATA).train()
+    Trainer(small_config(run), model=make_st_model(), train_data=DATA).train()
     assert [step for step, _ in list_checkpoints(run)] == [1, 2]
     return run
 
@@ -310,7 +310,7 @@ def test_resume_falls_back_to_the_newest_loadable_checkpoint(trained_run, tmp_pa
     from safetensors.torch import load_file
 
     run = spoiled_copy(trained_run, tmp_path, corruption)
-    trainer = GRPOTrainer(small_config(run), model=make_st_model(), train_data=DATA)
+    trainer = Trainer(small_config(run), model=make_st_model(), train_data=DATA)
     with caplog.at_level(logging.WARNING):
         assert trainer.resume() == 1
     file = CORRUPTIONS[corruption][0].rsplit("/", 1)[-1]
@@ -329,7 +329,7 @@ def test_resume_falls_back_to_the_newest_loadable_checkpoint(trained_run, tmp_pa
 
 def test_a_resumed_run_past_a_corrupt_checkpoint_finishes_with_a_good_one(trained_run, tmp_path):
     run = spoiled_copy(trained_run, tmp_path, "safetensors truncated")
-    result = GRPOTrainer(small_config(run), model=make_st_model(), train_data=DATA).train(resume=True)
+    result = Trainer(small_config(run), model=make_st_model(), train_data=DATA).train(resume=True)
     assert result["step"] == 2
     assert [step for step, _ in list_checkpoints(run)] == [1, 2]
     assert read_trainer_state(run / "checkpoint-00000002")["step"] == 2
@@ -338,7 +338,7 @@ def test_a_resumed_run_past_a_corrupt_checkpoint_finishes_with_a_good_one(traine
 
 def test_no_loadable_checkpoint_is_an_error_naming_each(trained_run, tmp_path):
     run = spoiled_copy(trained_run, tmp_path, "state.json truncated", steps=(1, 2))
-    trainer = GRPOTrainer(small_config(run), model=make_st_model(), train_data=DATA)
+    trainer = Trainer(small_config(run), model=make_st_model(), train_data=DATA)
     with pytest.raises(CheckpointError, match="no loadable checkpoint") as raised:
         trainer.resume()
     message = str(raised.value)
@@ -348,7 +348,7 @@ def test_no_loadable_checkpoint_is_an_error_naming_each(trained_run, tmp_path):
 
 def test_an_explicit_checkpoint_is_loaded_or_refused_never_swapped(trained_run, tmp_path):
     run = spoiled_copy(trained_run, tmp_path, "optimizer.pt missing")
-    trainer = GRPOTrainer(small_config(run), model=make_st_model(), train_data=DATA)
+    trainer = Trainer(small_config(run), model=make_st_model(), train_data=DATA)
     with pytest.raises(CheckpointError, match="optimizer.pt"):
         trainer.resume(run / "checkpoint-00000002")
     assert [step for step, _ in list_checkpoints(run)] == [1, 2]  # nothing renamed for an explicit choice
@@ -386,7 +386,7 @@ def test_the_cli_resume_without_a_loadable_checkpoint_is_one_error_line(trained_
 
 def test_every_config_key_has_its_help_rules_and_resume_kind_once_and_the_docs_table_is_the_code():
     """A key is one field: default, help, range rules, resume kind; the docs' table is generated."""
-    for item in dataclasses.fields(GRPOConfig):
+    for item in dataclasses.fields(TrainConfig):
         assert item.metadata["doc"], item.name
         assert item.metadata["resume"] in ("free", "applied", "fixed"), item.name
         assert RULES[item.name] == item.metadata["rules"]
@@ -398,17 +398,17 @@ def test_every_config_key_has_its_help_rules_and_resume_kind_once_and_the_docs_t
 
 
 def test_a_model_cards_training_summary_names_lora_settings_only_for_a_lora_run():
-    assert {"lora_r", "lora_alpha"} <= GRPOConfig(finetune="lora").summary().keys()
-    full = GRPOConfig(finetune="full").summary()
+    assert {"lora_r", "lora_alpha"} <= TrainConfig(finetune="lora").summary().keys()
+    full = TrainConfig(finetune="full").summary()
     assert full["finetune"] == "full" and not any(name.startswith("lora_") for name in full)
 
 
 def test_the_old_budget_names_are_read_with_a_warning(caplog):
-    old = GRPOConfig.from_dict({"max_prompt_tokens": 100, "max_response_tokens": {"default": 8, "document": 0}})
+    old = TrainConfig.from_dict({"max_prompt_tokens": 100, "max_response_tokens": {"default": 8, "document": 0}})
     assert old.max_input_tokens == 100 and old.max_rationale_tokens == {"default": 8, "document": 0}
     assert "max_response_tokens is now called max_rationale_tokens" in caplog.text
     with pytest.raises(ConfigError, match="max_prompt_tokens is the old name of max_input_tokens"):
-        GRPOConfig.from_dict({"max_prompt_tokens": 100, "max_input_tokens": 100})
+        TrainConfig.from_dict({"max_prompt_tokens": 100, "max_input_tokens": 100})
     # a checkpoint saved under the old names resumes as unchanged
     saved = {{"max_input_tokens": "max_prompt_tokens"}.get(k, k): v for k, v in old.to_dict().items()}
     assert "max_prompt_tokens" in saved and config_changes(saved, old) == []
@@ -434,7 +434,7 @@ def test_the_old_budget_names_are_read_with_a_warning(caplog):
 )
 def test_construction_refuses_a_bad_value_naming_key_and_value(values, key):
     with pytest.raises(ConfigError, match=key.replace("[", r"\[")) as raised:
-        GRPOConfig(**values)
+        TrainConfig(**values)
     assert raised.value.key == key.split("[")[0]
     value = next(iter(values.values()))
     if not isinstance(value, (list, dict)):
@@ -442,7 +442,7 @@ def test_construction_refuses_a_bad_value_naming_key_and_value(values, key):
 
 
 def test_an_int_for_a_float_key_is_stored_as_a_float():
-    config = GRPOConfig(learning_rate=1, tau=10)
+    config = TrainConfig(learning_rate=1, tau=10)
     assert isinstance(config.learning_rate, float) and isinstance(config.tau, float)
 
 
@@ -450,23 +450,23 @@ def test_yaml_errors_name_the_file_or_the_override(tmp_path):
     file = tmp_path / "c.yaml"
     file.write_text("batch_size: two\n")
     with pytest.raises(ConfigError, match=rf"^{re.escape(str(file))}: batch_size: expected an integer, got \"two\""):
-        GRPOConfig.from_yaml(file)
+        TrainConfig.from_yaml(file)
     file.write_text("batch_size: 2\n")
     with pytest.raises(ConfigError, match=r"^override learning_rate=abc: learning_rate: expected a number"):
-        GRPOConfig.from_yaml(file, ["learning_rate=abc"])
+        TrainConfig.from_yaml(file, ["learning_rate=abc"])
 
 
 def test_bf16_without_a_gpu_is_refused_before_the_model_loads(tmp_path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     config = small_config(tmp_path, bf16=True, model_name_or_path=str(tmp_path / "no-such-model"))
     with pytest.raises(ConfigError, match="bf16"):
-        GRPOTrainer(config, train_data=DATA)
+        Trainer(config, train_data=DATA)
 
 
 def test_too_little_data_is_refused_before_the_model_loads(tmp_path):
     config = small_config(tmp_path, batch_size=16, model_name_or_path=str(tmp_path / "no-such-model"))
     with pytest.raises(ConfigError, match="fewer than one batch"):
-        GRPOTrainer(config, train_data=DATA)
+        Trainer(config, train_data=DATA)
 
 
 # -- fuzz: grace-train --dry-run on bad configs ------------------------------------------------------
@@ -504,7 +504,7 @@ def no_model_loads(monkeypatch):
 
 
 def _hints() -> dict[str, typing.Any]:
-    return typing.get_type_hints(GRPOConfig)
+    return typing.get_type_hints(TrainConfig)
 
 
 def _arms(hint) -> set:
@@ -624,7 +624,7 @@ def test_a_checkpoint_that_would_run_code_is_refused_not_run(trained_run, tmp_pa
     marker = tmp_path / "pwned"
     monkeypatch.setenv("GRACE_TEST_PWNED", str(marker))
     torch.save({"state": _RunsCode()}, run / "checkpoint-00000002" / "trainer_state" / "optimizer.pt")
-    trainer = GRPOTrainer(small_config(run), model=make_st_model(), train_data=DATA)
+    trainer = Trainer(small_config(run), model=make_st_model(), train_data=DATA)
     assert trainer.resume() == 1  # the spoiled checkpoint is set aside, the older one taken
     assert not marker.exists()
     assert (run / "corrupt-checkpoint-00000002").is_dir()

@@ -123,14 +123,14 @@ def test_negatives_cancel_in_paper_mode_only(mode, cancels):
 
 
 def test_the_config_names_exactly_the_stages_keyword_arguments():
-    """GRPOConfig.rollout_settings / reward_settings feed asymmetric_rollouts and compute_rewards:
+    """TrainConfig.rollout_settings / reward_settings feed asymmetric_rollouts and compute_rewards:
     every key they give is a keyword of the stage, and every config-owned keyword is given."""
     import inspect
 
     from grace_training.algorithms.grpo.rollout import asymmetric_rollouts
-    from grace_training.config.train_config import GRPOConfig
+    from grace_training.config.train_config import TrainConfig
 
-    config = GRPOConfig()
+    config = TrainConfig()
     per_call = {"step", "generate", "instance_offset", "all_queries", "all_positives", "own_index"}
     for stage, settings in ((asymmetric_rollouts, config.rollout_settings()), (compute_rewards, config.reward_settings())):
         keywords = {p.name for p in inspect.signature(stage).parameters.values() if p.kind is p.KEYWORD_ONLY}

@@ -20,7 +20,7 @@ from test_training_reliability import DATA, small_config
 import grace_training
 from grace_training.algorithms.grpo.step import GRPOStep
 from grace_training.cli import main
-from grace_training.config.train_config import ALGORITHMS, RESUME_CHANGES, ConfigError, GRPOConfig, check_environment
+from grace_training.config.train_config import ALGORITHMS, RESUME_CHANGES, ConfigError, TrainConfig, check_environment
 from grace_training.run.checkpoint import (
     CheckpointError,
     RunFamily,
@@ -38,14 +38,13 @@ from grace_training.run.run_dir import (
     read_marker,
     run_files,
 )
-from grace_training.trainer import ALGORITHMS as TRAINER_ALGORITHMS
-from grace_training.trainer import GRPOTrainer
+from grace_training.trainer import Trainer
 
 
-def train(output_dir: Path, resume=False, **overrides) -> GRPOTrainer:
+def train(output_dir: Path, resume=False, **overrides) -> Trainer:
     """A tiny run (checkpoints every step, none rotated unless asked); the trainer after it."""
     flags = {key: overrides.pop(key) for key in ("overwrite_output_dir", "allow_config_change") if key in overrides}
-    trainer = GRPOTrainer(small_config(output_dir, **overrides), model=make_st_model(), train_data=DATA, **flags)
+    trainer = Trainer(small_config(output_dir, **overrides), model=make_st_model(), train_data=DATA, **flags)
     trainer.train(resume=resume)
     return trainer
 
@@ -232,22 +231,22 @@ def test_system_and_package_directories_are_refused(tmp_path, monkeypatch, where
     if where == "link to /etc":
         (tmp_path / "link").symlink_to("/etc")
         places[where] = tmp_path / "link" / "run"
-    config = GRPOConfig(output_dir=str(places.get(where, where)))
+    config = TrainConfig(output_dir=str(places.get(where, where)))
     with pytest.raises(ConfigError, match="output_dir") as raised:
         check_environment(config)
     assert raised.value.key == "output_dir"
 
 
 def test_an_ordinary_directory_is_not_refused(tmp_path):
-    check_environment(GRPOConfig(output_dir=str(tmp_path / "runs" / "x")))
-    check_environment(GRPOConfig(output_dir="runs/x"))
+    check_environment(TrainConfig(output_dir=str(tmp_path / "runs" / "x")))
+    check_environment(TrainConfig(output_dir="runs/x"))
 
 
 # -- 4. --resume with a changed config ------------------------------------------------------------
 
 
 def test_every_config_key_is_classified_for_resume():
-    assert set(RESUME_CHANGES) == {f.name for f in dataclasses.fields(GRPOConfig)}
+    assert set(RESUME_CHANGES) == {f.name for f in dataclasses.fields(TrainConfig)}
     assert set(RESUME_CHANGES.values()) == {"free", "applied", "fixed"}
 
 
@@ -264,7 +263,7 @@ def test_a_changed_learning_rate_is_refused_naming_old_and_new(earlier_run, tmp_
 
 def test_an_allowed_change_is_applied_to_the_optimizer_and_recorded(earlier_run, tmp_path):
     run = copy_of(earlier_run, tmp_path)
-    trainer = GRPOTrainer(
+    trainer = Trainer(
         small_config(run, max_steps=3, learning_rate=0.01, adam_beta2=0.99, weight_decay=0.1),
         model=make_st_model(), train_data=DATA, allow_config_change=True,
     )
@@ -279,7 +278,7 @@ def test_an_allowed_change_is_applied_to_the_optimizer_and_recorded(earlier_run,
     applied = {r["key"]: (r["old"], r["new"]) for r in records if r["kind"] == "applied"}
     assert applied == {"learning_rate": (0.001, 0.01), "adam_beta2": (0.999, 0.99), "weight_decay": (0.0, 0.1)}
     assert all(r["step"] == 2 and r["checkpoint"] == "checkpoint-00000002" for r in records)
-    assert GRPOConfig.from_yaml(run / "config.yaml").learning_rate == 0.01
+    assert TrainConfig.from_yaml(run / "config.yaml").learning_rate == 0.01
 
 
 def test_free_changes_need_no_flag_and_are_recorded(earlier_run, tmp_path):
@@ -308,15 +307,15 @@ def test_a_warm_start_stage_goes_on_with_the_yaml_values_when_asked(tmp_path, mo
     rows = []
     rollout = GRPOStep.rollout
 
-    def counted(self, batch, step):
-        rollouts = rollout(self, batch, step)
+    def counted(self, batch, step, **kwargs):
+        rollouts = rollout(self, batch, step, **kwargs)
         rows.append(len(rollouts.positives))
         return rollouts
 
     monkeypatch.setattr(GRPOStep, "rollout", counted)
     train(run, resume=True, max_steps=2, allow_config_change=True)
     assert rows == [2 * 2]  # B = 2 triplets, K = 2 rollouts each: the new K applied
-    saved = GRPOConfig.from_yaml(run / "config.yaml")
+    saved = TrainConfig.from_yaml(run / "config.yaml")
     assert saved.num_rollouts == 2 and saved.temperature_positive == 1.0
     records = [json.loads(line) for line in (run / "config_changes.jsonl").read_text().splitlines()]
     assert {r["key"] for r in records if r["kind"] == "applied"} == set(warm)
@@ -363,7 +362,7 @@ def test_cli_refuses_a_fresh_start_over_a_run_without_touching_its_config(cli_se
     assert err.startswith("grace-train: error: ") and "holds an earlier grace-train run" in err  # before a model loads
     assert (out / "config.yaml").read_bytes() == config_yaml  # the CLI once rewrote it before training
     assert cli(cli_setup, out, "max_steps=1", "learning_rate=0.5", "--overwrite-output-dir") == 0
-    assert GRPOConfig.from_yaml(out / "config.yaml").learning_rate == 0.5
+    assert TrainConfig.from_yaml(out / "config.yaml").learning_rate == 0.5
 
 
 def test_cli_resume_with_a_changed_config_needs_the_flag(cli_setup, tmp_path, capsys):
@@ -375,7 +374,7 @@ def test_cli_resume_with_a_changed_config_needs_the_flag(cli_setup, tmp_path, ca
     err = one_error_line(capsys)
     assert "num_rollouts: 1 → 2" in err and "--allow-config-change" in err
     assert cli(cli_setup, out, "max_steps=2", "--resume", "--allow-config-change") == 0
-    assert GRPOConfig.from_yaml(out / "config.yaml").num_rollouts == 2
+    assert TrainConfig.from_yaml(out / "config.yaml").num_rollouts == 2
     assert (out / "config_changes.jsonl").is_file()
 
 
@@ -441,12 +440,12 @@ def test_a_run_written_with_the_method_key_resumes_on_its_trajectory(tmp_path, a
 
 def test_the_old_method_key_and_flag_still_name_the_algorithm(tmp_path, caplog, cli_setup):
     with caplog.at_level("WARNING"):
-        assert GRPOConfig.from_dict({"method": "gircse"}).algorithm == "icr"
-        assert GRPOConfig.from_dict({"method": "grpo"}).algorithm == "grpo"
+        assert TrainConfig.from_dict({"method": "gircse"}).algorithm == "icr"
+        assert TrainConfig.from_dict({"method": "grpo"}).algorithm == "grpo"
     assert "config key method is now called algorithm" in caplog.text
-    assert GRPOConfig(algorithm="icr").method == "gircse" and GRPOConfig().method == "grace"  # how the model thinks
+    assert TrainConfig(algorithm="icr").method == "gircse" and TrainConfig().method == "grace"  # how the model thinks
     with pytest.raises(ConfigError, match="the old name of algorithm"):
-        GRPOConfig.from_dict({"method": "gircse", "algorithm": "icr"})
+        TrainConfig.from_dict({"method": "gircse", "algorithm": "icr"})
     out = tmp_path / "run"
     assert cli(cli_setup, out, "--method", "infonce", "--dry-run") == 0
     assert "--method is now called --algorithm" in caplog.text
@@ -456,9 +455,10 @@ def test_the_old_method_key_and_flag_still_name_the_algorithm(tmp_path, caplog, 
 
 
 def test_every_algorithm_trains_in_the_loop_or_is_the_infonce_yardstick_and_has_its_run_files():
-    """run_files covers config.ALGORITHMS by construction; this holds it to the loop's registry."""
-    assert set(TRAINER_ALGORITHMS) | {INFONCE} == set(ALGORITHMS) and INFONCE not in TRAINER_ALGORITHMS
-    for algorithm in ALGORITHMS:
+    """Each record names its step class (the infonce yardstick alone trains outside the loop) and its run files."""
+    assert set(ALGORITHMS) >= {"grpo", "icr", "grc", INFONCE}
+    for algorithm, record in ALGORITHMS.items():
+        assert (record.step_class() is None) == (algorithm == INFONCE)
         assert "metrics.jsonl" in run_files(algorithm)
     with pytest.raises(OutputDirError, match="'someday' is not one grace-train trains"):
         run_files("someday")

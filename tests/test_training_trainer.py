@@ -11,10 +11,10 @@ from conftest import CORPUS, make_st_model
 from sentence_transformers import SentenceTransformer
 
 import grace_training.trainer as trainer_module
-from grace_training.config.train_config import GRPOConfig
+from grace_training.config.train_config import TrainConfig
 from grace_training.data.examples import Triplet
 from grace_training.run.checkpoint import latest_checkpoint, list_checkpoints, rotate_checkpoints
-from grace_training.trainer import GRPOTrainer
+from grace_training.trainer import Trainer
 
 DATA = [Triplet(CORPUS[i], CORPUS[i + 1], (CORPUS[i + 2],), "toy") for i in range(8)]
 
@@ -37,7 +37,7 @@ STEP_METRICS = [
 ]
 
 
-def config(tmp_path, **overrides) -> GRPOConfig:
+def config(tmp_path, **overrides) -> TrainConfig:
     settings = {
         "num_rollouts": 3,
         "batch_size": 2,
@@ -52,7 +52,7 @@ def config(tmp_path, **overrides) -> GRPOConfig:
         "rollout_batch_size": 16,
     }
     settings.update(overrides)
-    return GRPOConfig(**settings)
+    return TrainConfig(**settings)
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -63,7 +63,7 @@ def test_end_to_end_steps_write_metrics_and_a_loadable_checkpoint(tmp_path):
     model = make_st_model()
     before = weights(model)
     cfg = config(tmp_path, max_steps=3, save_steps=2, report_to=["jsonl", "tensorboard"])
-    result = GRPOTrainer(cfg, model=model, train_data=DATA, eval_data=DATA[:4]).train()
+    result = Trainer(cfg, model=model, train_data=DATA, eval_data=DATA[:4]).train()
     assert result["step"] == 3
     assert any(not torch.equal(before[k], v) for k, v in weights(model).items())
 
@@ -97,7 +97,7 @@ def test_the_dev_slice_is_the_same_whatever_the_runs_seed(tmp_path):
     """eval_max_examples samples with eval_seed, not seed: two runs' curves score the same texts."""
 
     def slice_of(**overrides):
-        trainer = GRPOTrainer(
+        trainer = Trainer(
             config(tmp_path, eval_max_examples=3, **overrides), model=make_st_model(), train_data=DATA, eval_data=DATA
         )
         return [row.query for row in trainer.eval_data]
@@ -110,26 +110,26 @@ def test_the_dev_slice_is_the_same_whatever_the_runs_seed(tmp_path):
 def test_resume_continues_the_same_trajectory(tmp_path, monkeypatch):
     """4 steps straight == 2 steps, a crash in step 3, and 2 resumed steps (same weights)."""
     straight = make_st_model()
-    GRPOTrainer(config(tmp_path / "a", max_steps=4), model=straight, train_data=DATA).train()
+    Trainer(config(tmp_path / "a", max_steps=4), model=straight, train_data=DATA).train()
 
     interrupted = make_st_model()
     cfg = config(tmp_path / "b", max_steps=4, save_steps=2)
-    trainer = GRPOTrainer(cfg, model=interrupted, train_data=DATA)
-    original_step = GRPOTrainer.training_step
+    trainer = Trainer(cfg, model=interrupted, train_data=DATA)
+    original_step = Trainer.training_step
 
     def crash_in_step_three(self, batch, step):
         if step == 2:
             raise KeyboardInterrupt("killed")
         return original_step(self, batch, step)
 
-    monkeypatch.setattr(GRPOTrainer, "training_step", crash_in_step_three)
+    monkeypatch.setattr(Trainer, "training_step", crash_in_step_three)
     with pytest.raises(KeyboardInterrupt):
         trainer.train()
-    monkeypatch.setattr(GRPOTrainer, "training_step", original_step)
+    monkeypatch.setattr(Trainer, "training_step", original_step)
     assert latest_checkpoint(cfg.output_dir).name == "checkpoint-00000002"
 
     resumed = make_st_model()  # a fresh process: weights come from the checkpoint
-    result = GRPOTrainer(cfg, model=resumed, train_data=DATA).train(resume=True)
+    result = Trainer(cfg, model=resumed, train_data=DATA).train(resume=True)
     assert result["step"] == 4
     expected = weights(straight)
     for key, value in weights(resumed).items():
@@ -142,13 +142,13 @@ def test_a_run_in_timed_chunks_equals_a_straight_run(tmp_path):
     """``max_minutes`` (grace-train --max-minutes): each chunk stops at a step boundary with a
     checkpoint, and chunks resumed one after another end with a straight run's weights and log."""
     straight = make_st_model()
-    GRPOTrainer(
+    Trainer(
         config(tmp_path / "a", max_steps=3, eval_steps=2), model=straight, train_data=DATA, eval_data=DATA[:2]
     ).train()
     cfg = config(tmp_path / "b", max_steps=3, save_steps=0, eval_steps=2)
     steps, model = [], make_st_model()
     for chunk in range(3):
-        trainer = GRPOTrainer(cfg, model=model, train_data=DATA, eval_data=DATA[:2])
+        trainer = Trainer(cfg, model=model, train_data=DATA, eval_data=DATA[:2])
         steps.append(trainer.train(resume=chunk > 0, max_minutes=0.0)["step"])
         model = make_st_model()  # the next chunk is a fresh process: weights from the checkpoint
         assert latest_checkpoint(cfg.output_dir).name == f"checkpoint-{steps[-1]:08d}"
@@ -170,9 +170,9 @@ def test_stop_at_step_takes_a_point_of_the_longer_run_and_resume_goes_on_from_it
     run's weights at that step (its schedule and data order are max_steps'); a call that asks for the same stop
     again trains nothing, and one without it goes on to max_steps as the straight run did."""
     straight = make_st_model()
-    GRPOTrainer(config(tmp_path / "a", max_steps=3, save_steps=1), model=straight, train_data=DATA).train()
+    Trainer(config(tmp_path / "a", max_steps=3, save_steps=1), model=straight, train_data=DATA).train()
     cfg = config(tmp_path / "b", max_steps=3, save_steps=0)
-    assert GRPOTrainer(cfg, model=make_st_model(), train_data=DATA).train(stop_at_step=2)["step"] == 2
+    assert Trainer(cfg, model=make_st_model(), train_data=DATA).train(stop_at_step=2)["step"] == 2
     assert latest_checkpoint(cfg.output_dir).name == "checkpoint-00000002"
     at_two = SentenceTransformer(str(latest_checkpoint(cfg.output_dir)), trust_remote_code=True, device="cpu")
     expected = weights(
@@ -181,9 +181,9 @@ def test_stop_at_step_takes_a_point_of_the_longer_run_and_resume_goes_on_from_it
     for key, value in weights(at_two).items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
 
-    assert GRPOTrainer(cfg, model=make_st_model(), train_data=DATA).train(resume=True, stop_at_step=2)["step"] == 2
+    assert Trainer(cfg, model=make_st_model(), train_data=DATA).train(resume=True, stop_at_step=2)["step"] == 2
     resumed = make_st_model()
-    assert GRPOTrainer(cfg, model=resumed, train_data=DATA).train(resume=True)["step"] == 3
+    assert Trainer(cfg, model=resumed, train_data=DATA).train(resume=True)["step"] == 3
     expected = weights(straight)
     for key, value in weights(resumed).items():
         torch.testing.assert_close(value, expected[key], rtol=0, atol=0, msg=key)
@@ -203,7 +203,7 @@ def test_a_crash_while_saving_leaves_no_partial_checkpoint(tmp_path, monkeypatch
 
     monkeypatch.setattr(trainer_module, "save_model_dir", save_then_die)
     with pytest.raises(OSError, match="disk full"):
-        GRPOTrainer(cfg, model=make_st_model(), train_data=DATA).train()
+        Trainer(cfg, model=make_st_model(), train_data=DATA).train()
     run = tmp_path / "run"
     assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == [
         ".tmp-checkpoint-00000002",
@@ -212,7 +212,7 @@ def test_a_crash_while_saving_leaves_no_partial_checkpoint(tmp_path, monkeypatch
     assert latest_checkpoint(run).name == "checkpoint-00000001"
 
     monkeypatch.setattr(trainer_module, "save_model_dir", real_save)
-    GRPOTrainer(cfg, model=make_st_model(), train_data=DATA).train(resume=True)
+    Trainer(cfg, model=make_st_model(), train_data=DATA).train(resume=True)
     assert sorted(p.name for p in run.iterdir() if "checkpoint" in p.name) == [
         "checkpoint-00000001",
         "checkpoint-00000002",
@@ -222,7 +222,7 @@ def test_a_crash_while_saving_leaves_no_partial_checkpoint(tmp_path, monkeypatch
 
 def test_keep_last_k(tmp_path):
     cfg = config(tmp_path, max_steps=3, save_steps=1, save_total_limit=1)
-    GRPOTrainer(cfg, model=make_st_model(), train_data=DATA).train()
+    Trainer(cfg, model=make_st_model(), train_data=DATA).train()
     assert [s for s, _ in list_checkpoints(cfg.output_dir)] == [3]
 
 
@@ -239,7 +239,7 @@ def test_rotation_spares_checkpoints_waiting_for_a_push(tmp_path):
 def test_gradient_accumulation_matches_one_pass(tmp_path):
     grads = {}
     for parts in (1, 3):
-        trainer = GRPOTrainer(
+        trainer = Trainer(
             config(tmp_path / str(parts), gradient_accumulation_steps=parts), model=make_st_model(), train_data=DATA
         )
         rollouts = trainer.algorithm.rollout(trainer.batch_for_step(0), 0)
@@ -265,7 +265,7 @@ def test_gradient_accumulation_matches_one_pass(tmp_path):
 def test_objectives_and_modes_run(tmp_path, overrides):
     cfg = config(tmp_path, **{"max_steps": 1, **overrides})
     data = [Triplet(t.query, t.query, ()) for t in DATA] if overrides.get("objective") == "unsupervised" else DATA
-    result = GRPOTrainer(cfg, model=make_st_model(), train_data=data).train()
+    result = Trainer(cfg, model=make_st_model(), train_data=data).train()
     metrics = result["metrics"]
     assert all(math.isfinite(v) for v in metrics.values())
     if cfg.kl_coef:
@@ -276,7 +276,7 @@ def test_objectives_and_modes_run(tmp_path, overrides):
 
 def test_too_little_data_and_uneven_batches_are_refused(tmp_path):
     with pytest.raises(ValueError, match="fewer than one batch"):
-        GRPOTrainer(config(tmp_path, batch_size=16), model=make_st_model(), train_data=DATA)
+        Trainer(config(tmp_path, batch_size=16), model=make_st_model(), train_data=DATA)
 
 
 @pytest.mark.parametrize("lora", [False, True])
@@ -329,6 +329,6 @@ def test_training_rolls_out_the_policy_without_the_start_models_repetition_penal
     GRPO's ratios are taken against: the trainer turns it off, says so, and saves the model without it."""
     model = make_st_model(repetition_penalty=1.5)
     with caplog.at_level("WARNING", logger="grace_training.trainer"):
-        trainer = GRPOTrainer(config(tmp_path, max_steps=1), model=model, train_data=DATA)
+        trainer = Trainer(config(tmp_path, max_steps=1), model=model, train_data=DATA)
     assert trainer.encoder.repetition_penalty == 1.0
     assert "repetition_penalty 1.5 is turned off" in caplog.text

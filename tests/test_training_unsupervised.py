@@ -9,24 +9,24 @@ from pathlib import Path
 from conftest import CORPUS
 from test_training_quality import saved_base
 
-from grace_training.config.train_config import GRPOConfig
+from grace_training.config.train_config import TrainConfig
 from grace_training.data.examples import Triplet
-from grace_training.trainer import GRPOTrainer
+from grace_training.trainer import Trainer
 
 RECIPE = Path(__file__).resolve().parents[1] / "grace_training" / "configs" / "unsup_smollm2.yaml"
 TEXTS = list(dict.fromkeys(CORPUS))
 
 
-def recipe(tmp_path, **overrides) -> GRPOConfig:
+def recipe(tmp_path, **overrides) -> TrainConfig:
     settings = {
         "output_dir": str(tmp_path / "run"), "max_steps": 2, "batch_size": 4, "save_steps": 1, "eval_data": [],
         "rollout_batch_size": 16, **overrides,
     }
-    return GRPOConfig.from_yaml(RECIPE, [f"{key}={value}" for key, value in settings.items()])
+    return TrainConfig.from_yaml(RECIPE, [f"{key}={value}" for key, value in settings.items()])
 
 
 def test_the_recipe_is_the_unsupervised_objective_with_the_lm_held():
-    config = GRPOConfig.from_yaml(RECIPE, [])
+    config = TrainConfig.from_yaml(RECIPE, [])
     assert config.objective == "unsupervised" and config.num_negatives == 0
     assert config.contrastive_beta > 0 and config.text_kl_coef > 0 and config.finetune == "lora"
 
@@ -34,7 +34,7 @@ def test_the_recipe_is_the_unsupervised_objective_with_the_lm_held():
 def test_two_steps_of_the_recipe_train_and_checkpoint(tmp_path):
     config = recipe(tmp_path, max_rationale_tokens="{default: 3, query: 0, document: 0}")
     data = [Triplet(text, text, (), symmetric=True) for text in TEXTS]  # raw texts, as a `text` source gives them
-    result = GRPOTrainer(config, model=saved_base(tmp_path), train_data=data).train()
+    result = Trainer(config, model=saved_base(tmp_path), train_data=data).train()
     metrics = result["metrics"]
     assert all(math.isfinite(value) for value in metrics.values())
     assert metrics["text_kl"] > 0  # step 2 has moved away from the reference the LM is held to
@@ -62,6 +62,6 @@ def test_texts_embedded_without_a_rationale_train_on_the_contrastive_and_text_te
     step still trains β · InfoNCE and the LM-hold term."""
     config = recipe(tmp_path, max_rationale_tokens="{default: 3, query: 0, document: 0}")
     data = [Triplet(text, text, ()) for text in TEXTS]  # not symmetric: anchors as queries, views as documents
-    metrics = GRPOTrainer(config, model=saved_base(tmp_path), train_data=data).train()["metrics"]
+    metrics = Trainer(config, model=saved_base(tmp_path), train_data=data).train()["metrics"]
     assert all(math.isfinite(value) for value in metrics.values())
     assert metrics["loss/contrastive"] > 0 and metrics["text_kl"] > 0 and metrics["rollout/positive_length_max"] == 0

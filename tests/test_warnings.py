@@ -161,10 +161,10 @@ def test_the_training_pass_warns_nothing():
 def test_a_lora_policy_is_attached_without_a_warning():
     """``grace-train``'s LoRA policy: PEFT reads transformers' deprecated ``is_gradient_checkpointing`` when it wraps
     the base; that warning is PEFT's, not the user's, and the run prints none."""
-    from grace_training.config.train_config import GRPOConfig
+    from grace_training.config.train_config import TrainConfig
     from grace_training.policy import add_lora_adapter
 
     model = make_model(make_tokenizer())
     with no_warnings():
-        policy = add_lora_adapter(model, GRPOConfig(finetune="lora", lora_r=2, lora_alpha=4))
+        policy = add_lora_adapter(model, TrainConfig(finetune="lora", lora_r=2, lora_alpha=4))
     assert hasattr(policy, "peft_config")

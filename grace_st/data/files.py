@@ -14,8 +14,8 @@ hold at most :data:`MAX_LINE_BYTES`. A line over that limit ends the read (a
 before it are kept); a file over the size limit is a ``ValueError`` naming the file and the
 limit. So a binary or runaway file costs at most one line of memory before its error.
 
-Why one file of ~380 lines: the limits, the error type and the line-by-line readers are one contract
-that every format in :mod:`grace_st.data.formats` reads through.
+The module is the reading contract every format in :mod:`grace_st.data.formats` goes through: the limits, the error
+type and the line-by-line readers.
 """
 
 from __future__ import annotations

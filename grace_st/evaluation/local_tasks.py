@@ -22,8 +22,8 @@ Every task also takes ``name``, its name in results (default ``<folder>-<file st
 folder's name), and ``language``, the BCP-47 language-script code for mteb's metadata (default
 ``eng-Latn``).
 
-Why one file of ~480 lines: four task classes with the metadata and sampling helpers they share; each
-class is mostly its documented constructor and a ``_read`` over :mod:`grace_st.data`.
+The module holds four task classes and the metadata and sampling helpers they share; each class is its
+constructor and a ``_read`` over :mod:`grace_st.data`.
 """
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""The training algorithms, one folder each: its loss and its step."""
+"""The training algorithms, one folder each: its loss, its step and its record (``base.Algorithm``), listed in
+``registry``."""

@@ -7,8 +7,8 @@ its reference code are noted where they are set.
 Each key is one field (:func:`key`): its type, default, what it does, its range rules and what
 ``--resume`` does when it changed. ``RULES``, ``RESUME_CHANGES``, the model card's summary and the docs'
 table (:func:`config_table`, ``python -m grace_training.config.train_config``) are read from the fields, so a new key
-is added in one place. Why one file of ~710 lines: the fields are most of it; the rules that tie keys
-together sit beside them.
+is added in one place. The keys are flat, whatever the algorithm: which ones an algorithm alone reads, and which
+others it refuses, its record says (:mod:`grace_training.algorithms.registry`).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from grace_st.settings import PROMPT_FORMATS, PROMPT_TYPES, per_prompt_type, unknown_prompt_types
+from grace_training.algorithms.registry import ALGORITHMS, OLD_NAMES
 from grace_training.config.output_dirs import forbidden_output_dir
 from grace_training.config.validation import (
     NON_EMPTY,
@@ -49,12 +50,6 @@ BACKENDS = ("hf", "vllm")
 LENGTH_PENALTY_MODES = ("add", "replace", "off")
 LENGTH_PENALTY_UNITS = ("scaled", "reward")
 REWARD_SCALING = ("none", "group")
-# The training algorithms (grace_training.steps.ALGORITHMS, and the InfoNCE yardstick of grace_training.algorithms.infonce),
-# and the method (how the trained model thinks: grace_st.settings.METHODS) each one trains.
-ALGORITHMS = ("grpo", "icr", "grc", "infonce")
-TRAINED_METHOD = {"grpo": "grace", "icr": "gircse", "grc": "grc", "infonce": "grace"}
-# The algorithms of the trainer whose loss is on embeddings directly (no rollouts, rewards or policy term).
-EMBEDDING_LOSS = ("icr", "grc")
 # Whose greedy response GRC's L_Gen teacher-forces: the model being trained, or the model training started from.
 GRC_RESPONSE_TARGETS = ("policy", "start")
 FINETUNE_MODES = ("full", "lora")
@@ -88,7 +83,9 @@ BUDGETS = Rule(
 # Old names of keys, still read from YAML files, overrides and saved configs (with a warning).
 ALIASES = {"max_prompt_tokens": "max_input_tokens", "max_response_tokens": "max_rationale_tokens", "method": "algorithm"}
 # Old values under an old key name: the training config's `method` named the algorithm, and GIRCSE's was `gircse`.
-OLD_VALUES = {"method": {"gircse": "icr"}}
+OLD_VALUES = {"method": OLD_NAMES}
+# Read when a config is checked, so an algorithm registered later (a test's) is one a config may name.
+REGISTERED = Rule(lambda value: value in ALGORITHMS, f"name a registered algorithm ({', '.join(ALGORITHMS)})")
 
 
 def key(default: Any = MISSING, doc: str = "", *rules: Rule, resume: str, card: bool = False, factory=MISSING):
@@ -100,8 +97,8 @@ def key(default: Any = MISSING, doc: str = "", *rules: Rule, resume: str, card: 
 
 
 @dataclass
-class GRPOConfig:
-    """GRACE GRPO training settings (Eqs. 4–11, 28; paper defaults).
+class TrainConfig:
+    """A training run's settings, whatever its algorithm (GRACE's defaults are the paper's: Eqs. 4–11, 28).
 
     Data sources (``train_data`` / ``eval_data``) are dicts, one per source, e.g.
     ``{"type": "beir", "path": "scifact", "split": "train", "num_negatives": 1}``;
@@ -240,13 +237,10 @@ class GRPOConfig:
 
     # -- GIRCSE: soft tokens trained end to end (gircse.md, Eqs. 7–8) ---------------------------
     algorithm: str = key(
-        "grpo", "`grpo`: GRACE (rollouts, rewards, Eq. 11, the hybrid terms); the model thinks in a written rationale "
-        "(`method: grace`). `icr`: GIRCSE's K soft tokens (K = `max_rationale_tokens` by prompt type) trained end to "
-        "end by Iterative Contrastive Refinement, Eq. 7's InfoNCE at every step (CoSENT for an `sts` source) + λ · "
-        "Eq. 8; the saved model thinks in soft tokens (`method: gircse`), and the rollout, reward and hybrid keys do "
-        "not apply. `grc`: GRC's latent tokens, Eq. 5 (α L_Gen + β L_Recons + γ L_Rep) in one masked forward a text; "
-        "the saved model answers, then embeds with its latents (`method: grc`). `infonce`: the yardstick, InfoNCE on the prompt's pooled states (budget 0)",
-        one_of(ALGORITHMS), resume=FIXED, card=True,
+        "grpo", "what trains the model, and how the saved model thinks: " + "; ".join(
+            f"`{record.name}`, {record.summary} (`method: {record.method}`)" for record in ALGORITHMS.values()
+        ) + ". An algorithm's own keys apply to it alone (docs/training.md, Algorithms)",
+        REGISTERED, resume=FIXED, card=True,
     )
     icr_temperature: float = key(0.02, "τ of Eq. 7's InfoNCE (icr; the paper's 0.02)", POSITIVE, resume=APPLIED, card=True)
     icr_lambda: float = key(
@@ -424,7 +418,7 @@ class GRPOConfig:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> GRPOConfig:
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
         values = canonical_keys(values)
         hints = _hints()
         unknown = sorted(str(key) for key in values if key not in hints)
@@ -434,7 +428,7 @@ class GRPOConfig:
         return cls(**{key: coerce(value, hints[key]) for key, value in values.items()})
 
     @classmethod
-    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> GRPOConfig:
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> TrainConfig:
         """Read a YAML file, then apply ``key=value`` overrides (values parsed as YAML).
 
         Every error is a :class:`ConfigError` that names the file (or the override) and the key.
@@ -454,7 +448,7 @@ class GRPOConfig:
     @property
     def method(self) -> str:
         """How the trained model thinks (``grace_st.settings.METHODS``): what :attr:`algorithm` trains."""
-        return TRAINED_METHOD[self.algorithm]
+        return ALGORITHMS[self.algorithm].method
 
     def data_settings(self) -> dict[str, Any]:
         """The keyword arguments of :func:`grace_training.data.examples.load_data` this config sets."""
@@ -496,8 +490,11 @@ class GRPOConfig:
         return json.dumps(self.to_dict(), indent=2)
 
 
-RULES: dict[str, tuple[Rule, ...]] = {item.name: item.metadata["rules"] for item in dataclasses.fields(GRPOConfig)}
-RESUME_CHANGES: dict[str, str] = {item.name: item.metadata["resume"] for item in dataclasses.fields(GRPOConfig)}
+# The name of earlier releases, kept importable for one release.
+GRPOConfig = TrainConfig
+
+RULES: dict[str, tuple[Rule, ...]] = {item.name: item.metadata["rules"] for item in dataclasses.fields(TrainConfig)}
+RESUME_CHANGES: dict[str, str] = {item.name: item.metadata["resume"] for item in dataclasses.fields(TrainConfig)}
 
 
 def canonical_keys(values: Mapping[str, Any], warn: bool = True) -> dict[str, Any]:
@@ -517,7 +514,7 @@ def canonical_keys(values: Mapping[str, Any], warn: bool = True) -> dict[str, An
 def config_table() -> str:
     """The docs' table of every key (docs/training.md; a test holds it to this function)."""
     rows = ["| key | default | on `--resume` | what it does |", "|---|---|---|---|"]
-    for item in dataclasses.fields(GRPOConfig):
+    for item in dataclasses.fields(TrainConfig):
         default = item.default if item.default is not MISSING else item.default_factory()
         shown = json.dumps(default, ensure_ascii=False) if not isinstance(default, str) else default
         rows.append(f"| `{item.name}` | `{shown}` | {item.metadata['resume']} | {item.metadata['doc']} |")
@@ -526,10 +523,10 @@ def config_table() -> str:
 
 @functools.cache
 def _hints() -> dict[str, Any]:
-    return typing.get_type_hints(GRPOConfig)
+    return typing.get_type_hints(TrainConfig)
 
 
-def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
+def _combination_rules(config: TrainConfig) -> list[tuple[bool, str, str]]:
     """(holds, the key to blame, message) for rules that tie several keys together."""
     graded = any(isinstance(source, dict) and source.get("type") == "sts" for source in config.train_data or ())
     # the types a rollout is encoded as: the encoder's three, and the instructions queries and documents get
@@ -561,10 +558,10 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
         ),
         (
             not graded
-            or (config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or config.algorithm in EMBEDDING_LOSS)),
+            or (config.batch_sampling == "by_source" and (config.contrastive_beta > 0 or _embedding_loss(config))),
             "train_data",
             "train_data: an 'sts' source (graded pairs) trains β · CoSENT on batches of its own: it needs "
-            + "batch_sampling: by_source and contrastive_beta > 0 (or algorithm: icr or grc)",
+            + f"batch_sampling: by_source and contrastive_beta > 0 (or algorithm: {embedding_loss_names()})",
         ),
         (
             config.temperature_positive > 0 or config.num_rollouts == 1,
@@ -576,13 +573,18 @@ def _combination_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
     ]
 
 
-def _embedding_loss_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
-    """The rules of the algorithms whose loss is on embeddings (icr, grc) and of GIRCSE's prompt format."""
+def _embedding_loss_rules(config: TrainConfig) -> list[tuple[bool, str, str]]:
+    """The rules each algorithm's record sets: the prompt formats it trains, the one pass a step of an algorithm whose
+    loss is on embeddings, and the other algorithms' keys it refuses."""
+    record = ALGORITHMS[config.algorithm]
+    formats = [name for name, other in ALGORITHMS.items() if config.prompt_format in other.prompt_formats]
+    refused = refused_keys_set(config)
     return [
         (
-            config.prompt_format == "chat" or config.algorithm == "icr",
+            config.prompt_format in record.prompt_formats,
             "prompt_format",
-            "prompt_format: instruct is GIRCSE's reference format; it needs algorithm: icr",
+            f"prompt_format: {config.prompt_format} is not a format algorithm {config.algorithm} trains; it needs "
+            + f"algorithm: {' or '.join(formats)}",
         ),
         (
             config.instructions is None or "default" in config.instructions,
@@ -590,26 +592,34 @@ def _embedding_loss_rules(config: GRPOConfig) -> list[tuple[bool, str, str]]:
             "instructions: a mapping of prompt type to instruction text with a 'default' entry",
         ),
         (
-            config.algorithm not in EMBEDDING_LOSS
-            or (config.rollout_backend == "hf" and config.gradient_accumulation_steps == 1),
+            not record.embedding_loss or (config.rollout_backend == "hf" and config.gradient_accumulation_steps == 1),
             "algorithm",
             f"algorithm: {config.algorithm} trains its embeddings with the HF model in one pass a step: it needs "
             + "rollout_backend: hf and gradient_accumulation_steps: 1",
         ),
         (
-            config.algorithm not in EMBEDDING_LOSS or not _grpo_only_keys_set(config),
+            not refused,
             "algorithm",
             f"algorithm: {config.algorithm} has no rollouts, rewards or policy term; these keys would be ignored: "
-            + ", ".join(_grpo_only_keys_set(config)),
+            + ", ".join(refused),
         ),
     ]
 
 
-def _grpo_only_keys_set(config: GRPOConfig) -> list[str]:
-    """The GRPO step's own keys set away from their defaults (a GIRCSE or GRC run refuses them rather than ignore them)."""
-    keys = ("contrastive_beta", "warm_start_steps", "kl_coef", "text_kl_coef", "ppo_epochs")
-    defaults = {item.name: item.default for item in dataclasses.fields(GRPOConfig)}
-    return [name for name in keys if getattr(config, name) != defaults[name]]
+def _embedding_loss(config: TrainConfig) -> bool:
+    return ALGORITHMS[config.algorithm].embedding_loss
+
+
+def embedding_loss_names() -> str:
+    """The algorithms whose loss is on embeddings, as a message names them ("icr or grc")."""
+    return " or ".join(name for name, record in ALGORITHMS.items() if record.embedding_loss)
+
+
+def refused_keys_set(config: TrainConfig) -> list[str]:
+    """The keys the run's algorithm refuses (its record's ``refused_keys``) set away from their defaults: refused
+    rather than ignored."""
+    defaults = {item.name: item.default for item in dataclasses.fields(TrainConfig)}
+    return [name for name in ALGORITHMS[config.algorithm].refused_keys if getattr(config, name) != defaults[name]]
 
 
 def _check_source(where: str, source: Any) -> None:
@@ -634,7 +644,7 @@ def _with_suggestion(key: str) -> str:
 # -- what needs the data or the machine ----------------------------------------------------------
 
 
-def check_batches(config: GRPOConfig, instances: int, world_size: int = 1) -> None:
+def check_batches(config: TrainConfig, instances: int, world_size: int = 1) -> None:
     """The batch the run takes every step must exist in the data and split over the processes."""
     if instances == 0 and not config.train_data:
         raise ConfigError("train_data: no training data (the list of sources is empty)", key="train_data")
@@ -649,7 +659,7 @@ def check_batches(config: GRPOConfig, instances: int, world_size: int = 1) -> No
         )
 
 
-def check_environment(config: GRPOConfig) -> None:
+def check_environment(config: TrainConfig) -> None:
     """Settings this machine cannot run, refused before any model is loaded."""
     if config.bf16:
         import torch

@@ -29,16 +29,15 @@ Source specs (dicts, one per source; ``path`` is relative to ``data_dir`` unless
   ``"text"``, ``.tsv``/``.csv`` with ``column``) for the unsupervised objective.
 - ``{"type": "sts", "path": "stsb/dev.tsv"}``: scored pairs, all kept, with their scores. For evaluation
   a Spearman; for training graded pairs (a batch of its own, one greedy rollout a text, β · CoSENT on
-  the scores instead of InfoNCE; ``GRPOConfig.graded_scale``).
+  the scores instead of InfoNCE; ``TrainConfig.graded_scale``).
 
 Common options: ``max_examples`` (a seeded sample), ``num_negatives``, ``miner``, ``name``;
 ``symmetric: true`` (both sides the same kind of text, e.g. STS pairs: every role takes the
 encoder's ``"default"`` prompt type, as ``encode`` embeds such text), ``weight`` (how often a
 step draws its batch from this source under ``batch_sampling: by_source``; default: its size).
 
-Why one file of ~440 lines: one loader per source kind (BEIR, scored pairs, MRPC, labelled texts, raw
-text, triplets), each turning :mod:`grace_st.data` records into triplets; they share mining and the
-bad-row policy.
+The module holds one loader per source kind (BEIR, scored pairs, MRPC, labelled texts, raw text, triplets), each
+turning :mod:`grace_st.data` records into triplets through the shared mining and bad-row policy.
 """
 
 from __future__ import annotations

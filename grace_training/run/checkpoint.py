@@ -34,8 +34,8 @@ A run touches only what it wrote (:class:`RunFamily`): listing for --resume, kee
 the cleanup of temporaries and a re-save skip or refuse any ``checkpoint-*`` (or look-alike) whose
 ``run.json`` names another run, so a directory shared with other files never loses them.
 
-Why one file of ~570 lines: writing, verifying, loading and rotating checkpoints are one atomicity
-contract (what is written in which order is what loading checks), kept in one place.
+The module is the checkpoint contract: what is written in which order is what loading, verifying and rotating
+check.
 """
 
 from __future__ import annotations
@@ -430,7 +430,7 @@ def load_checkpoint(checkpoint: str | Path, *, policy, optimizer, scheduler, acc
         _load_training_state(checkpoint, optimizer, scheduler)
         return state
     weights = {}
-    # the LM's weights only (model.safetensors or its shards): GRC's latents beside them are load_latent_tokens'
+    # the LM's weights only (model.safetensors or its shards): what an algorithm trains beside them is load_state_file's
     for file in sorted(checkpoint.glob("model*.safetensors")):
         weights.update(_load_safetensors(file))
     try:
@@ -448,20 +448,19 @@ def load_checkpoint(checkpoint: str | Path, *, policy, optimizer, scheduler, acc
     return state
 
 
-def load_latent_tokens(checkpoint: str | Path, latents) -> None:
-    """GRC's latent tokens and adapter A (``latent_tokens.safetensors``, :class:`grace_st.methods.grc.LatentTokens`) into
-    ``latents`` in place, where the optimiser holds them; a checkpoint without them, or with others, is refused."""
-    from grace_st.methods.grc import LATENT_FILE
-
-    file = Path(checkpoint) / LATENT_FILE
+def load_state_file(checkpoint: str | Path, file_name: str, module: torch.nn.Module, what: str) -> None:
+    """Parameters an algorithm trains beside the policy (``file_name``, a safetensors file the model directory holds,
+    e.g. GRC's latent tokens) into ``module`` in place, where the optimiser holds them; a checkpoint without the file,
+    or with other parameters, is refused. ``what``: the run that saves them, for the message."""
+    file = Path(checkpoint) / file_name
     if not file.is_file():
-        raise CheckpointError(f"{checkpoint}: no {LATENT_FILE}, which a GRC run saves with every checkpoint")
+        raise CheckpointError(f"{checkpoint}: no {file_name}, which {what} saves with every checkpoint")
     try:
         with torch.no_grad():
             for name, value in _load_safetensors(file).items():
-                latents.get_parameter(name).copy_(value)
+                module.get_parameter(name).copy_(value)
     except (AttributeError, RuntimeError) as error:
-        raise CheckpointError(f"{file}: does not fit the run's latent tokens ({error})") from error
+        raise CheckpointError(f"{file}: does not fit the run's parameters ({error})") from error
 
 
 def _load_training_state(checkpoint: Path, optimizer, scheduler) -> None:

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from grace_training.config.train_config import ConfigError, GRPOConfig, LaunchError
+from grace_training.config.train_config import ConfigError, LaunchError, TrainConfig
 
 # How :func:`reduce_metrics` combines a metric over processes (default: mean; ``time/*``: max).
 _REDUCTIONS = {
@@ -41,7 +41,7 @@ def processes_without_a_gpu() -> bool:
     return several and not torch.cuda.is_available() and not is_xpu_available()
 
 
-def check_sharding(accelerator, config: GRPOConfig) -> None:
+def check_sharding(accelerator, config: TrainConfig) -> None:
     """Sharding that would not run what was asked for, refused before the model loads.
 
     - FSDP asked for (``accelerate launch`` with an FSDP config) but not set up: accelerate 1.x
@@ -176,7 +176,7 @@ def reduce_metrics(accelerator, metrics: dict[str, float]) -> dict[str, float]:
     Counts, losses (already divided by the global token count) and throughputs add up; maxima
     and times take the slowest or largest; the rest are means, exact because every process holds
     as many instances and positive rollouts (ratios over negatives, whose numbers differ, are
-    computed from global sums in :func:`grace_training.run.metrics.step_metrics`).
+    computed from global sums in :func:`grace_training.algorithms.grpo.metrics.step_metrics`).
     """
     if accelerator.num_processes == 1:
         return metrics

@@ -42,8 +42,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from grace_training.algorithms.base import CHANGES_FILE, CONFIG_FILE
+from grace_training.algorithms.registry import ALGORITHMS, current_name
 from grace_training.config.train_config import (
-    ALGORITHMS,
     RESUME_CHANGES,
     ConfigError,
     canonical_keys,
@@ -63,14 +64,6 @@ logger = logging.getLogger(__name__)
 
 MARKER = "grace_run.json"
 TRAINER = "grace-train"
-CONFIG_FILE = "config.yaml"
-CHANGES_FILE = "config_changes.jsonl"
-# What a run writes in its directory besides checkpoints: deleted with the run it belongs to
-# (--overwrite-output-dir on an earlier run), replaced when a new run shares a directory (run_files).
-# Every algorithm trains in the loop of grace_training.trainer, which writes the same files whatever its
-# step, except the InfoNCE yardstick, which trains through sentence-transformers' trainer (grace_training.algorithms.infonce).
-LOOP_FILES = (CONFIG_FILE, CHANGES_FILE, "metrics.jsonl", "tensorboard", "hub_queue.json", "initial-model")
-INFONCE_FILES = ("final", "trainer", ".tmp-final", "metrics.jsonl", "tensorboard")
 INFONCE = "infonce"
 
 
@@ -83,10 +76,12 @@ class ConfigChangeError(RuntimeError):
 
 
 def run_files(algorithm: str) -> tuple[str, ...]:
-    """The names a run of ``algorithm`` (one of ``config.ALGORITHMS``) writes in its directory besides checkpoints."""
+    """The names a run of ``algorithm`` writes in its directory besides checkpoints (its record's ``run_files``):
+    deleted with the run they belong to (--overwrite-output-dir on an earlier run), replaced when a new run shares a
+    directory."""
     if not isinstance(algorithm, str) or algorithm not in ALGORITHMS:
         raise OutputDirError(f"algorithm {algorithm!r} is not one grace-train trains (one of {', '.join(ALGORITHMS)})")
-    return INFONCE_FILES if algorithm == INFONCE else LOOP_FILES
+    return ALGORITHMS[algorithm].run_files
 
 
 # -- the marker ------------------------------------------------------------------------------------
@@ -123,8 +118,7 @@ def marker_algorithm(marker: Mapping[str, Any] | None) -> str:
         return "grpo"
     if "algorithm" in marker:
         return marker["algorithm"]
-    old = marker.get("method", "grpo")
-    return {"gircse": "icr"}.get(old, old)
+    return current_name(marker.get("method", "grpo"))
 
 
 def _write_marker(root: Path, algorithm: str, adopted: list[str]) -> RunFamily:
@@ -342,7 +336,7 @@ def saved_config(state: Mapping[str, Any], output_dir: str | Path) -> dict[str, 
 
 
 def config_changes(saved: Mapping[str, Any] | None, config) -> list[ConfigChange]:
-    """Each key of ``config`` (a :class:`~grace_training.config.train_config.GRPOConfig`) that differs from
+    """Each key of ``config`` (a :class:`~grace_training.config.train_config.TrainConfig`) that differs from
     ``saved``; a key the saved config lacks (added since) is compared with its default, the
     value the older code ran with."""
     if saved is None:

@@ -215,9 +215,9 @@ def _slice_scores(state: dict) -> dict | None:
 
 
 def _summary(config: dict) -> dict:
-    from grace_training.config.train_config import GRPOConfig
+    from grace_training.config.train_config import TrainConfig
 
-    return GRPOConfig.from_dict(config).summary()
+    return TrainConfig.from_dict(config).summary()
 
 
 def main(argv: list[str] | None = None) -> int:

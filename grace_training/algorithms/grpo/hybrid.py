@@ -25,7 +25,7 @@ from grace_training.algorithms.grpo.loss import (
 )
 from grace_training.algorithms.grpo.rollout import TripletRollouts
 from grace_training.algorithms.grpo.rollout_batch import RolloutBatch
-from grace_training.config.train_config import GRPOConfig
+from grace_training.config.train_config import TrainConfig
 from grace_training.run.processes import gather
 
 
@@ -80,7 +80,7 @@ def hybrid_contrastive_loss(
     rollouts: TripletRollouts,
     chunk: list[int],
     pooled: torch.Tensor,
-    config: GRPOConfig,
+    config: TrainConfig,
     process_index: int,
     recompute_anchors: Callable[[], torch.Tensor] | None = None,
 ) -> torch.Tensor:
@@ -134,7 +134,7 @@ def graded_pairs_loss(
     chunk: list[int],
     pooled: torch.Tensor,
     scores: torch.Tensor,
-    config: GRPOConfig,
+    config: TrainConfig,
     process_index: int,
 ) -> torch.Tensor:
     """β · CoSENT's loss for one chunk of a batch of scored pairs (one greedy rollout a text, K = 1).

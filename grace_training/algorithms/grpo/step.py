@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+from dataclasses import dataclass
 
 import torch
 
@@ -38,21 +39,44 @@ from grace_training.algorithms.grpo.loss import (
     text_kl,
     text_log_probs,
 )
+from grace_training.algorithms.grpo.metrics import step_metrics
 from grace_training.algorithms.grpo.rewards import compute_rewards
 from grace_training.algorithms.grpo.rollout import TripletRollouts, asymmetric_rollouts, hf_generate
 from grace_training.algorithms.grpo.rollout_batch import RolloutBatch
 from grace_training.algorithms.grpo.vllm_backend import build_rollout_engine
 from grace_training.data.examples import Triplet
-from grace_training.run.metrics import step_metrics
 from grace_training.run.processes import gather, reduce_metrics, sum_over_processes
-from grace_training.steps import TrainingStep
+from grace_training.steps import StepContext, StepResult, TrainingStep
+
+
+@dataclass(frozen=True)
+class ChunkInputs:
+    """One chunk of the positive rollouts and what its loss is held to, fixed before the update's passes: the
+    chunk's rows, their advantages (Eq. 10), log π_old (``ppo_epochs`` > 1) and log π_ref (``kl_coef`` > 0) over
+    their completions, and the reference's log-probabilities over their text (``text_kl_coef`` > 0)."""
+
+    rows: list[int]
+    advantages: torch.Tensor
+    old_log_probs: torch.Tensor | None = None
+    ref_log_probs: torch.Tensor | None = None
+    ref_text: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class UpdateContext:
+    """What every chunk's loss shares in a step: Eq. 11's token count T and the text KL's position count over the
+    global batch, the hybrid term's candidates (every chunk's positives; None without the term) and the gold scores of
+    a batch of scored pairs (else None)."""
+
+    num_tokens: float
+    num_text: float = 0.0
+    candidates: tuple[torch.Tensor, ...] | None = None
+    scores: torch.Tensor | None = None
 
 
 class GRPOStep(TrainingStep):
-    label = "GRACE (GRPO)"
-
-    def __init__(self, run) -> None:
-        super().__init__(run)
+    def __init__(self, context: StepContext) -> None:
+        super().__init__(context)
         # the rollout backend: the HF one-pass rollout through the engine encode uses, or a vLLM engine
         config = self.config
         self.engine = None
@@ -60,25 +84,29 @@ class GRPOStep(TrainingStep):
             hf_generate, self.encoder, batch_size=config.rollout_batch_size, bucket_ratio=config.rollout_bucket_ratio
         )
         if config.rollout_backend == "vllm":
-            self.engine = build_rollout_engine(self.encoder, run.st_model, config, self.accelerator)
+            self.engine = build_rollout_engine(self.encoder, context.st_model, config, self.accelerator)
             self.generate = self.engine.generate
+
+    @classmethod
+    def needs_reference(cls, config) -> bool:
+        return config.kl_coef > 0 or config.text_kl_coef > 0
 
     def after_resume(self) -> None:
         if self.engine is not None:
             self.engine.sync_from(self.policy)
 
-    def __call__(self, batch: list[Triplet], step: int) -> dict[str, float]:
+    def __call__(self, batch: list[Triplet], step: int) -> StepResult:
         """One GRPO step: Eq. 4 rollouts, Eqs. 5–9/13/28 rewards, Eq. 10 advantages, Eq. 11 update."""
         start, cpu_start = time.perf_counter(), time.process_time()
-        scores = self.run.graded_scores(step)
-        rollouts = self.rollout(batch, step)
+        scores = self.context.graded_scores(step)
+        rollouts = self.rollout(batch, step, graded=scores is not None)
         rolled = time.perf_counter()
         rewards = self.compute_rewards(rollouts)
         advantages = group_advantages(rewards["final"], self.config.scale_rewards)
         rewarded = time.perf_counter()
         update = self.update(rollouts, advantages.reshape(-1), scores)
         updated = time.perf_counter()
-        self.run.last_example = {
+        example = {
             "text": batch[0].positive[:1000],
             "rationale": self.encoder.tokenizer.decode(rollouts.positives.rationale_ids[0], skip_special_tokens=False),
         }
@@ -100,15 +128,17 @@ class GRPOStep(TrainingStep):
             update,
             timings,
             config=self.config,
-            epoch=(step + 1) / self.run.steps_per_epoch,
+            epoch=(step + 1) / self.context.steps_per_epoch,
             accelerator=self.accelerator,
         )
-        return reduce_metrics(self.accelerator, metrics)
+        return StepResult(reduce_metrics(self.accelerator, metrics), example)
 
-    def rollout(self, batch: list[Triplet], step: int) -> TripletRollouts:
+    def rollout(self, batch: list[Triplet], step: int, graded: bool | None = None) -> TripletRollouts:
         """Eq. 4 (one rationale per query and negative, K per positive), embeddings by Eq. 3; one greedy
-        rationale a text in a warm-start step or a step of scored pairs (:meth:`graded_scores`)."""
+        rationale a text in a warm-start step or a step of scored pairs (``graded``; None: asks the run)."""
         cfg = self.config
+        if graded is None:
+            graded = self.context.graded_scores(step) is not None
         self.policy.eval()
         with self.accelerator.autocast():
             return asymmetric_rollouts(
@@ -116,8 +146,8 @@ class GRPOStep(TrainingStep):
                 batch,
                 step=step,
                 generate=self.generate,
-                instance_offset=self.accelerator.process_index * self.run.local_batch_size,
-                **cfg.rollout_settings(step, graded=self.run.graded_scores(step) is not None),
+                instance_offset=self.accelerator.process_index * self.context.local_batch_size,
+                **cfg.rollout_settings(step, graded=graded),
             )
 
     def compute_rewards(self, rollouts: TripletRollouts) -> dict[str, torch.Tensor]:
@@ -127,7 +157,7 @@ class GRPOStep(TrainingStep):
         all_queries, all_positives, own = query, positives, None
         if self.accelerator.num_processes > 1:
             all_queries, all_positives = gather(self.accelerator, query), gather(self.accelerator, positives)
-            own = torch.arange(len(query)) + self.accelerator.process_index * self.run.local_batch_size
+            own = torch.arange(len(query)) + self.accelerator.process_index * self.context.local_batch_size
         return compute_rewards(
             query,
             positives,
@@ -164,27 +194,18 @@ class GRPOStep(TrainingStep):
         advantages = advantages.to(accelerator.device)
         old_log_probs, ref_log_probs = self.fixed_log_probs(batches, rollouts.positives.temperature)
         ref_text, num_text = self.text_references(batches)
-        # what chunk_loss takes besides the chunk, a chunk at a time
-        loss_args = [
-            (
-                advantages[chunk],
-                old_log_probs[i],
-                ref_log_probs[i],
-                num_tokens,
-                candidates,
-                scores,
-                ref_text[i],
-                num_text,
-            )
-            for i, chunk in enumerate(chunks)
+        inputs = [
+            ChunkInputs(rows, advantages[rows], old_log_probs[i], ref_log_probs[i], ref_text[i])
+            for i, rows in enumerate(chunks)
         ]
+        shared = UpdateContext(num_tokens, num_text, candidates, scores)
         totals = dict.fromkeys(("loss", "clip_fraction", "kl", "text_kl", "policy_loss", "contrastive_loss"), 0.0)
         seconds = dict.fromkeys(("forward", "backward", "optimizer"), 0.0)  # the step profile's parts
         grad_norm = torch.tensor(0.0)
         for _ in range(cfg.ppo_epochs):
             self.optimizer.zero_grad(set_to_none=True)
-            for i, (batch, chunk) in enumerate(zip(batches, chunks)):
-                terms = self._accumulate(i == len(batches) - 1, seconds, rollouts, batch, chunk, *loss_args[i])
+            for i, (batch, chunk) in enumerate(zip(batches, inputs)):
+                terms = self._accumulate(i == len(batches) - 1, seconds, rollouts, batch, chunk, shared)
                 share = batch["completion_mask"].sum().item() / max(num_tokens, 1.0)
                 for name, value in terms.items():
                     totals[name] += value * (share if name in ("clip_fraction", "kl") else 1.0) / cfg.ppo_epochs
@@ -209,7 +230,7 @@ class GRPOStep(TrainingStep):
         return references, num_text
 
     def _accumulate(
-        self, last: bool, seconds: dict[str, float], rollouts, batch, chunk, *loss_args
+        self, last: bool, seconds: dict[str, float], rollouts, batch, chunk: ChunkInputs, shared: UpdateContext
     ) -> dict[str, float]:
         """One chunk's loss (:meth:`chunk_loss`) backpropagated, its forward and backward seconds added to
         ``seconds``; the gradients are synchronised over processes at the last chunk only."""
@@ -217,7 +238,7 @@ class GRPOStep(TrainingStep):
         sync = contextlib.nullcontext() if last else accelerator.no_sync(self.policy_wrapped)
         with sync, accelerator.autocast():
             started = time.perf_counter()
-            loss, terms = self.chunk_loss(rollouts, batch, chunk, *loss_args)
+            loss, terms = self.chunk_loss(rollouts, batch, chunk, shared)
             forwarded = time.perf_counter()
             # DDP and FSDP average gradients over processes: scaled by their number, that
             # average is the gradient of one process holding the whole batch.
@@ -271,18 +292,7 @@ class GRPOStep(TrainingStep):
         return old_log_probs, ref_log_probs
 
     def chunk_loss(
-        self,
-        rollouts,
-        batch,
-        chunk,
-        advantages,
-        old_log_probs,
-        ref_log_probs,
-        num_tokens,
-        candidates,
-        scores=None,
-        ref_text=None,
-        num_text=0.0,
+        self, rollouts, batch, chunk: ChunkInputs, shared: UpdateContext
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """One chunk's loss with gradient: Eq. 11 (:func:`~grace_training.algorithms.grpo.loss.grpo_loss`), plus
         β · the hybrid term over the same pass's pooled states (CoSENT for a batch of scored pairs),
@@ -297,27 +307,27 @@ class GRPOStep(TrainingStep):
             temperature,
             pool_from=self.policy if hybrid else None,
             hidden_layer=self.encoder.hidden_layer,
-            text=ref_text is not None,
+            text=chunk.ref_text is not None,
         )
-        old = old_log_probs if old_log_probs is not None else log_probs.detach()
+        old = chunk.old_log_probs if chunk.old_log_probs is not None else log_probs.detach()
         loss, stats = grpo_loss(
             log_probs,
             old,
-            advantages,
+            chunk.advantages,
             batch["completion_mask"],
             clip_epsilon=cfg.clip_epsilon,
-            ref_log_probs=ref_log_probs,
+            ref_log_probs=chunk.ref_log_probs,
             kl_coef=cfg.kl_coef,
-            num_tokens=num_tokens,
+            num_tokens=shared.num_tokens,
         )
         policy_loss = loss.detach()
         contrastive = torch.zeros((), device=self.accelerator.device)
         if hybrid:
-            contrastive = self.contrastive_term(rollouts, chunk, pooled, candidates, scores)
+            contrastive = self.contrastive_term(rollouts, chunk.rows, pooled, shared.candidates, shared.scores)
             loss = loss + cfg.contrastive_beta * contrastive
         held = torch.zeros((), device=self.accelerator.device)
-        if ref_text is not None:
-            held = text_kl(text_logits, ref_text, batch["text_mask"][batch["text_rows"]], num_text)
+        if chunk.ref_text is not None:
+            held = text_kl(text_logits, chunk.ref_text, batch["text_mask"][batch["text_rows"]], shared.num_text)
             loss = loss + cfg.text_kl_coef * held
         terms = {
             "loss": loss.item(),
@@ -366,8 +376,8 @@ class GRPOStep(TrainingStep):
 
     def reference_log_probs(self, batch: dict[str, torch.Tensor], temperature: float) -> torch.Tensor:
         """log π_ref for the KL term: the frozen copy (full fine-tuning) or the adapter disabled (LoRA)."""
-        if self.run.reference is not None:
-            return completion_log_probs(self.run.reference, batch, temperature)
+        if self.context.reference is not None:
+            return completion_log_probs(self.context.reference, batch, temperature)
         with self.policy.disable_adapter():
             return completion_log_probs(self.policy_wrapped, batch, temperature)
 
@@ -375,7 +385,7 @@ class GRPOStep(TrainingStep):
         """Per chunk, the reference's next-token log-probabilities over the prompts' positions, for
         ``text_kl_coef``: the frozen copy (full fine-tuning) or the adapter disabled (LoRA)."""
         with torch.no_grad(), self.accelerator.autocast():
-            if self.run.reference is not None:
-                return [text_log_probs(self.run.reference, batch) for batch in batches]
+            if self.context.reference is not None:
+                return [text_log_probs(self.context.reference, batch) for batch in batches]
             with self.policy.disable_adapter():
                 return [text_log_probs(self.policy_wrapped, batch) for batch in batches]

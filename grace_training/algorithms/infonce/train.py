@@ -26,7 +26,7 @@ from torch import Tensor
 
 from grace_st import GenerativeEncoder
 from grace_st.runtime.transformers_compat import activation_checkpointing_argument
-from grace_training.config.train_config import GRPOConfig
+from grace_training.config.train_config import TrainConfig
 from grace_training.data.examples import Triplet, load_data, source_weights
 from grace_training.data.sampling import BatchSchedule
 from grace_training.policy import card_base_model, load_grace_model
@@ -60,7 +60,7 @@ def infonce_dataset(rows: list[Triplet]):
     return Dataset.from_dict(columns)
 
 
-def infonce_datasets(rows: list[Triplet], config: GRPOConfig, batch_size: int):
+def infonce_datasets(rows: list[Triplet], config: TrainConfig, batch_size: int):
     """The training set(s) and their router mapping (each column's prompt type).
 
     One dataset, queries and documents routed to ``query_task`` / ``document_task``, as the
@@ -178,7 +178,7 @@ def _trainer_checkpoint(path: Path) -> tuple[Path, int]:
 
 
 def train_infonce(
-    config: GRPOConfig,
+    config: TrainConfig,
     *,
     model=None,
     train_data: list[Triplet] | None = None,
@@ -227,7 +227,7 @@ def train_infonce(
     return final
 
 
-def _prompt_pooling_model(model, config: GRPOConfig):
+def _prompt_pooling_model(model, config: TrainConfig):
     """The SentenceTransformer InfoNCE trains: a :class:`PromptPoolingEncoder` with the settings of ``model``'s
     encoder over the very LM object of it (training it trains the model that is saved), then normalisation."""
     from sentence_transformers import SentenceTransformer
@@ -249,7 +249,7 @@ def _prompt_pooling_model(model, config: GRPOConfig):
     return SentenceTransformer(modules=[trainable, Normalize()], device=str(next(encoder.model.parameters()).device))
 
 
-def _infonce_loss(st, dataset, config: GRPOConfig):
+def _infonce_loss(st, dataset, config: TrainConfig):
     """MNRL at the configured temperature; with one dataset a source (a ``DatasetDict``), a loss by dataset: CoSENT
     for the graded ones (a ``score`` column), MNRL for the rest."""
     try:
@@ -269,7 +269,7 @@ def _run_trainer(
     args,
     dataset,
     loss,
-    config: GRPOConfig,
+    config: TrainConfig,
     checkpoint: tuple[Path, int] | None,
     max_minutes: float | None,
     stop_at_step: int | None,
@@ -298,7 +298,7 @@ def _run_trainer(
     return trainer.state.global_step
 
 
-def _trainer_arguments(config: GRPOConfig, output: Path) -> dict:
+def _trainer_arguments(config: TrainConfig, output: Path) -> dict:
     """sentence-transformers training arguments for the baseline: a constant rate, and the Trainer's own
     checkpoints every ``save_steps`` (0: only where ``--max-minutes`` stops it), the last
     ``save_total_limit`` kept."""
@@ -327,7 +327,7 @@ def _trainer_arguments(config: GRPOConfig, output: Path) -> dict:
     return arguments
 
 
-def _save_final(model, config: GRPOConfig, output: Path, batch_size: int, steps: int) -> Path:
+def _save_final(model, config: TrainConfig, output: Path, batch_size: int, steps: int) -> Path:
     """``<output>/final``: the trained GRACE model and its card, written to a staging directory first."""
     from grace_st.model_cards import write_model_card
 
