@@ -1,6 +1,7 @@
 """A method declared in this file alone, through its record: the mean of the prompt's states plus a learned bias
 vector, the bias saved beside the weights. Registered for this module only, it encodes, saves and loads, is served,
-and is refused where its record says so, with no other file knowing it."""
+trains one step of the loop (with an algorithm registered here too), and is refused where its record says so, with no
+other file knowing it."""
 
 from __future__ import annotations
 
@@ -200,3 +201,60 @@ def test_the_record_s_refusals(tmp_path):
     model[0].do_sample = True
     with pytest.raises(ValueError, match="method 'toy' samples nothing"):
         model[0].check_settings()
+
+
+
+def _toy_algorithm():
+    import torch.nn.functional as F
+
+    from grace_training.algorithms.base import Algorithm
+    from grace_training.steps import TrainingStep
+
+    class Step(TrainingStep):
+        def loss(self, batch, step, scores):
+            def embedded(texts, task):
+                features = self.encoder.tokenize(texts, task=task)
+                pooled, _ = self.encoder.engine.embed_prompts(
+                    features["input_ids"], features["attention_mask"], features["instruction_lengths"]
+                )
+                return F.normalize(pooled.float() + self.encoder.toy_bias.bias, dim=-1)
+
+            queries = embedded([t.query for t in batch], "query")
+            positives = embedded([t.positive for t in batch], "document")
+            loss = F.cross_entropy(queries @ positives.T / 0.05, torch.arange(len(batch)))
+            return loss, {"loss/toy": loss.item()}
+
+        @classmethod
+        def extra_parameters(cls, encoder):
+            return list(encoder.toy_bias.parameters())
+
+    return Algorithm(name="toy", method="toy", summary="a test's algorithm: the toy's InfoNCE", step=Step)
+
+
+def test_the_toy_trains_one_step_and_its_checkpoint_loads_with_the_trained_bias(tmp_path):
+    from test_training_trainer import DATA
+
+    from grace_training.algorithms.registry import register_algorithm, unregister_algorithm
+    from grace_training.config import TrainConfig
+    from grace_training.trainer import Trainer
+
+    register_algorithm(_toy_algorithm())
+    try:
+        model = toy_model()
+        bias = model[0].toy_bias.bias.detach().clone()
+        weights = {name: value.detach().clone() for name, value in model[0].model.named_parameters()}
+        config = TrainConfig(
+            algorithm="toy", batch_size=4, max_input_tokens=160, learning_rate=1e-2, max_steps=1, save_steps=1,
+            output_dir=str(tmp_path / "run"), report_to=["jsonl"],
+        )
+        result = Trainer(config, model=model, train_data=DATA).train()
+    finally:
+        unregister_algorithm("toy")
+    assert result["metrics"]["loss/toy"] > 0
+    assert model[0].method == "toy"
+    assert not torch.equal(model[0].toy_bias.bias, bias), "the bias is trained beside the weights"
+    assert any(not torch.equal(value, weights[name]) for name, value in model[0].model.named_parameters())
+    checkpoint = tmp_path / "run" / "checkpoint-00000001"
+    loaded = grace_st.load(str(checkpoint))
+    assert loaded[0].method == "toy" and torch.equal(loaded[0].toy_bias.bias, model[0].toy_bias.bias)
+    assert np.array_equal(loaded.encode(TEXTS), model.encode(TEXTS))
