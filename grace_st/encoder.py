@@ -602,6 +602,8 @@ class GenerativeEncoder(MethodParts, InputModule):
         if not safe_serialization:
             raise ValueError("GenerativeEncoder saves safetensors only (safe_serialization=True)")
         given = self._weights_to_save
+        # fingerprinted before writing: saving may empty the given state dict (transformers does)
+        fingerprint = weights_fingerprint(self.model, given) if given is not None else self.weights_key()
         model_files.save_model(
             output_path,
             self.model,
@@ -610,7 +612,6 @@ class GenerativeEncoder(MethodParts, InputModule):
             adapter=self._adapter_to_save,
             learned_states=list(self.learned_states()),
         )
-        fingerprint = weights_fingerprint(self.model, given) if given is not None else self.weights_key()
         self.weights_revision = fingerprint[:16]
         self.save_config(output_path)
 
