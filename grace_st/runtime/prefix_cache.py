@@ -8,10 +8,11 @@ store for them (``DecodeOptions.prefix_cache``) and feeds only each prompt's res
 request or a batch of corpus texts then computes its own tokens alone.
 
 What is shared stays inside the instruction span (L_sys; never pooled, method.md Eq. 3), so an embedding
-does not depend on what else is cached. The prefix is computed as the batch-level shared prefix is (one row, its own pass,
-natively where the rest runs natively), so a batch of several rows gets the bits it gets without the store; a
-single row then runs as two passes (prefix, rest) instead of one, the same bits where the native step runs and
-float32 rounding of PyTorch's kernels elsewhere (tests/test_prefix_cache.py states and tests the bound).
+does not depend on what else is cached. The prefix is computed as the batch-level shared prefix is (one row, its
+own pass, natively where the rest runs natively), so a batch of several rows gets the bits it gets without the
+store. A single row then runs as two passes (prefix, rest) instead of one: the same bits where the native step runs,
+float32 rounding on PyTorch's float32 kernels, and not at all on bfloat16 or int8 weights (:func:`splits_single_rows`);
+tests/test_prefix_cache.py states and tests the bound.
 
 An entry is keyed by the model object, the decode options and thread count that decide its kernels, the pooled
 layer and the prefix's token ids (the prompt format, instruction and method's template all show in the ids).
