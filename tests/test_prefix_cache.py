@@ -12,7 +12,8 @@ import pytest
 import torch
 from conftest import make_model, make_tokenizer
 
-from grace_st import from_causal_lm, native_step
+from grace_st import from_causal_lm
+from grace_st.runtime.cpu import native_step
 from grace_st.runtime.cpu.quantization import quantize_weights
 from grace_st.runtime.decoding import DecodeOptions
 from grace_st.runtime.prefix_cache import PREFIX_STORE, PrefixStore
@@ -63,7 +64,8 @@ def test_an_embedding_with_the_cache_equals_the_embedding_without(method, weight
     before = PREFIX_STORE.stats()
     on = encodings(model, DecodeOptions(native_step=native))
     on_again = encodings(model, DecodeOptions(native_step=native))  # every prefix now from the store
-    assert PREFIX_STORE.stats()["hits"] > before["hits"]
+    # GIRCSE keeps its whole prompt pass on bfloat16 and int8 weights (a single row and a batch alike: PyTorch's)
+    assert PREFIX_STORE.stats()["hits"] > before["hits"] or (method == "gircse" and weights != "float32")
     # bit for bit wherever a row's prompt is not cut into other shapes on PyTorch's float32 kernels
     exact = weights != "float32" or (native and method != "gircse")
     for key in off:
@@ -80,9 +82,11 @@ def test_an_embedding_with_the_cache_equals_the_embedding_without(method, weight
 def test_a_single_query_takes_its_prefix_from_the_store_and_keeps_the_bits_of_its_batch():
     model = build()
     PREFIX_STORE.clear()
+    before = PREFIX_STORE.stats()
     alone = [model.encode_query([text], convert_to_tensor=True) for text in TEXTS[:3]]
     stats = PREFIX_STORE.stats()
-    assert stats["entries"] == 1 and stats["misses"] == 1 and stats["hits"] == 2  # one prefix, computed once
+    assert stats["entries"] == 1  # one prefix, computed once
+    assert stats["misses"] - before["misses"] == 1 and stats["hits"] - before["hits"] == 2
     batch = model.encode_query(TEXTS[:3], convert_to_tensor=True)
     assert all(torch.equal(row[0], batch[i]) for i, row in enumerate(alone))
 
@@ -197,3 +201,18 @@ def test_the_server_answers_with_the_cache_what_it_answers_without_and_reports_i
         health = client.get("/health").json()["prefix_cache"]
         assert health["bytes"] > 0 and health["entries"] >= 1 and health["max_bytes"] >= health["bytes"]
         assert "grace_st_prefix_cache_bytes" in client.get("/metrics").text
+
+
+def test_serve_s_prefix_cache_mb_bounds_the_store_and_zero_turns_the_cache_off():
+    from grace_st.cli import _size_prefix_cache, build_parser
+    from grace_st.runtime.prefix_cache import DEFAULT_MAX_BYTES
+
+    assert build_parser().parse_args(["serve"]).prefix_cache_mb * 2**20 == DEFAULT_MAX_BYTES
+    model = build()
+    try:
+        _size_prefix_cache(model, 2)
+        assert PREFIX_STORE.stats()["max_bytes"] == 2 * 2**20 and model[0].decode_options.prefix_cache
+        _size_prefix_cache(model, 0)
+        assert PREFIX_STORE.stats()["max_bytes"] == 0 and not model[0].decode_options.prefix_cache
+    finally:
+        PREFIX_STORE.resize(DEFAULT_MAX_BYTES)
