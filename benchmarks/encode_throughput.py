@@ -16,6 +16,7 @@ them as ratios. Prints a table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -163,8 +164,8 @@ def run_dtype(model_path: str, dtype: torch.dtype, args) -> dict:
           f"embedding dim {run['embedding_dimension']}, oneDNN packed linears: {run['packed_linears']}\n"
           "peak: this machine's best matmul GFLOP/s measured just before each cell (machines are noisy); "
           "floor% = 2·P·(prompt + rationale tokens) / time / peak; work% = the same with the shared instruction "
-          "prefix counted once a batch (the FLOPs actually computed)")
-    header = (f"{'batch':>5} {'G':>4} {'texts':>5} {'texts/s':>8} {'tok/s':>8} {'peak':>6} {'floor%':>7} {'work%':>6} "
+          "prefix counted once a batch, or with the prefix cache on once a run (the FLOPs actually computed)")
+    header = (f"{'batch':>5} {'G':>4} {'prefix':>6} {'texts':>5} {'texts/s':>8} {'tok/s':>8} {'peak':>6} {'floor%':>7} {'work%':>6} "
               f"{'2-pass t/s':>10} {'1p/2p':>6} {'MB':>6}")
     print(header)
     resident = PeakRSS._rss()
@@ -173,8 +174,10 @@ def run_dtype(model_path: str, dtype: torch.dtype, args) -> dict:
         run["texts_source"] = source
         prompt_lengths = [len(row) for row in prompt_tokens(encoder, texts)]
         batches = -(-len(texts) // batch_size)
-        shared = encoder.prompt_template(encoder.instructions["default"]).instruction_span if batch_size > 1 else 0
-        for g in args.rationale_tokens:
+        span = encoder.prompt_template(encoder.instructions["default"]).instruction_span
+        for g, cached in [(g, c) for g in args.rationale_tokens for c in args.prefix_cache]:
+            encoder.decode_options = dataclasses.replace(encoder.decode_options, prefix_cache=cached == "on")
+            shared = span if batch_size > 1 or cached == "on" else 0
             encoder.max_rationale_tokens = g
             grace_st.explain(model, texts[: min(2, len(texts))], batch_size=batch_size)  # warm-up
             if "resident_after_first_encode_mb" not in run:  # the packed weight copy is made here, once
@@ -190,10 +193,12 @@ def run_dtype(model_path: str, dtype: torch.dtype, args) -> dict:
             one_pass = timings[:: 1 if args.no_two_pass else 2]
             elapsed, generated, memory = min(t[0] for t in one_pass), one_pass[0][1], max(t[2] for t in one_pass)
             tokens = sum(prompt_lengths) + generated
-            computed = tokens - shared * (len(texts) - batches)
+            # the prefix once a batch, or (cached) once before the timed calls
+            computed = tokens - shared * (len(texts) - (0 if cached == "on" else batches))
             row = {
                 "batch_size": batch_size,
                 "rationale_tokens": g,
+                "prefix_cache": cached,
                 "texts": len(texts),
                 "mean_prompt_tokens": sum(prompt_lengths) / len(texts),
                 "mean_rationale_tokens": generated / len(texts),
@@ -219,7 +224,7 @@ def run_dtype(model_path: str, dtype: torch.dtype, args) -> dict:
             run["rows"].append(row)
             two = (f"{row['two_pass_texts_per_s']:>10.2f} {row['one_pass_speedup']:>6.2f}"
                    if "two_pass_s" in row else f"{'-':>10} {'-':>6}")
-            print(f"{batch_size:>5} {g:>4} {len(texts):>5} {row['texts_per_s']:>8.2f} {row['tokens_per_s']:>8.1f} "
+            print(f"{batch_size:>5} {g:>4} {cached:>6} {len(texts):>5} {row['texts_per_s']:>8.2f} {row['tokens_per_s']:>8.1f} "
                   f"{peak / 1e9:>6.0f} {100 * row['floor_fraction']:>6.1f}% "
                   f"{100 * row['work_fraction']:>5.1f}% {two} {row['one_pass_peak_rss_mb']:>6.0f}", flush=True)
     print(f"resident memory: {run['resident_after_load_mb']:.0f} MB after loading, "
@@ -276,6 +281,8 @@ def main() -> None:
                         help="also score STS-B dev Spearman on this many pairs for each dtype and G (quality beside speed)")
     parser.add_argument("--cache-texts", type=int, default=0,
                         help="also time cold vs warm encode of this many texts through a fresh rationale cache")
+    parser.add_argument("--prefix-cache", nargs="+", choices=["off", "on"], default=["off", "on"],
+                        help="the instruction prefix cache (DecodeOptions.prefix_cache) off, on, or each")
     parser.add_argument("--out", default="benchmarks/results/encode_throughput.json")
     args = parser.parse_args()
 

@@ -15,6 +15,11 @@ embedding table counts only where it is also the LM head). Read bandwidth and ma
 the script itself, just before the cells, with the same thread count. ``floor%`` is the median over
 queries of floor / time: 100 % would mean the weights stream at the measured bandwidth and nothing else costs.
 
+Each cell runs with the instruction prefix cache off and on (``--prefix-cache off on``;
+``DecodeOptions.prefix_cache``, grace_st.runtime.prefix_cache): on, a query's prompt pass computes only its
+tokens after the instruction prefix, and its floor counts those tokens' FLOPs only. ``plain p50`` is a plain
+PyTorch forward of the same whole prompt at batch 1 (``model(input_ids)``, autograd off), timed in the same cell.
+
 Also per form: the first call a CLI user waits for (a fresh process: load, then one ``encode_query``), and,
 against float32 at the same G, the share of queries whose rationale is token for token the same and the
 mean cosine of their embeddings.
@@ -128,11 +133,25 @@ def first_call(path: str, weights: str, threads: int) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+def plain_forward_seconds(model, texts: list[str]) -> list[float]:
+    """A plain PyTorch forward of each query's whole prompt at batch 1 (no cache, no native step)."""
+    rows, _ = model[0].prompt_token_ids(texts, task="query")
+    lm, seconds = model[0].model, []
+    with torch.no_grad():
+        lm(input_ids=torch.tensor([rows[0]]))  # warm-up
+        for row in rows:
+            start = time.perf_counter()
+            lm(input_ids=torch.tensor([row]))
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
 def time_queries(model, texts: list[str], budget: int) -> dict:
     encoder = model[0]
     budgets = encoder.max_rationale_tokens
     encoder.max_rationale_tokens = {**(budgets if isinstance(budgets, dict) else {"default": budgets}), "query": budget}
     model.encode_query(texts[0])  # warm-up: packing, allocator
+    _, span = encoder.prompt_token_ids(texts[:1], task="query")
     seconds, steps, prompts, rationales, embeddings = [], [], [], [], []
     for text in texts:
         start = time.perf_counter()
@@ -144,7 +163,11 @@ def time_queries(model, texts: list[str], budget: int) -> dict:
         steps.append(length)
         prompts.append(int(out["input_ids"].shape[-1]))
         embeddings.append(out["sentence_embedding"].float().numpy())
-    return {"seconds": seconds, "steps": steps, "prompts": prompts, "rationales": rationales, "embeddings": embeddings}
+    cached = [min(span, prompt - 1) if encoder.decode_options.prefix_cache else 0 for prompt in prompts]
+    return {
+        "seconds": seconds, "steps": steps, "prompts": prompts, "cached": cached, "rationales": rationales,
+        "embeddings": embeddings,
+    }
 
 
 def _rationale_length(ids: list[int], encoder) -> int:
@@ -163,6 +186,7 @@ def main() -> None:
     parser.add_argument("--budgets", nargs="+", type=int, default=[0, 16, 32, 64])
     parser.add_argument("--queries", type=int, default=100)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--prefix-cache", nargs="+", choices=["off", "on"], default=["off", "on"])
     parser.add_argument("--out", default="benchmarks/results/latency.json")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -198,18 +222,23 @@ def main() -> None:
         # The prompt pass's FLOPs at the peak of the kernel it runs: bfloat16 matmuls only where the CPU has
         # bfloat16 kernels; elsewhere bfloat16 weights are emulated and int8's many-row calls run in float32.
         peak = peaks.get("bfloat16", peaks["float32"]) if weights.startswith(("bfloat16", "int8")) else peaks["float32"]
-        for budget in args.budgets:
+        for budget, cached in [(b, c) for b in args.budgets for c in args.prefix_cache]:
+            model[0].decode_options = dataclasses.replace(model[0].decode_options, prefix_cache=cached == "on")
             cell = time_queries(model, texts, budget)
+            plain = np.median(plain_forward_seconds(model, texts)) if budget == 0 else None
             seconds = np.array(cell["seconds"])
             floors = np.array(
                 [
-                    max(per_token / bandwidth, 2 * parameters * prompt / peak) + steps * per_token / bandwidth
-                    for prompt, steps in zip(cell["prompts"], cell["steps"])
+                    max(per_token / bandwidth, 2 * parameters * (prompt - prefix) / peak)
+                    + steps * per_token / bandwidth
+                    for prompt, prefix, steps in zip(cell["prompts"], cell["cached"], cell["steps"])
                 ]
             )
             row = {
                 "weights": weights,
+                "prefix_cache": cached,
                 "budget": budget,
+                "plain_forward_p50_s": None if plain is None else float(plain),
                 "queries": len(texts),
                 "p50_s": float(np.median(seconds)),
                 "p95_s": float(np.percentile(seconds, 95)),
@@ -220,7 +249,7 @@ def main() -> None:
                 "floor_fraction_p50": float(np.median(floors / seconds)),
                 **started,
             }
-            if weights == "float32":
+            if weights == "float32" and cached == args.prefix_cache[0]:
                 reference[budget] = cell
             elif budget in reference:
                 same = [a == b for a, b in zip(cell["rationales"], reference[budget]["rationales"])]
@@ -234,21 +263,25 @@ def main() -> None:
             write_json(report, args.out)
             print(json.dumps(row))
         del model
-    baseline = {r["budget"]: r["p50_s"] for r in report["rows"] if r["weights"] == "float32"}
-    before = {r["budget"]: r["p50_s"] for r in report["rows"] if r["weights"] == BEFORE}
+    baseline = {(r["budget"], r["prefix_cache"]): r["p50_s"] for r in report["rows"] if r["weights"] == "float32"}
+    before = {(r["budget"], r["prefix_cache"]): r["p50_s"] for r in report["rows"] if r["weights"] == BEFORE}
     print(
-        "\n| weights | G | rationale tok | p50 s | p95 s | floor p50 s | % of floor | vs float32 p50 | vs before p50 "
-        "| same rationale | cosine | load + first call s |"
+        "\n| weights | prefix cache | G | rationale tok | p50 s | p95 s | floor p50 s | % of floor | plain p50 s "
+        "| vs float32 p50 | vs before p50 | same rationale | cosine | load + first call s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in report["rows"]:
-        speedup = f"{baseline[r['budget']] / r['p50_s']:.2f}×" if r["budget"] in baseline else "n/a"
-        versus_before = f"{before[r['budget']] / r['p50_s']:.2f}×" if r["budget"] in before else "n/a"
+        cell = (r["budget"], r["prefix_cache"])
+        speedup = f"{baseline[cell] / r['p50_s']:.2f}×" if cell in baseline else "n/a"
+        versus_before = f"{before[cell] / r['p50_s']:.2f}×" if cell in before else "n/a"
         same = f"{r['same_rationale_as_float32']:.0%}" if "same_rationale_as_float32" in r else "—"
         cosine = f"{r['mean_cosine_to_float32']:.4f}" if "mean_cosine_to_float32" in r else "—"
         print(
-            f"| {r['weights']} | {r['budget']} | {r['mean_rationale_tokens']:.1f} | {r['p50_s']:.3f} | {r['p95_s']:.3f} | "
-            f"{r['floor_p50_s']:.3f} | {r['floor_fraction_p50']:.0%} | {speedup} | {versus_before} | {same} | {cosine} | "
+            f"| {r['weights']} | {r['prefix_cache']} | {r['budget']} | {r['mean_rationale_tokens']:.1f} | "
+            f"{r['p50_s']:.3f} | "
+            f"{r['p95_s']:.3f} | {r['floor_p50_s']:.3f} | {r['floor_fraction_p50']:.0%} | "
+            + (f"{r['plain_forward_p50_s']:.3f} | " if r["plain_forward_p50_s"] is not None else "– | ")
+            + f"{speedup} | {versus_before} | {same} | {cosine} | "
             f"{r['load_s']:.1f} + {r['first_encode_s']:.2f} |"
         )
 

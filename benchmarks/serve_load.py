@@ -18,6 +18,15 @@ in all (bounded by ``--seconds`` a cell). Reported: texts/s, the ratio to the se
 p50/p95/p99, and rows a decoding step / a prompt pass fed on average (the server's ``/metrics``). Every
 answer is checked against the in-process model's embedding (bit for bit in float32).
 
+Each server runs with the instruction prefix cache on and off (``--prefix-cache on off``; off is
+``grace-st serve --prefix-cache-mb 0``), and each cell reports **work%**: the FLOPs of the tokens a text needs
+computed (its prompt after the shared instruction prefix, and its rationale's tokens, at 2 FLOPs a weight a token
+plus attention over the context; the LM head where a token's logits are read) divided by the cell's time, as a
+share of this machine's matmul peak measured at the start of the run (``matmul_peak_flops``: float32, or for int8
+the kernel its many-row products run, bfloat16 where the CPU has bfloat16 kernels). The same numerator with the
+cache off, so off/on compare work done per second; 100 % would be every core at its matmul peak on nothing but
+those tokens.
+
 ``--soak N`` then sends N requests from 32 clients, a fifth of them bad (malformed JSON, token arrays,
 empty lists, unknown models, lone surrogates, texts over the limit, UTF-16 bodies, nesting and integers
 too deep or long for Python's parser, falsy fields), one in 40 an upload its client abandons half-way, and
@@ -34,6 +43,7 @@ of the CPU, so the ratios understate what a server with its own cores gets.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -54,6 +64,7 @@ from scoreboard import banking77, data_dir, scifact, write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 WEIGHTS = {"float32": {}, "int8": {"weight_quantization": "int8"}}
+PREFIX_CACHE = {"on": None, "off": 0}  # grace-st serve --prefix-cache-mb (None: its default)
 # mix -> (input_type, budget override of the served and the in-process model)
 MIXES = {
     "query": ("query", None),
@@ -86,7 +97,7 @@ def local_encode(model, mix: str):
 class Server:
     """``grace-st serve`` in a subprocess on a free loopback port."""
 
-    def __init__(self, weights: str, slots: int, budgets: str | None = None):
+    def __init__(self, weights: str, slots: int, budgets: str | None = None, prefix_cache_mb: float | None = None):
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             self.port = probe.getsockname()[1]
@@ -112,6 +123,8 @@ class Server:
             command += ["--weight-quantization", "int8"]
         if budgets:
             command += ["--max-rationale-tokens", budgets]
+        if prefix_cache_mb is not None:
+            command += ["--prefix-cache-mb", str(prefix_cache_mb)]
         self.process = subprocess.Popen(command)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + 300
@@ -143,6 +156,35 @@ class Server:
         self.process.wait(60)
 
 
+def flops(model, prompt: int, prefix: int, rationale: int) -> float:
+    """The FLOPs of one text's own tokens: its prompt after the ``prefix`` (the cached instruction prefix), then
+    its ``rationale`` tokens (each decoding step reads the LM head; the prompt's last token does where a rationale
+    follows). 2 a weight of every decoder linear layer a token, and attention's 4 · hidden a layer a context column."""
+    config = model.config.get_text_config()
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    linear = sum(
+        m.in_features * m.out_features for name, m in model.get_decoder().named_modules()
+        if hasattr(m, "in_features") and hasattr(m, "out_features")
+    )
+    head = config.vocab_size * hidden
+    total = 0.0
+    for position in range(prefix, prompt + rationale):
+        total += 2 * linear + 4 * layers * hidden * (position + 1)
+        if position >= prompt - 1 and rationale:
+            total += 2 * head
+    return total
+
+
+def matmul_peak(weights: str) -> float:
+    """This machine's matmul peak for the kernel ``weights``' prompt passes run (FLOP/s)."""
+    import torch
+
+    from grace_st.runtime.cpu.packed_linear import matmul_peak_flops, native_bfloat16
+
+    dtype = torch.bfloat16 if weights == "int8" and native_bfloat16() else torch.float32
+    return matmul_peak_flops(dtype)[0]
+
+
 def per_step(before: dict, after: dict, name: str) -> float | None:
     count = after.get(f"{name}_count", 0) - before.get(f"{name}_count", 0)
     return round((after.get(f"{name}_sum", 0) - before.get(f"{name}_sum", 0)) / count, 1) if count else None
@@ -156,9 +198,11 @@ def load_cell(
     requests: int,
     seconds: float,
     reference: np.ndarray,
+    work: list[float] | None = None,
+    peak: float | None = None,
 ) -> dict:
     """``clients`` threads, one text a request, until ``requests`` are answered or ``seconds`` pass."""
-    lock, latencies, wrong, answered, worst = threading.Lock(), [], [0], [0], [0.0]
+    lock, latencies, wrong, answered, worst, done_flops = threading.Lock(), [], [0], [0], [0.0], [0.0]
     next_index = [0]
     stop_at = time.monotonic() + seconds
 
@@ -180,6 +224,7 @@ def load_cell(
                 with lock:
                     latencies.append(elapsed)
                     answered[0] += 1
+                    done_flops[0] += work[index % len(texts)] if work else 0.0
                     wrong[0] += not np.array_equal(vector, reference[index % len(texts)])
                     worst[0] = max(worst[0], float(np.abs(vector - reference[index % len(texts)]).max()))
 
@@ -202,18 +247,26 @@ def load_cell(
         "max_abs_diff": worst[0],
         "rows_per_decoding_step": per_step(before, after, "grace_st_rows_per_step"),
         "rows_per_prompt_pass": per_step(before, after, "grace_st_rows_per_prompt_pass"),
+        "work_fraction": done_flops[0] / wall / peak if work and peak else None,
     }
 
 
-def sequential_cell(model, mix: str, texts: list[str], count: int) -> tuple[dict, np.ndarray]:
+def sequential_cell(model, mix: str, texts: list[str], count: int) -> tuple[dict, np.ndarray, list[float]]:
+    """The texts one ``encode`` call each; with each text's embedding and FLOPs (:func:`flops`)."""
     encode = local_encode(model, mix)
     encode(texts[:1])  # warm-up
-    vectors, latencies = [], []
+    vectors, latencies, work = [], [], []
+    rows, span = model[0].prompt_token_ids(texts[:count], task=MIXES[mix][0])
     start = time.perf_counter()
-    for text in texts[:count]:
+    for text, row in zip(texts[:count], rows):
         t0 = time.perf_counter()
-        vectors.append(encode([text])[0])
+        out = encode([text], output_value=None)[0]
         latencies.append(time.perf_counter() - t0)
+        vectors.append(out["sentence_embedding"].float().numpy())
+        stops = set(model[0].eos_token_ids)
+        ids = out["rationale_token_ids"].reshape(-1).tolist()
+        written = next((i + 1 for i, token in enumerate(ids) if token in stops), len(ids))
+        work.append(flops(model[0].model, len(row), min(span, len(row) - 1), written if ids else 0))
     wall = time.perf_counter() - start
     q = np.percentile(latencies, [50, 95, 99])
     cell = {
@@ -224,7 +277,7 @@ def sequential_cell(model, mix: str, texts: list[str], count: int) -> tuple[dict
         "p95_s": float(q[1]),
         "p99_s": float(q[2]),
     }
-    return cell, np.stack(vectors)
+    return cell, np.stack(vectors), work
 
 
 BAD_BODIES = [
@@ -313,16 +366,19 @@ def soak(server: Server, texts: list[str], reference: np.ndarray, count: int, cl
 
 def table(report: dict) -> str:
     lines = [
-        "| weights | mix | clients | texts | texts/s | × sequential | p50 s | p95 s | p99 s | rows/step | rows/prompt pass | not bit-equal (max abs diff) |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| weights | prefix cache | mix | clients | texts | texts/s | × sequential | p50 s | p95 s | p99 s | work % "
+        "| rows/step | rows/prompt pass | not bit-equal (max abs diff) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in report["runs"]:
         base = run["cells"][0]["texts_per_s"]
         for cell in run["cells"]:
             lines.append(
-                f"| {run['weights']} | {run['mix']} | {cell['clients']} | {cell['texts']} | {cell['texts_per_s']:.2f} | "
+                f"| {run['weights']} | {run.get('prefix_cache', 'off')} | {run['mix']} | {cell['clients']} | "
+                f"{cell['texts']} | {cell['texts_per_s']:.2f} | "
                 f"{cell['texts_per_s'] / base:.2f} | {cell['p50_s']:.3f} | {cell['p95_s']:.3f} | {cell['p99_s']:.3f} | "
-                f"{cell.get('rows_per_decoding_step') or '–'} | {cell.get('rows_per_prompt_pass') or '–'} | "
+                + (f"{cell['work_fraction']:.0%} | " if cell.get("work_fraction") is not None else "– | ")
+                + f"{cell.get('rows_per_decoding_step') or '–'} | {cell.get('rows_per_prompt_pass') or '–'} | "
                 + (f"{cell['not_bit_equal']} ({cell['max_abs_diff']:.1e}) |" if "not_bit_equal" in cell else "– |")
             )
     for weights, result in report.get("soak", {}).items():
@@ -346,27 +402,32 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60, help="a cell stops after this long")
     parser.add_argument("--slots", type=int, default=64, help="the server's --slots")
     parser.add_argument("--soak", type=int, default=2000, help="requests of the soak (0: none)")
+    parser.add_argument("--prefix-cache", nargs="+", choices=list(PREFIX_CACHE), default=["off", "on"])
     parser.add_argument("--output", default=str(RESULTS / "serve_load.json"))
     args = parser.parse_args()
 
+    peaks = {weights: matmul_peak(weights) for weights in args.weights}
     report = {
         "machine": {"cpus": os.cpu_count(), "processor": platform.processor()},
         "settings": vars(args),
+        "matmul_peak_GFLOPs": {weights: peak / 1e9 for weights, peak in peaks.items()},
         "runs": [],
         "soak": {},
     }
-    for weights in args.weights:
+    for weights, cached in [(w, c) for w in args.weights for c in args.prefix_cache]:
         model = grace_st.load(grace_st.default_model_path(), device="cpu", model_kwargs=WEIGHTS[weights] or None)
+        model[0].decode_options = dataclasses.replace(model[0].decode_options, prefix_cache=cached == "on")
         shipped = dict(model[0].max_rationale_tokens)
         for budgets in dict.fromkeys(MIXES[mix][1] for mix in args.mixes):
             override = dict(item.split("=") for item in budgets.split(",")) if budgets else {}
             model[0].max_rationale_tokens = {**shipped, **{k: int(v) for k, v in override.items()}}
-            server = Server(weights, args.slots, budgets)
+            server = Server(weights, args.slots, budgets, PREFIX_CACHE[cached])
             try:
                 for mix in [m for m in args.mixes if MIXES[m][1] == budgets]:
                     input_type = MIXES[mix][0]
                     texts = texts_for(mix, args.requests)
-                    sequential, reference = sequential_cell(model, mix, texts, len(texts))
+                    sequential, reference, work = sequential_cell(model, mix, texts, len(texts))
+                    sequential["work_fraction"] = sum(work) / (len(texts) / sequential["texts_per_s"]) / peaks[weights]
                     cells = [sequential]
                     warm = {
                         "model": "default",
@@ -377,19 +438,26 @@ def main() -> None:
                     httpx.post(f"{server.url}/v1/embeddings", json=warm, timeout=300)
                     for clients in args.clients:
                         cells.append(
-                            load_cell(server, texts, input_type, clients, args.requests, args.seconds, reference)
+                            load_cell(
+                                server, texts, input_type, clients, args.requests, args.seconds, reference, work,
+                                peaks[weights],
+                            )
                         )
                         print(
-                            f"{weights} {mix} {clients} clients: {cells[-1]['texts_per_s']:.2f} texts/s "
+                            f"{weights} prefix cache {cached} {mix} {clients} clients: "
+                            f"{cells[-1]['texts_per_s']:.2f} texts/s work {cells[-1]['work_fraction']:.0%} "
                             f"({cells[-1]['texts_per_s'] / sequential['texts_per_s']:.2f}x sequential), "
                             f"p95 {cells[-1]['p95_s']:.3f} s",
                             flush=True,
                         )
                     report["runs"].append(
-                        {"weights": weights, "mix": mix, "budgets": model[0].max_rationale_tokens, "cells": cells}
+                        {
+                            "weights": weights, "prefix_cache": cached, "mix": mix,
+                            "budgets": model[0].max_rationale_tokens, "cells": cells,
+                        }
                     )
                     write_json(report, args.output)
-                if args.soak and weights == args.weights[0] and not budgets:
+                if args.soak and weights == args.weights[0] and cached == args.prefix_cache[-1] and not budgets:
                     texts = texts_for("query", 256)
                     reference = local_encode(model, "query")(texts)
                     report["soak"][weights] = soak(server, texts, reference, args.soak)

@@ -317,6 +317,13 @@ def _add_serve_command(commands) -> None:
     )
     serve.add_argument("--slots", type=_positive_int, default=32, help="rows decoded together at most")
     serve.add_argument(
+        "--prefix-cache-mb",
+        type=float,
+        default=64.0,
+        help="MiB for the instruction prefixes' keys and values, computed once and kept across requests "
+        "(default 64, grace_st.runtime.prefix_cache's bound; 0: off, every prompt pass computes its whole prompt)",
+    )
+    serve.add_argument(
         "--prompt-pass-tokens",
         type=_positive_int,
         default=2048,
@@ -531,6 +538,7 @@ def run_serve(args: argparse.Namespace) -> int:
     model = _load_model(args.model or default_model_path(), args)
     if args.cache:
         model[0].set_rationale_cache(args.cache)
+    _size_prefix_cache(model, args.prefix_cache_mb)
     serve(
         model,
         model_name=args.model_name or args.model or "grace-st-default",
@@ -546,6 +554,19 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
     )
     return 0
+
+
+def _size_prefix_cache(model, megabytes: float) -> None:
+    """``--prefix-cache-mb``: the store's bound, or (0) the cache off."""
+    import dataclasses
+
+    from grace_st.runtime.prefix_cache import PREFIX_STORE
+
+    if megabytes < 0:
+        raise SystemExit(f"grace-st serve: error: --prefix-cache-mb must be >= 0, got {megabytes}")
+    PREFIX_STORE.resize(int(megabytes * 2**20))
+    if megabytes == 0:
+        model[0].decode_options = dataclasses.replace(model[0].decode_options, prefix_cache=False)
 
 
 def _load_grc_model(args: argparse.Namespace):

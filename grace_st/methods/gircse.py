@@ -30,7 +30,8 @@ from torch import Tensor
 from grace_st.methods.base import Method
 from grace_st.methods.grace import RationaleEngine
 from grace_st.runtime.batch import RolloutRequest, Rollouts, Thoughts, position_ids_from_mask, prompt_pooling_mask
-from grace_st.runtime.decoding import DecodeOptions, packed_linears_for
+from grace_st.runtime.decoding import DecodeOptions, packed_linears_for, shared_prefix_length
+from grace_st.runtime.prefix_cache import PREFIX_STORE, prefix_key, splits_single_rows, weights_version
 from grace_st.runtime.transformers_compat import cache_kwargs
 from grace_st.setting import Setting, how, is_number
 
@@ -92,19 +93,23 @@ def soft_token_states(
     hidden_layer: int = -1,
     top: int = 5,
     temperature: float = 1.0,
+    instruction_lengths: Tensor | None = None,
+    options: DecodeOptions | None = None,
 ) -> SoftTokens:
     """K = ``steps`` soft tokens after each left-padded prompt (Algorithm 1), KV-cached; with gradient
     when autograd is on. ``hidden_layer`` picks the states pooled (-1: the decoder's final, normed
     states, the paper's); the soft token is always made from the final states through the LM head
-    (:func:`output_logits`), its distribution sharpened (``temperature`` < 1) or flattened (> 1)."""
+    (:func:`output_logits`), its distribution sharpened (``temperature`` < 1) or flattened (> 1).
+    ``instruction_lengths`` (L_sys a row) and ``options`` with ``prefix_cache``: the prompts' shared instruction
+    prefix comes from :mod:`grace_st.runtime.prefix_cache` (autograd off, float32 weights, K = 0)."""
     decoder = model.get_decoder()
     embedding = model.get_input_embeddings()
     cache = _new_cache(model)
-    mask = attention_mask
-    positions = position_ids_from_mask(mask)
-    final, pooled = _decode(
-        decoder, hidden_layer, cache, input_ids=input_ids, attention_mask=mask, position_ids=positions
-    )
+    positions = position_ids_from_mask(attention_mask)
+    # Soft tokens feed each step's whole distribution back, so float32 rounding in the prompt grows over K steps
+    # (batch 64 against 1 differs by 1e-2 on the tests' tiny model): the prefix is cached only at K = 0.
+    spans = instruction_lengths if steps == 0 else None
+    final, pooled, mask = _prompt_pass(model, hidden_layer, cache, input_ids, attention_mask, spans, options)
     prompt_states = pooled
     last = final[:, -1]
     next_position = positions[:, -1:] + 1
@@ -169,6 +174,60 @@ def _new_cache(model):
     return DynamicCache(config=model.config)
 
 
+def _prompt_pass(
+    model, hidden_layer: int, cache, input_ids: Tensor, attention_mask: Tensor, spans: Tensor | None,
+    options: DecodeOptions | None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The prompts' pass into ``cache``: (final states of the fed columns, whose last is each row's last prompt
+    token; states at ``hidden_layer`` in the prompts' layout; the mask over the cache's columns).
+
+    With the prefix cache the shared instruction prefix's keys and values are copied in from the store and only
+    the rest is fed, padding then between prefix and text (masked; positions from the mask), as
+    :class:`~grace_st.runtime.decoding.IncrementalDecoder`'s shared prefix. PyTorch's kernels then see other
+    shapes: float32 rounding (tests/test_prefix_cache.py bounds it)."""
+    decoder = model.get_decoder()
+    shared = 0
+    if spans is not None and options is not None and options.prefix_cache and not torch.is_grad_enabled():
+        if splits_single_rows(model):
+            shared = shared_prefix_length(input_ids, attention_mask, spans.to(input_ids.device), alone=True)
+    if not shared:
+        positions = position_ids_from_mask(attention_mask)
+        final, pooled = _decode(
+            decoder, hidden_layer, cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=positions
+        )
+        return final, pooled, attention_mask
+    batch, width = input_ids.shape
+    starts = width - attention_mask.sum(1)
+    first = int(starts[0])
+    prefix_ids = input_ids[:1, first : first + shared]
+    key, version = prefix_key(prefix_ids, hidden_layer, options, False), weights_version(model)
+    entry = PREFIX_STORE.lookup(model, key, version)
+    if entry is None:
+        prefix_cache = _new_cache(model)
+        positions = torch.arange(shared, device=input_ids.device)[None, :]
+        _, prefix_states = _decode(
+            decoder, hidden_layer, prefix_cache, input_ids=prefix_ids, attention_mask=torch.ones_like(prefix_ids),
+            position_ids=positions,
+        )
+        layers = [(layer.keys, layer.values) for layer in prefix_cache.layers]
+        PREFIX_STORE.store(model, key, version, layers, prefix_states)
+    else:
+        layers, prefix_states = entry.layers, entry.states
+    for index, (keys, values) in enumerate(layers):
+        cache.update(keys.expand(batch, -1, -1, -1), values.expand(batch, -1, -1, -1), index)
+    rest_mask = (torch.arange(width - shared, device=input_ids.device)[None, :] >= starts[:, None]).long()
+    cache_mask = torch.cat([rest_mask.new_ones((batch, shared)), rest_mask], 1)
+    final, rest_states = _decode(
+        decoder, hidden_layer, cache, input_ids=input_ids[:, shared:], attention_mask=cache_mask,
+        position_ids=(cache_mask.cumsum(-1)[:, shared:] - 1).clamp(min=0),
+    )
+    pooled = rest_states.new_zeros((batch, width, rest_states.shape[-1]))
+    pooled[:, shared:] = rest_states
+    columns = (starts[:, None] + torch.arange(shared, device=input_ids.device)[None, :])[..., None]
+    pooled.scatter_(1, columns.expand(-1, -1, pooled.shape[-1]), prefix_states.to(pooled.dtype).expand(batch, -1, -1))
+    return final, pooled, cache_mask
+
+
 def _decode(decoder, hidden_layer: int, cache, **inputs) -> tuple[Tensor, Tensor]:
     """One decoder pass that extends ``cache``: (final normed states, states at ``hidden_layer``)."""
     inputs.update(cache_kwargs(decoder, cache))
@@ -228,13 +287,13 @@ class SoftTokenEngine(RationaleEngine):
         device = next(self.model.parameters()).device
         input_ids, attention_mask = self._left_padded(request, chunk)
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        spans = torch.tensor([request.instruction_lengths[i] for i in chunk], device=device)
         # the packed CPU kernels, as a rationale's rollout uses them (a no-op while autograd is on)
         with packed_linears_for(self.model, self.options):
             soft = soft_token_states(
                 self.model, input_ids, attention_mask, request.max_new_tokens, hidden_layer=self.hidden_layer,
-                top=self.trace_width, temperature=self.temperature,
+                top=self.trace_width, temperature=self.temperature, instruction_lengths=spans, options=self.options,
             )
-        spans = torch.tensor([request.instruction_lengths[i] for i in chunk], device=device)
         return soft_token_rollouts(soft, attention_mask, spans)
 
 

@@ -9,7 +9,8 @@ and none changing what is computed, only how fast (results differ by float32 rou
 - ``preallocated_cache``: KV buffers written in place (:func:`preallocated_cache`) instead of
   transformers' ``DynamicCache``, which copies a layer's whole cache at every token;
 - ``share_prefix``: the instruction prefix every prompt shares is run once a batch
-  (:func:`shared_prefix_length`);
+  (:func:`shared_prefix_length`); with ``prefix_cache`` once a model and instruction, kept across calls
+  (:mod:`grace_st.runtime.prefix_cache`), so a single row feeds only its own tokens too;
 - ``drop_finished``: rows whose rationale has ended leave the batch and the KV cache;
 - ``packed_linears``: linear layers on oneDNN-packed weights (:mod:`grace_st.runtime.cpu.packed_linear`),
   with ``merge_adapters`` a PEFT LoRA layer on its merged weight (one product, not three) and
@@ -44,6 +45,7 @@ from transformers.cache_utils import DynamicLayer
 from grace_st.runtime.batch import position_ids_from_mask
 from grace_st.runtime.cpu.native_step import NativeStep
 from grace_st.runtime.cpu.packed_linear import packed_linears
+from grace_st.runtime.prefix_cache import PREFIX_STORE, prefix_key, splits_single_rows, weights_version
 from grace_st.runtime.transformers_compat import cache_kwargs
 
 
@@ -53,6 +55,9 @@ class DecodeOptions:
 
     preallocated_cache: bool = True
     share_prefix: bool = True  # takes effect with preallocated_cache: the layers known to take copied-in keys
+    # takes effect with share_prefix, autograd off: the shared prefix's keys, values and states kept across calls
+    # (grace_st.runtime.prefix_cache), and a single row's instruction prefix taken from there too
+    prefix_cache: bool = True
     drop_finished: bool = True
     packed_linears: bool = True
     dedupe_prompts: bool = True
@@ -79,21 +84,24 @@ class DecodeOptions:
     @classmethod
     def plain(cls) -> DecodeOptions:
         return cls(
-            preallocated_cache=False, share_prefix=False, drop_finished=False, packed_linears=False,
+            preallocated_cache=False, share_prefix=False, prefix_cache=False, drop_finished=False, packed_linears=False,
             dedupe_prompts=False, merge_adapters=False, one_row_layout=False, native_step=False, decode_rows=None,
         )
 
 
-def shared_prefix_length(input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor) -> int:
+def shared_prefix_length(
+    input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, alone: bool = False
+) -> int:
     """How many leading tokens all left-padded prompts of a batch have in common, inside the
     instruction span (in ``encode`` that is the whole system turn: one instruction a call).
 
     Those positions hold the same ids at the same positions in every row, so (the model being
     causal) the same keys, values and hidden states. Capped at the shortest instruction span
     (L_sys: never pooled) and one short of the shortest prompt (each row's last prompt token is
-    still fed, for its next-token logits). 0 for a single row: there is nothing to share.
+    still fed, for its next-token logits). 0 for a single row (nothing to share in the batch), unless
+    ``alone``: the prefix is kept across calls (:mod:`grace_st.runtime.prefix_cache`).
     """
-    if input_ids.shape[0] < 2:
+    if input_ids.shape[0] < 2 and not alone:
         return 0
     lengths = attention_mask.sum(1)
     limit = min(int(instruction_lengths.min()), int(lengths.min()) - 1)
@@ -335,7 +343,9 @@ class IncrementalDecoder:
         self.batch, self.rows = batch, torch.arange(batch, device=input_ids.device)
         shared = 0
         if self.options.share_prefix:
-            shared = shared_prefix_length(input_ids, attention_mask, instruction_lengths)
+            # GRC's latents (inputs_embeds) come with spans that are whole rows: a row alone would keep its own text
+            alone = self._prefix_cached() and inputs_embeds is None and splits_single_rows(self.model)
+            shared = shared_prefix_length(input_ids, attention_mask, instruction_lengths, alone)
         # With nothing to generate a KV cache is needed only when asked for, to hold a shared prefix, or for the
         # native prompt pass, which writes into one: so that a prompt's states are the same bits alone or in a batch.
         native = self.options.preallocated_cache and self._native_model() is not None
@@ -378,17 +388,9 @@ class IncrementalDecoder:
             "attention_mask": attention_mask.new_ones((1, shared)),
             "position_ids": torch.arange(shared, device=input_ids.device)[None, :],
         }
-        # Natively where the rest runs natively: every token then has the bits a prompt prefilled whole gets.
-        fed = None
-        if self._native_model() is not None:
-            prefix_cache = preallocated_cache(self.model, shared)
-            fed = self._native_prefill(False, cache=prefix_cache, **prefix)
-        if fed is None:
-            prefix_cache = DynamicCache(config=self.model.config)
-            fed = self._forward(False, prefix_cache, **prefix)
-        prefix_states = fed[0]
-        for index, layer in enumerate(prefix_cache.layers):
-            keys, values = layer.keys.expand(batch, -1, -1, -1), layer.values.expand(batch, -1, -1, -1)
+        prefix_layers, prefix_states = self._prefix(prefix)
+        for index, (layer_keys, layer_values) in enumerate(prefix_layers):
+            keys, values = layer_keys.expand(batch, -1, -1, -1), layer_values.expand(batch, -1, -1, -1)
             self.kv_cache.update(keys, values, index)
         # Column j of the rest is prompt column j + shared; it holds a real token from the row's start on.
         rest_mask = (torch.arange(width - shared, device=input_ids.device)[None, :] >= starts[:, None]).long()
@@ -406,6 +408,33 @@ class IncrementalDecoder:
         prefix_index = prefix_columns[..., None].expand(-1, -1, states.shape[-1])
         states.scatter_(1, prefix_index, prefix_states.expand(batch, -1, -1))
         return states, last_logits, cache_mask
+
+    def _prefix_cached(self) -> bool:
+        """Whether the shared prefix comes from (and goes to) :data:`grace_st.runtime.prefix_cache.PREFIX_STORE`."""
+        return self.options.prefix_cache and self.options.preallocated_cache and not torch.is_grad_enabled()
+
+    def _prefix(self, prefix: dict) -> tuple[list[tuple[Tensor, Tensor]], Tensor]:
+        """The shared prefix's keys and values a layer, and its states: from the prefix store where it holds them,
+        else one pass on one row, natively where the rest runs natively (every token then has the bits a prompt
+        prefilled whole gets)."""
+        native = self._native_model() is not None
+        if self._prefix_cached():
+            key = prefix_key(prefix["input_ids"], self.hidden_layer, self.options, native)
+            version = weights_version(self.model)
+            entry = PREFIX_STORE.lookup(self.model, key, version)
+            if entry is not None:
+                return entry.layers, entry.states
+        fed = None
+        if native:
+            prefix_cache = preallocated_cache(self.model, prefix["input_ids"].shape[1])
+            fed = self._native_prefill(False, cache=prefix_cache, **prefix)
+        if fed is None:
+            prefix_cache = DynamicCache(config=self.model.config)
+            fed = self._forward(False, prefix_cache, **prefix)
+        layers = [(layer.keys, layer.values) for layer in prefix_cache.layers]
+        if self._prefix_cached():
+            PREFIX_STORE.store(self.model, key, version, layers, fed[0])
+        return layers, fed[0]
 
     def admit(
         self, slots: Tensor, input_ids: Tensor, attention_mask: Tensor, instruction_lengths: Tensor, slot_count: int,

@@ -12,7 +12,8 @@ keeps the first N values, as sentence-transformers' ``truncate_dim`` does (no re
 ``usage.total_tokens`` adds the rationale tokens it wrote.
 
 Also ``GET /v1/models``, ``GET /health`` and ``GET /metrics`` (Prometheus' text format: requests by
-route and status, texts, texts queued, rows fed a decoding step or a prompt pass, request latency). With an API key
+route and status, texts, texts queued, rows fed a decoding step or a prompt pass, request latency, the instruction
+prefix cache's bytes, entries, hits and misses; ``/health`` reports the cache too). With an API key
 (``--api-key`` or ``GRACE_ST_API_KEY``; an empty one is refused at startup) every route but ``/health`` wants
 ``Authorization: Bearer``.
 
@@ -44,6 +45,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.requests import ClientDisconnect
 
 from grace_st.prompts import text_problem
+from grace_st.runtime.prefix_cache import PREFIX_STORE
 from grace_st.serve.scheduler import QueueFull, Scheduler, ShuttingDown
 
 API_KEY_ENV = "GRACE_ST_API_KEY"
@@ -357,6 +359,10 @@ class _Metrics:
         Gauge("grace_st_queued_texts", "texts waiting or decoding", registry=self.registry).set_function(
             lambda: scheduler.queued_texts
         )
+        for name, what in (("bytes", "bytes held"), ("entries", "prefixes held"), ("hits", "lookups that found"),
+                           ("misses", "lookups that computed")):
+            gauge = Gauge(f"grace_st_prefix_cache_{name}", f"instruction prefix cache: {what}", registry=self.registry)
+            gauge.set_function(lambda name=name: PREFIX_STORE.stats()[name])
 
     def exposition(self) -> Response:
         """Every series in Prometheus' text format."""
@@ -547,7 +553,7 @@ class _EmbeddingService:
         """``GET /health``: 503 once the scheduler is dead, since nothing would answer an embeddings request."""
         if not self.scheduler.alive:
             return JSONResponse({"status": "unavailable", "model": self.model_name}, status_code=503)
-        return {"status": "ok", "model": self.model_name}
+        return {"status": "ok", "model": self.model_name, "prefix_cache": PREFIX_STORE.stats()}
 
 
 def _shutting_down(message: str) -> RequestError:
