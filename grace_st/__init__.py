@@ -21,7 +21,7 @@ from grace_st.prompts import DEFAULT_INSTRUCTIONS
 
 moved_modules.install()
 
-__version__ = "0.11.0"
+__version__ = "0.12.0"
 __all__ = [
     "DEFAULT_INSTRUCTIONS", "GenerativeEncoder", "MemoryFileError", "answer", "compress", "default_model_path",
     "encode_corpus", "explain", "from_causal_lm", "from_gircse_adapter", "load", "load_memories", "save_memories",
