@@ -28,6 +28,7 @@ from torch import Tensor
 from grace_st.methods.grace import RationaleEngine
 from grace_st.runtime.batch import RolloutRequest, Rollouts, Thoughts, position_ids_from_mask, prompt_pooling_mask
 from grace_st.runtime.decoding import DecodeOptions, packed_linears_for
+from grace_st.runtime.model_view import ModelView
 from grace_st.runtime.transformers_compat import cache_kwargs
 
 
@@ -76,19 +77,13 @@ def soft_input(embedding, distribution: Tensor) -> Tensor:
 
 
 def soft_token_states(
-    model,
-    input_ids: Tensor,
-    attention_mask: Tensor,
-    steps: int,
-    *,
-    hidden_layer: int = -1,
-    top: int = 5,
-    temperature: float = 1.0,
+    view: ModelView, input_ids: Tensor, attention_mask: Tensor, steps: int, *, top: int = 5, temperature: float = 1.0
 ) -> SoftTokens:
     """K = ``steps`` soft tokens after each left-padded prompt (Algorithm 1), KV-cached; with gradient
-    when autograd is on. ``hidden_layer`` picks the states pooled (-1: the decoder's final, normed
+    when autograd is on. The view's ``hidden_layer`` picks the states pooled (-1: the decoder's final, normed
     states, the paper's); the soft token is always made from the final states through the LM head
     (:func:`output_logits`), its distribution sharpened (``temperature`` < 1) or flattened (> 1)."""
+    model, hidden_layer = view.model, view.hidden_layer
     decoder = model.get_decoder()
     embedding = model.get_input_embeddings()
     cache = _new_cache(model)
@@ -210,9 +205,7 @@ class SoftTokenEngine(RationaleEngine):
     def step_embeddings(self, input_ids: Tensor, attention_mask: Tensor, steps: int) -> Tensor:
         """z_1..z_K of left-padded prompts (B, K, H), **with** gradient: what Eq. 7 trains
         (:mod:`grace_training.algorithms.icr.loss`), by the computation :meth:`embed` returns the last of."""
-        soft = soft_token_states(
-            self.model, input_ids, attention_mask, steps, hidden_layer=self.hidden_layer, temperature=self.temperature
-        )
+        soft = soft_token_states(self.view, input_ids, attention_mask, steps, temperature=self.temperature)
         return soft.step_embeddings()
 
     def _rollout(self, request: RolloutRequest, chunk: list[int]) -> Rollouts:
@@ -223,8 +216,8 @@ class SoftTokenEngine(RationaleEngine):
         # the packed CPU kernels, as a rationale's rollout uses them (a no-op while autograd is on)
         with packed_linears_for(self.model, self.options):
             soft = soft_token_states(
-                self.model, input_ids, attention_mask, request.max_new_tokens, hidden_layer=self.hidden_layer,
-                top=self.trace_width, temperature=self.temperature,
+                self.view, input_ids, attention_mask, request.max_new_tokens, top=self.trace_width,
+                temperature=self.temperature,
             )
         spans = torch.tensor([request.instruction_lengths[i] for i in chunk], device=device)
         return soft_token_rollouts(soft, attention_mask, spans)
