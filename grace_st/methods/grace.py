@@ -48,7 +48,7 @@ from grace_st.runtime.batch import (
 from grace_st.runtime.decoding import DecodeOptions, continuous_batching, decoder_states
 from grace_st.runtime.generation import RolloutSettings, generate_rollouts, stream_rollouts
 from grace_st.runtime.model_view import ModelView
-from grace_st.runtime.second_pass import pooled_embeddings
+from grace_st.runtime.second_pass import pooled_embeddings, right_padded_states  # noqa: F401 (training reaches it here)
 
 
 def length_buckets(lengths: Sequence[int], batch_size: int, ratio: float | None = 1.5, min_rows: int = 8) -> list[list[int]]:

@@ -275,7 +275,8 @@ class IncrementalDecoder:
         self.rows: Tensor | None = None
         self.mask: Tensor | None = None  # attention mask over the KV cache's columns, for ``rows``
         self.released: Tensor | None = None  # continuous batching: which cache rows no prompt holds now
-        self.native: NativeStep | None | bool = self.options.native_step and self.hidden_layer == -1  # built at first use
+        # built at first use
+        self.native: NativeStep | None | bool = self.options.native_step and self.hidden_layer == -1
         self.native_threads = 0  # PyTorch's thread count while single-row native steps hold it at one
 
     def fresh(self) -> IncrementalDecoder:

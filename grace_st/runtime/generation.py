@@ -106,7 +106,7 @@ class RolloutSettings:
     repetition_penalty: float = 1.0
 
 
-@dataclass
+@dataclass(eq=False)
 class DecodeState:
     """Eq. 1's bookkeeping over a decoder's rows (a batch's rows, or a stream's slots) from one step to the next:
     which rows have ended, each row's temperature and generator, and which tokens each rationale has written (the
@@ -331,7 +331,8 @@ class RolloutStream:
         return self.state.done
 
     def _slots(self, count: int) -> DecodeState:
-        return DecodeState.for_slots(self.view, self.settings, count, self.root.options.inverse_cdf_sampling, self.device)
+        inverse_cdf = self.root.options.inverse_cdf_sampling
+        return DecodeState.for_slots(self.view, self.settings, count, inverse_cdf, self.device)
 
     @property
     def busy(self) -> bool:

@@ -174,7 +174,7 @@ def calibration_grams(model, names: list[str], config: Path, count: int, seed: i
 def _pooled_states(view, sequences: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
     """The hidden states ``encode`` pools (Eq. 3: the view's layer, positions after L_sys) of each sequence, run
     as one right-padded batch."""
-    from grace_st.runtime.second_pass import right_padded_states
+    from grace_st.methods.grace import right_padded_states
 
     states = right_padded_states(view, [ids for ids, _ in sequences])
     return [states[row, span : len(ids)] for row, (ids, span) in enumerate(sequences)]

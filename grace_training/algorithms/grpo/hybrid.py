@@ -66,7 +66,8 @@ def pooled_with_grad(
     )
     batch = {k: v.to(device) for k, v in batch.items()}
     # the temperature scales log-probs only, which are not used here
-    fresh = policy_pass(policy_wrapped, batch, parts[0].temperature, pool_from=policy, hidden_layer=view.hidden_layer)[1]
+    temperature = parts[0].temperature
+    fresh = policy_pass(policy_wrapped, batch, temperature, pool_from=policy, hidden_layer=view.hidden_layer)[1]
     if not prompts_only:
         return fresh
     kept = torch.cat([part.embeddings for part in parts]).to(device=device, dtype=fresh.dtype)
