@@ -100,13 +100,10 @@ def time_two_pass(model, texts, batch_size):
             rows = prompt_tokens(encoder, chunk)
             features = encoder.preprocess(chunk)
             two_pass_reference(
-                encoder.model,
+                encoder.engine.view,
                 rows,
                 features["instruction_lengths"].tolist(),
                 max_new_tokens=encoder.max_rationale_tokens,
-                eos_token_ids=encoder.eos_token_ids,
-                pad_token_id=encoder.pad_token_id,
-                hidden_layer=encoder.hidden_layer,
             )
         elapsed = time.perf_counter() - start
     return elapsed, memory.peak - memory.baseline

@@ -83,10 +83,7 @@ def reconstruction_losses(
     head = encoder.model.get_output_embeddings()
     losses = []
     for i, source in enumerate(read_from):  # one text a pass: token_loss is a mean over its rows
-        out = latent_pass(
-            encoder.model, encoder.latent_tokens, [prefixes[source]], [turns[i]], pad_token_id=encoder.pad_token_id,
-            hidden_layer=encoder.hidden_layer,
-        )
+        out = latent_pass(encoder.engine.view, encoder.latent_tokens, [prefixes[source]], [turns[i]])
         losses.append(token_loss(head, out.suffix_states, [turns[i]], [(starts[i], len(turns[i]))]).item())
     return losses
 

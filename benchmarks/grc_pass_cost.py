@@ -37,12 +37,10 @@ def main() -> None:
 
     def masked(rows):
         with packed_linears_for(encoder.model, engine.options):
-            return latent_pass(encoder.model, encoder.latent_tokens, rows, pad_token_id=engine.pad_token_id).embeddings
+            return latent_pass(engine.view, encoder.latent_tokens, rows).embeddings
 
     def prompt_pass(rows):
-        return latent_pass(
-            encoder.model, encoder.latent_tokens, rows, pad_token_id=engine.pad_token_id, options=engine.options
-        ).embeddings
+        return latent_pass(engine.view, encoder.latent_tokens, rows, prompt_pass=True).embeddings
 
     passes = {"masked pass": masked, "prompt pass": prompt_pass}
     for run in passes.values():  # packing the weights and binding the native kernels happen once, untimed

@@ -149,14 +149,24 @@ def make_prompts(template: str = "chatml"):
     return tokenizer, make_model(tokenizer), rows, [built.instruction_span] * len(rows)
 
 
-def rollout_settings(tokenizer, eos=None, **kwargs):
-    """:class:`~grace_st.runtime.generation.RolloutSettings` for a tiny model: EOS the tokenizer's unless given, and the
-    shared settings among ``kwargs``; returns them and the per-row keyword arguments left over."""
+def model_view(model, tokenizer, eos=None, hidden_layer=-1, options=None):
+    """A :class:`~grace_st.runtime.model_view.ModelView` of a tiny model: EOS the tokenizer's unless given."""
+    from grace_st.runtime.decoding import DecodeOptions
+    from grace_st.runtime.model_view import ModelView
+
+    eos = tuple(eos or [tokenizer.eos_token_id])
+    return ModelView(model, hidden_layer, tokenizer.pad_token_id, eos, options or DecodeOptions())
+
+
+def rollout_settings(model, tokenizer, eos=None, **kwargs):
+    """The :class:`~grace_st.runtime.model_view.ModelView` of a tiny model (EOS the tokenizer's unless given) and the
+    :class:`~grace_st.runtime.generation.RolloutSettings` among ``kwargs``; returns them and the per-row keyword
+    arguments left over."""
     from grace_st.runtime.generation import RolloutSettings
 
-    shared = {k: kwargs.pop(k) for k in ("do_sample", "top_p", "repetition_penalty", "hidden_layer", "options") if k in kwargs}
-    settings = RolloutSettings(tuple(eos or [tokenizer.eos_token_id]), tokenizer.pad_token_id, **shared)
-    return settings, kwargs
+    viewed = {k: kwargs.pop(k) for k in ("hidden_layer", "options") if k in kwargs}
+    shared = {k: kwargs.pop(k) for k in ("do_sample", "top_p", "repetition_penalty") if k in kwargs}
+    return model_view(model, tokenizer, eos, **viewed), RolloutSettings(**shared), kwargs
 
 
 def one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, eos=None, **kwargs):
@@ -165,9 +175,9 @@ def one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, eos=None, *
     from grace_st.runtime.generation import generate_rollouts
 
     input_ids, attention_mask = left_pad(rows, tokenizer.pad_token_id)
-    settings, per_row = rollout_settings(tokenizer, eos, **kwargs)
+    view, settings, per_row = rollout_settings(model, tokenizer, eos, **kwargs)
     return generate_rollouts(
-        model, input_ids, attention_mask, torch.tensor(spans), settings, max_new_tokens=max_new_tokens, **per_row
+        view, input_ids, attention_mask, torch.tensor(spans), settings, max_new_tokens=max_new_tokens, **per_row
     )
 
 

@@ -86,10 +86,8 @@ def test_a_stream_that_grows_its_slots_mid_decode_gives_each_row_its_bits(model)
     encoder = model[0]
     rows, span = encoder.prompt_token_ids(TEXTS)
     engine = encoder.engine
-    with torch.no_grad(), incremental_decoder(encoder.model) as decoder:
-        settings = RolloutSettings(
-            tuple(engine.eos_token_ids), engine.pad_token_id, repetition_penalty=encoder.repetition_penalty
-        )
+    with torch.no_grad(), incremental_decoder(engine.view) as decoder:
+        settings = RolloutSettings(repetition_penalty=encoder.repetition_penalty)
         stream = RolloutStream(decoder, settings, slots=lambda waiting: min(8, waiting))
         finished = {}
         stream.add(streamed_row(0, rows[0], span, 6))

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from conftest import PROMPT_TEXTS, make_prompts, one_pass_rollouts
+from conftest import PROMPT_TEXTS, make_prompts, model_view, one_pass_rollouts
 
 from grace_st.runtime.batch import masked_mean
 from grace_st.runtime.decoding import DecodeOptions
@@ -23,13 +23,7 @@ def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens, packe
     options = DecodeOptions(packed_linears=packed == "1")
     rollouts = one_pass_rollouts(model, tokenizer, rows, spans, max_new_tokens, options=options)
     reference, reference_rationales = two_pass_reference(
-        model,
-        rows,
-        spans,
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        packed_linears=packed == "1",
+        model_view(model, tokenizer, options=options), rows, spans, max_new_tokens=max_new_tokens
     )
     assert _rationales(rollouts) == reference_rationales
     one_pass = masked_mean(rollouts.token_embeddings, rollouts.pooling_mask)
@@ -39,10 +33,7 @@ def test_one_pass_equals_two_pass_reference(template_name, max_new_tokens, packe
 def test_one_pass_equals_two_pass_at_another_layer():
     tokenizer, model, rows, spans = make_prompts()
     rollouts = one_pass_rollouts(model, tokenizer, rows, spans, 6, hidden_layer=1)
-    reference, _ = two_pass_reference(
-        model, rows, spans, max_new_tokens=6, eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id, hidden_layer=1,
-    )
+    reference, _ = two_pass_reference(model_view(model, tokenizer, hidden_layer=1), rows, spans, max_new_tokens=6)
     torch.testing.assert_close(masked_mean(rollouts.token_embeddings, rollouts.pooling_mask), reference, atol=1e-5, rtol=1e-4)
 
 
@@ -61,8 +52,7 @@ def test_eos_ends_the_rationale_and_is_not_pooled():
     prompt_pooled = len(rows[0]) - spans[0]
     assert int(stopped.pooling_mask[0].sum()) == prompt_pooled + len(first)
     reference, reference_rationales = two_pass_reference(
-        model, rows, spans, max_new_tokens=10, eos_token_ids=[tokenizer.eos_token_id, stop],
-        pad_token_id=tokenizer.pad_token_id,
+        model_view(model, tokenizer, [tokenizer.eos_token_id, stop]), rows, spans, max_new_tokens=10
     )
     assert reference_rationales[0] == first
     torch.testing.assert_close(masked_mean(stopped.token_embeddings, stopped.pooling_mask), reference, atol=1e-5, rtol=1e-4)
@@ -254,8 +244,8 @@ def _stream(model, tokenizer, rows, spans, max_new_tokens, eos, slots, **kwargs)
 
     from grace_st.runtime.generation import stream_rollouts
 
-    settings, per_row = rollout_settings(tokenizer, eos, **kwargs)
-    return stream_rollouts(model, rows, spans, settings, slots=slots, max_new_tokens=max_new_tokens, **per_row)
+    view, settings, per_row = rollout_settings(model, tokenizer, eos, **kwargs)
+    return stream_rollouts(view, rows, spans, settings, slots=slots, max_new_tokens=max_new_tokens, **per_row)
 
 
 def _assert_same_rollouts(streamed, one_pass):

@@ -17,6 +17,7 @@ from test_training_trainer import DATA, config
 import grace_st
 from grace_st.methods.gircse import output_logits, soft_token_states
 from grace_st.runtime.batch import left_pad
+from grace_st.runtime.model_view import ModelView
 from grace_training.algorithms.icr.loss import refinement_loss, stepwise_cosent, stepwise_infonce
 from grace_training.data.examples import Triplet
 from grace_training.trainer import Trainer
@@ -52,7 +53,7 @@ def test_soft_tokens_are_algorithm_1_kv_cached_and_the_embedding_is_the_mean_of_
     with torch.no_grad():
         expected = [algorithm_1_without_a_cache(encoder.model, row, 4) for row in rows]
         input_ids, mask = left_pad(rows, encoder.pad_token_id)  # the short prompt is left-padded
-        soft = soft_token_states(encoder.model, input_ids, mask, 4)
+        soft = soft_token_states(encoder.engine.view, input_ids, mask, 4)
     for i, (states, distributions) in enumerate(expected):
         torch.testing.assert_close(soft.states[i], states, atol=2e-4, rtol=1e-3)  # left padding: float rounding
         top = distributions.topk(5, dim=-1)
@@ -189,7 +190,7 @@ def test_gradients_reach_lora_through_every_soft_step():
 
     handle = model.get_decoder().register_forward_pre_hook(keep, with_kwargs=True)
     ids = torch.tensor([[3, 20, 21, 22]])
-    soft = soft_token_states(model, ids, torch.ones_like(ids), 4)
+    soft = soft_token_states(ModelView(model), ids, torch.ones_like(ids), 4)
     handle.remove()
     soft.step_embeddings()[:, -1].pow(2).sum().backward()
     assert len(fed) == 4 and all(d.grad is not None and float(d.grad.abs().sum()) > 0 for d in fed)

@@ -3,6 +3,7 @@ Eq. 5 trains all three in one masked pass; on tiny random models."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -18,6 +19,7 @@ import grace_st
 from grace_st.memory import memory_prompt
 from grace_st.methods.grc import LatentTokens, latent_pass, segment_mask, turn_logits
 from grace_st.runtime.decoding import DecodeOptions
+from grace_st.runtime.model_view import ModelView
 from grace_training.data.examples import Triplet
 from grace_training.trainer import Trainer
 
@@ -78,11 +80,12 @@ def test_encode_and_compress_feed_the_latents_as_a_prompt_pass_equal_to_the_mask
     encoder = grc_model()[0]
     rows, _ = encoder.prompt_token_ids([*TEXTS, TEXTS[0], "A third text, longer than the others by far."], task="query")
     rows = [row + encoder.tokenizer.encode("None") for row in rows]
-    kwargs = {"pad_token_id": encoder.pad_token_id, "with_memory": True}
+    view = dataclasses.replace(encoder.engine.view, options=options)
+    kwargs = {"with_memory": True}
     with torch.no_grad():
-        masked = latent_pass(encoder.model, encoder.latent_tokens, rows, **kwargs)
-        fed = latent_pass(encoder.model, encoder.latent_tokens, rows, options=options, **kwargs)
-        alone = [latent_pass(encoder.model, encoder.latent_tokens, [row], options=options, **kwargs) for row in rows]
+        masked = latent_pass(view, encoder.latent_tokens, rows, **kwargs)
+        fed = latent_pass(view, encoder.latent_tokens, rows, prompt_pass=True, **kwargs)
+        alone = [latent_pass(view, encoder.latent_tokens, [row], prompt_pass=True, **kwargs) for row in rows]
     torch.testing.assert_close(fed.embeddings, masked.embeddings, atol=1e-5, rtol=1e-4)
     for mine, theirs in zip(fed.memories, masked.memories):
         assert mine.next_position == theirs.next_position and mine.nbytes == theirs.nbytes
@@ -103,12 +106,12 @@ def test_segment_3_never_attends_to_segment_1():
     second = [[(token + 7) % len(tokenizer) for token in first[0]]]  # other tokens, the same positions
     with torch.no_grad():
         one, two = (
-            head(latent_pass(encoder.model, encoder.latent_tokens, prefix, suffix, pad_token_id=0).suffix_states)
+            head(latent_pass(ModelView(encoder.model), encoder.latent_tokens, prefix, suffix).suffix_states)
             for prefix in (first, second)
         )
         assert torch.equal(one, two)
         assert not torch.equal(
-            *(latent_pass(encoder.model, encoder.latent_tokens, p, pad_token_id=0).embeddings for p in (first, second))
+            *(latent_pass(ModelView(encoder.model), encoder.latent_tokens, p).embeddings for p in (first, second))
         )
     real = torch.ones(1, 5, dtype=torch.long)
     allowed = segment_mask(real, torch.tensor([1, 1, 2, 3, 3]), torch.float32)[0, 0] == 0
@@ -156,10 +159,10 @@ def test_the_masked_pass_slides_as_the_model_does_for_texts_longer_than_its_wind
     rows = [row + encoder.tokenizer.encode("None") for row in rows]
     assert min(map(len, rows)) > 4 * window
     turn = memory_prompt(encoder, "What were we discussing earlier?")
-    kwargs = {"pad_token_id": encoder.pad_token_id}
+    view = dataclasses.replace(encoder.engine.view, options=DecodeOptions())
     with torch.no_grad():
-        masked = latent_pass(encoder.model, encoder.latent_tokens, rows, [turn, turn], **kwargs)
-        fed = latent_pass(encoder.model, encoder.latent_tokens, rows, options=DecodeOptions(), **kwargs)
+        masked = latent_pass(view, encoder.latent_tokens, rows, [turn, turn])
+        fed = latent_pass(view, encoder.latent_tokens, rows, prompt_pass=True)
     torch.testing.assert_close(masked.embeddings, fed.embeddings, atol=1e-5, rtol=1e-4)
     encoded = model.encode_document(TEXTS, convert_to_tensor=True)
     torch.testing.assert_close(F.normalize(masked.embeddings, dim=-1), encoded, atol=1e-5, rtol=1e-4)
@@ -193,7 +196,7 @@ def test_training_reconstruction_reads_the_memory_compress_gives():
     turn = memory_prompt(encoder, "What were we discussing earlier?")
     head = encoder.model.get_output_embeddings()
     with torch.no_grad():
-        trained = head(latent_pass(encoder.model, encoder.latent_tokens, [prompt], [turn], pad_token_id=0).suffix_states)
+        trained = head(latent_pass(ModelView(encoder.model), encoder.latent_tokens, [prompt], [turn]).suffix_states)
     torch.testing.assert_close(turn_logits(encoder.model, turn, [memory])[None], trained, atol=2e-5, rtol=1e-4)
     assert memory.next_position == len(prompt) + 3
 
@@ -229,7 +232,7 @@ def test_the_memory_benchmark_scores_a_text_read_from_its_own_memory_by_the_trai
     prefix = encoder.prompt_token_ids(TEXTS[:1], task="document")[0][0] + encoder.tokenizer.encode("None")
     [turn], [start] = reconstruction_turns(encoder, TEXTS[:1], 0, 128)
     with torch.no_grad():
-        out = latent_pass(encoder.model, encoder.latent_tokens, [prefix], [turn], pad_token_id=encoder.pad_token_id)
+        out = latent_pass(encoder.engine.view, encoder.latent_tokens, [prefix], [turn])
         expected = token_loss(encoder.model.get_output_embeddings(), out.suffix_states, [turn], [(start, len(turn))])
     assert own[0] == pytest.approx(expected.item(), rel=1e-5)
     # answer's reading of the memories gives the training loss too, and a second memory changes it
@@ -406,7 +409,7 @@ def test_the_generation_loss_is_taken_on_the_response_tokens_each_from_the_state
     for ys in (made, [list(reversed(y)) for y in made]):
         prefixes = [row + y for row, y in zip(rows, ys)]
         with torch.no_grad():
-            out = latent_pass(encoder.model, encoder.latent_tokens, prefixes, pad_token_id=encoder.pad_token_id)
+            out = latent_pass(encoder.engine.view, encoder.latent_tokens, prefixes)
         width = out.prefix_states.shape[1]
         laid_out = [[-1] * (width - len(p)) + p for p in prefixes]
         head = encoder.model.get_output_embeddings()

@@ -350,13 +350,14 @@ def test_a_row_s_step_does_not_depend_on_the_other_rows_or_the_threads():
 def test_the_prompt_pass_skips_padding_and_gives_the_model_s_states_logits_and_cache(budget, native_prefills):
     from grace_st.runtime.batch import left_pad
     from grace_st.runtime.decoding import DecodeOptions, incremental_decoder
+    from grace_st.runtime.model_view import ModelView
 
     tokenizer, _, rows, spans = make_prompts()
     model = make_model(tokenizer, hidden_size=64)
     ids, mask = left_pad(rows, tokenizer.pad_token_id)
     results = []
     for options in (DecodeOptions(), PYTORCH_STEP):
-        with torch.no_grad(), incremental_decoder(model, options=options) as decoder:
+        with torch.no_grad(), incremental_decoder(ModelView(model, options=options)) as decoder:
             states, logits = decoder.prefill(ids, mask, torch.tensor(spans), budget)
             results.append((states, logits, decoder.kv_cache, decoder.mask))
     assert native_prefills == [True, True]  # the shared prefix, then the rest of each prompt

@@ -1,6 +1,7 @@
 """The vLLM backend: HF pooling over given rationales, the generator's contract (on a stand-in
 for vLLM), the install hint, and on a GPU with vLLM, equality with the HF backend."""
 
+import dataclasses
 import importlib.util
 import sys
 import types
@@ -8,7 +9,7 @@ import types
 import numpy as np
 import pytest
 import torch
-from conftest import PROMPT_TEXTS, make_model, make_prompts, make_tokenizer, one_pass_rollouts
+from conftest import PROMPT_TEXTS, make_model, make_prompts, make_tokenizer, model_view, one_pass_rollouts
 
 from grace_st.runtime.batch import Rationales
 from grace_st.runtime.generation import RolloutSettings, generate_rollouts
@@ -26,22 +27,13 @@ TEXTS = PROMPT_TEXTS
 )
 def test_pooled_embeddings_equal_two_pass_reference(template_name, max_new_tokens, hidden_layer):
     tokenizer, model, rows, spans = make_prompts(template_name)
-    reference, rationales = two_pass_reference(
-        model,
-        rows,
-        spans,
-        max_new_tokens=max_new_tokens,
-        eos_token_ids=[tokenizer.eos_token_id],
-        pad_token_id=tokenizer.pad_token_id,
-        hidden_layer=hidden_layer,
-    )
-    pooled = pooled_embeddings(model, rows, spans, rationales, tokenizer.pad_token_id, hidden_layer)
+    view = model_view(model, tokenizer, hidden_layer=hidden_layer)
+    reference, rationales = two_pass_reference(view, rows, spans, max_new_tokens=max_new_tokens)
+    pooled = pooled_embeddings(view, rows, spans, rationales)
     assert pooled.dtype == torch.float32 and pooled.shape == reference.shape
     torch.testing.assert_close(pooled, reference, atol=1e-6, rtol=1e-5)
     # batched by length, in another order internally: the same vectors, in the caller's order
-    batched = pooled_embeddings(
-        model, rows, torch.tensor(spans), rationales, tokenizer.pad_token_id, hidden_layer, batch_size=3
-    )
+    batched = pooled_embeddings(view, rows, torch.tensor(spans), rationales, batch_size=3)
     torch.testing.assert_close(batched, reference, atol=1e-5, rtol=1e-4)
 
 
@@ -50,27 +42,19 @@ def test_pooled_embeddings_with_uneven_rationales_and_an_extra_eos():
     tokenizer, model, rows, spans = make_prompts()
     free = one_pass_rollouts(model, tokenizer, rows, spans, 10)
     stop = [t for t in free.rationale_ids[0].tolist()][3]
-    reference, rationales = two_pass_reference(
-        model,
-        rows,
-        spans,
-        max_new_tokens=10,
-        eos_token_ids=[tokenizer.eos_token_id, stop],
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    view = model_view(model, tokenizer, [tokenizer.eos_token_id, stop])
+    reference, rationales = two_pass_reference(view, rows, spans, max_new_tokens=10)
     assert len({len(r) for r in rationales}) > 1
-    torch.testing.assert_close(
-        pooled_embeddings(model, rows, spans, rationales, tokenizer.pad_token_id), reference, atol=1e-6, rtol=1e-5
-    )
+    torch.testing.assert_close(pooled_embeddings(view, rows, spans, rationales), reference, atol=1e-6, rtol=1e-5)
 
 
 def test_pooled_embeddings_checks_its_inputs():
     tokenizer, model, rows, spans = make_prompts()
     with pytest.raises(ValueError, match="3 rationales"):
-        pooled_embeddings(model, rows, spans, [[]] * 3, tokenizer.pad_token_id)
+        pooled_embeddings(model_view(model, tokenizer), rows, spans, [[]] * 3)
     with pytest.raises(ValueError, match="outside its prompt"):
-        pooled_embeddings(model, rows[:1], [len(rows[0]) + 1], [[]], tokenizer.pad_token_id)
-    assert pooled_embeddings(model, [], [], [], tokenizer.pad_token_id).shape == (0, model.config.hidden_size)
+        pooled_embeddings(model_view(model, tokenizer), rows[:1], [len(rows[0]) + 1], [[]])
+    assert pooled_embeddings(model_view(model, tokenizer), [], [], []).shape == (0, model.config.hidden_size)
 
 
 # -- the generator's contract, on a stand-in for vllm ------------------------------------------------
@@ -240,7 +224,7 @@ def test_vllm_matches_the_hf_backend_on_gpu(tmp_path, monkeypatch):
     rationales, truncated = generator.generate(prompts, max_new_tokens=12, eos_token_ids=encoder.eos_token_ids)
     assert rationales == hf_rationales
     assert truncated == hf["rationale_truncated"][:, 0].tolist()
-    pooled = pooled_embeddings(encoder.model, prompts, spans, rationales, encoder.pad_token_id)
+    pooled = pooled_embeddings(encoder.engine.view, prompts, spans, rationales)
     torch.testing.assert_close(pooled, hf["sentence_embedding"].float(), atol=1e-4, rtol=1e-3)
     encoded = st.encode(TEXTS, convert_to_tensor=True)
     torch.testing.assert_close(F.normalize(pooled, dim=-1), encoded.float(), atol=1e-4, rtol=1e-3)
@@ -248,11 +232,11 @@ def test_vllm_matches_the_hf_backend_on_gpu(tmp_path, monkeypatch):
     # an extra EOS inside row 0's rationale: the stopping path, against generate_rollouts
     eos = [*encoder.eos_token_ids, hf_rationales[0][3]]
     rollouts = generate_rollouts(
-        encoder.model,
+        dataclasses.replace(encoder.engine.view, eos_token_ids=tuple(eos)),
         features["input_ids"].cuda(),
         features["attention_mask"].cuda(),
         features["instruction_lengths"].cuda(),
-        RolloutSettings(tuple(eos), encoder.pad_token_id),
+        RolloutSettings(),
         max_new_tokens=12,
     )
     rationales, truncated = generator.generate(prompts, max_new_tokens=12, eos_token_ids=eos)

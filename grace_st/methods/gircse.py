@@ -31,6 +31,7 @@ from grace_st.methods.base import Method
 from grace_st.methods.grace import RationaleEngine
 from grace_st.runtime.batch import RolloutRequest, Rollouts, Thoughts, position_ids_from_mask, prompt_pooling_mask
 from grace_st.runtime.decoding import DecodeOptions, packed_linears_for, shared_prefix_length
+from grace_st.runtime.model_view import ModelView
 from grace_st.runtime.prefix_cache import PREFIX_STORE, prefix_key, splits_single_rows, weights_version
 from grace_st.runtime.transformers_compat import cache_kwargs
 from grace_st.setting import Setting, how, is_number
@@ -85,23 +86,22 @@ def soft_input(embedding, distribution: Tensor) -> Tensor:
 
 
 def soft_token_states(
-    model,
+    view: ModelView,
     input_ids: Tensor,
     attention_mask: Tensor,
     steps: int,
     *,
-    hidden_layer: int = -1,
     top: int = 5,
     temperature: float = 1.0,
     instruction_lengths: Tensor | None = None,
-    options: DecodeOptions | None = None,
 ) -> SoftTokens:
     """K = ``steps`` soft tokens after each left-padded prompt (Algorithm 1), KV-cached; with gradient
-    when autograd is on. ``hidden_layer`` picks the states pooled (-1: the decoder's final, normed
+    when autograd is on. The view's ``hidden_layer`` picks the states pooled (-1: the decoder's final, normed
     states, the paper's); the soft token is always made from the final states through the LM head
     (:func:`output_logits`), its distribution sharpened (``temperature`` < 1) or flattened (> 1).
-    ``instruction_lengths`` (L_sys a row) and ``options`` with ``prefix_cache``: the prompts' shared instruction
+    ``instruction_lengths`` (L_sys a row), with the view's options' ``prefix_cache``: the prompts' shared instruction
     prefix comes from :mod:`grace_st.runtime.prefix_cache` (autograd off, float32 weights, K = 0)."""
+    model, hidden_layer, options = view.model, view.hidden_layer, view.options
     decoder = model.get_decoder()
     embedding = model.get_input_embeddings()
     cache = _new_cache(model)
@@ -277,9 +277,7 @@ class SoftTokenEngine(RationaleEngine):
     def step_embeddings(self, input_ids: Tensor, attention_mask: Tensor, steps: int) -> Tensor:
         """z_1..z_K of left-padded prompts (B, K, H), **with** gradient: what Eq. 7 trains
         (:mod:`grace_training.algorithms.icr.loss`), by the computation :meth:`embed` returns the last of."""
-        soft = soft_token_states(
-            self.model, input_ids, attention_mask, steps, hidden_layer=self.hidden_layer, temperature=self.temperature
-        )
+        soft = soft_token_states(self.view, input_ids, attention_mask, steps, temperature=self.temperature)
         return soft.step_embeddings()
 
     def _rollout(self, request: RolloutRequest, chunk: list[int]) -> Rollouts:
@@ -291,8 +289,8 @@ class SoftTokenEngine(RationaleEngine):
         # the packed CPU kernels, as a rationale's rollout uses them (a no-op while autograd is on)
         with packed_linears_for(self.model, self.options):
             soft = soft_token_states(
-                self.model, input_ids, attention_mask, request.max_new_tokens, hidden_layer=self.hidden_layer,
-                top=self.trace_width, temperature=self.temperature, instruction_lengths=spans, options=self.options,
+                self.view, input_ids, attention_mask, request.max_new_tokens, top=self.trace_width,
+                temperature=self.temperature, instruction_lengths=spans,
             )
         return soft_token_rollouts(soft, attention_mask, spans)
 

@@ -48,6 +48,7 @@ from grace_st.runtime.batch import (
 )
 from grace_st.runtime.decoding import DecodeOptions, continuous_batching, decoder_states
 from grace_st.runtime.generation import RolloutSettings, generate_rollouts, stream_rollouts
+from grace_st.runtime.model_view import ModelView
 from grace_st.runtime.second_pass import pooled_embeddings, right_padded_states  # noqa: F401 (training reaches it here)
 
 
@@ -77,7 +78,9 @@ class RationaleEngine:
     """A causal LM that writes rationales and pools its states (GRACE, method.md §1).
 
     A view over the model it is given: it holds no weights of its own, so an encoder builds one when
-    asked (``GenerativeEncoder.engine``) and every caller sees the current model, adapter and settings.
+    asked (``GenerativeEncoder.engine``) and every caller sees the current model, adapter and settings. What the
+    runtime reads of the model (the layer pooled, the pad and stop ids, the decode options) is its :attr:`view`
+    (:class:`~grace_st.runtime.model_view.ModelView`), handed down whole.
 
     Args:
         model: the causal LM (a PEFT model for a LoRA adapter).
@@ -90,24 +93,44 @@ class RationaleEngine:
     """
 
     def __init__(self, model, tokenizer, *, hidden_layer: int = -1, options: DecodeOptions | None = None, generator=None):
-        self.model = model
         self.tokenizer = tokenizer
-        self.hidden_layer = hidden_layer
-        self.options = options or DecodeOptions()
         self.generator = generator
+        self.view = self._view(model, hidden_layer, options or DecodeOptions())
+
+    def _view(self, model, hidden_layer: int, options: DecodeOptions) -> ModelView:
+        """The model with its stop ids (the tokenizer's EOS and the generation config's) and pad id (the
+        tokenizer's, else the first stop id)."""
+        ids = {self.tokenizer.eos_token_id}
+        generation_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
+        eos = tuple(sorted(i for i in ids if i is not None))
+        pad = self.tokenizer.pad_token_id
+        return ModelView(model, hidden_layer, pad if pad is not None else eos[0], eos, options)
+
+    @property
+    def model(self):
+        return self.view.model
+
+    @model.setter
+    def model(self, model) -> None:
+        self.view = self._view(model, self.view.hidden_layer, self.view.options)
+
+    @property
+    def hidden_layer(self) -> int:
+        return self.view.hidden_layer
+
+    @property
+    def options(self) -> DecodeOptions:
+        return self.view.options
 
     @property
     def eos_token_ids(self) -> list[int]:
         """Every id that ends a rationale: the tokenizer's EOS and the generation config's."""
-        ids = {self.tokenizer.eos_token_id}
-        generation_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        ids.update(generation_eos if isinstance(generation_eos, list) else [generation_eos])
-        return sorted(i for i in ids if i is not None)
+        return list(self.view.eos_token_ids)
 
     @property
     def pad_token_id(self) -> int:
-        pad = self.tokenizer.pad_token_id
-        return pad if pad is not None else self.eos_token_ids[0]
+        return self.view.pad_token_id
 
     @property
     def hidden_size(self) -> int:
@@ -161,15 +184,8 @@ class RationaleEngine:
         (``batch_size`` rows at a time, by length; None: one batch)."""
         if not thoughts.chunks and request.prompt_ids:
             return pooled_embeddings(
-                self.model,
-                request.prompt_ids,
-                request.instruction_lengths,
-                thoughts.rationales.rationale_ids,
-                self.pad_token_id,
-                self.hidden_layer,
+                self.view, request.prompt_ids, request.instruction_lengths, thoughts.rationales.rationale_ids,
                 batch_size=batch_size,
-                packed_linears=self.options.packed_linears,
-                merge_adapters=self.options.merge_adapters,
             )
         whole = thoughts.single_pass()
         if whole is not None:  # one pass in request order (encode's batch): as it is, on the model's device
@@ -186,25 +202,17 @@ class RationaleEngine:
         baseline trains (:mod:`grace_training.algorithms.infonce`), and the states it pooled. The positions a budget-0
         rollout pools."""
         states = decoder_states(
-            self.model.get_decoder(), self.hidden_layer,
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask),
+            self.view, input_ids=input_ids, attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
         )
         return masked_mean(states, prompt_pooling_mask(attention_mask, instruction_lengths)), states
 
     # -- the HF one-pass rollout -----------------------------------------------------------------
 
     def rollout_settings(self, do_sample: bool, top_p: float, repetition_penalty: float) -> RolloutSettings:
-        """What the rows decoded together share: the sampling asked for, and this engine's stop and pad ids,
-        layer and decode options (the server's scheduler builds its stream's settings here too)."""
-        return RolloutSettings(
-            eos_token_ids=tuple(self.eos_token_ids),
-            pad_token_id=self.pad_token_id,
-            do_sample=do_sample,
-            top_p=top_p,
-            repetition_penalty=repetition_penalty,
-            hidden_layer=self.hidden_layer,
-            options=self.options,
-        )
+        """How the rows decoded together draw their tokens (the server's scheduler builds its stream's settings
+        here too); the rest of what they share is this engine's :attr:`view`."""
+        return RolloutSettings(do_sample=do_sample, top_p=top_p, repetition_penalty=repetition_penalty)
 
     def _request_settings(self, request: RolloutRequest, temperatures: Sequence[float]) -> RolloutSettings:
         """Sampling is on when any of ``temperatures`` (the rows decoded together) is above 0."""
@@ -228,7 +236,7 @@ class RationaleEngine:
         """Every row through ``options.decode_rows`` slots (:func:`~grace_st.runtime.generation.stream_rollouts`): one
         :class:`Rollouts` in request order, as one pass would give."""
         rollouts = stream_rollouts(
-            self.model,
+            self.view,
             request.prompt_ids,
             request.instruction_lengths,
             self._request_settings(request, request.temperatures),
@@ -251,7 +259,7 @@ class RationaleEngine:
         input_ids, attention_mask = self._left_padded(request, chunk)
         temperatures = [request.temperatures[i] for i in chunk]
         return generate_rollouts(
-            self.model,
+            self.view,
             input_ids.to(device),
             attention_mask.to(device),
             torch.tensor([request.instruction_lengths[i] for i in chunk], device=device),

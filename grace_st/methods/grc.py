@@ -52,6 +52,7 @@ from grace_st.methods.base import LearnedState, Method
 from grace_st.methods.grace import RationaleEngine
 from grace_st.runtime.batch import Rationales, RolloutRequest, Thoughts, left_pad, position_ids_from_mask, right_pad
 from grace_st.runtime.decoding import DecodeOptions, decoder_states, incremental_decoder
+from grace_st.runtime.model_view import ModelView
 from grace_st.runtime.transformers_compat import cache_kwargs
 from grace_st.setting import WHAT, Setting, int_in
 
@@ -325,25 +326,24 @@ class LatentPass:
 
 
 def latent_pass(
-    model,
+    view: ModelView,
     latents: LatentTokens,
     prefixes: Sequence[Sequence[int]],
     suffixes: Sequence[Sequence[int]] | None = None,
     *,
-    pad_token_id: int,
-    hidden_layer: int = -1,
     with_memory: bool = False,
-    options: DecodeOptions | None = None,
+    prompt_pass: bool = False,
 ) -> LatentPass:
     """One forward over ❶ ``prefixes`` (P(x) ⊕ y, token ids), ❷ the latents and ❸ ``suffixes`` (token ids, or
     none) under :func:`segment_mask`, windowed where the model's layers slide (:func:`layer_masks`); gradients
     flow when autograd is on (training), so call it under ``torch.no_grad`` to embed.
 
-    Given ``options``, without ❸ and with autograd off (``encode``, :func:`grace_st.memory.compress`), the pass
+    With ``prompt_pass``, without ❸ and with autograd off (``encode``, :func:`grace_st.memory.compress`), the pass
     is a prompt pass of :mod:`grace_st.runtime.decoding` (:func:`_latent_prompt_pass`): the same causal pass, fed as
-    ``options`` allow."""
-    if options is not None and not any(suffixes or ()) and not torch.is_grad_enabled():
-        return _latent_prompt_pass(model, latents, prefixes, pad_token_id, hidden_layer, with_memory, options)
+    the view's options allow."""
+    if prompt_pass and not any(suffixes or ()) and not torch.is_grad_enabled():
+        return _latent_prompt_pass(view, latents, prefixes, with_memory)
+    model, pad_token_id = view.model, view.pad_token_id
     device = latents.latents.device
     rows = len(prefixes)
     suffixes = suffixes if suffixes is not None else [[] for _ in range(rows)]
@@ -363,10 +363,10 @@ def latent_pass(
     real = torch.cat([prefix_real, torch.ones(rows, m, dtype=torch.long), suffix_real], dim=1).to(device)
     segments = torch.tensor([1] * width + [2] * m + [3] * suffix_ids.shape[1], device=device)
     cache = _new_cache() if with_memory else None
-    decoder = model.get_decoder()
     states = decoder_states(
-        decoder, hidden_layer, cache=cache, inputs_embeds=inputs,
-        attention_mask=layer_masks(decoder.config, real, segments, dtype), position_ids=position_ids_from_mask(real),
+        view, cache=cache, inputs_embeds=inputs,
+        attention_mask=layer_masks(model.get_decoder().config, real, segments, dtype),
+        position_ids=position_ids_from_mask(real),
     )
     memories = None
     if with_memory:
@@ -378,22 +378,21 @@ def latent_pass(
 
 
 def _latent_prompt_pass(
-    model, latents: LatentTokens, prefixes: Sequence[Sequence[int]], pad_token_id: int, hidden_layer: int,
-    with_memory: bool, options: DecodeOptions,
+    view: ModelView, latents: LatentTokens, prefixes: Sequence[Sequence[int]], with_memory: bool
 ) -> LatentPass:
     """:func:`latent_pass` without ❸ as the prompt pass a rationale's prompts get (``IncrementalDecoder.prefill``):
     each row ``P(x) ⊕ y`` then the latents, left-padded, so the latents are every row's last m columns. The
     instruction prefix the rows share runs once a batch, padding is skipped and the native kernels run where they
     apply; the latents enter as ``inputs_embeds``. The shared prefix stops before the latents (each row's own
     length caps it), so a latent column is never taken for a token with the same id."""
-    m = latents.num_latent_tokens
-    embed = model.get_input_embeddings()
+    m, pad_token_id = latents.num_latent_tokens, view.pad_token_id
+    embed = view.model.get_input_embeddings()
     ids, real = left_pad([[*row, *[pad_token_id] * m] for row in prefixes], pad_token_id)
     ids, real = ids.to(embed.weight.device), real.to(embed.weight.device)
     inputs = embed(ids)
     inputs[:, -m:] = latents.latents.to(inputs.dtype)
     lengths = torch.tensor([len(row) for row in prefixes], device=ids.device)
-    with incremental_decoder(model, hidden_layer, options) as decoder:
+    with incremental_decoder(view) as decoder:
         states, _ = decoder.prefill(ids, real, lengths, 0, inputs_embeds=inputs, keep_cache=with_memory)
         memories = _memories(decoder.kv_cache, slice(-m, None), (lengths + m).tolist()) if with_memory else None
     width = ids.shape[1] - m
@@ -684,8 +683,7 @@ class LatentEngine(RationaleEngine):
         :func:`grace_st.compress` read."""
         return [
             latent_pass(
-                self.model, self.latents, rows[start : start + batch_size], pad_token_id=self.pad_token_id,
-                hidden_layer=self.hidden_layer, with_memory=with_memory, options=self.options,
+                self.view, self.latents, rows[start : start + batch_size], with_memory=with_memory, prompt_pass=True
             )
             for start in range(0, len(rows), batch_size)
         ]

@@ -36,6 +36,7 @@ import contextvars
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
@@ -47,6 +48,9 @@ from grace_st.runtime.cpu.native_step import NativeStep
 from grace_st.runtime.cpu.packed_linear import packed_linears
 from grace_st.runtime.prefix_cache import PREFIX_STORE, prefix_key, splits_single_rows, weights_version
 from grace_st.runtime.transformers_compat import cache_kwargs
+
+if TYPE_CHECKING:
+    from grace_st.runtime.model_view import ModelView
 
 
 @dataclass(frozen=True)
@@ -217,15 +221,16 @@ def continuous_batching(model, options: DecodeOptions) -> bool:
     )
 
 
-def decoder_states(decoder, hidden_layer: int, cache=None, **inputs) -> Tensor:
-    """Hidden states of one pass of the decoder alone (it fills the KV ``cache`` when given one):
-    the LM head's logits over the whole vocabulary are not needed when nothing is generated."""
+def decoder_states(view: ModelView, cache=None, **inputs) -> Tensor:
+    """Hidden states at the view's layer of one pass of its model's decoder alone (it fills the KV ``cache`` when
+    given one): the LM head's logits over the whole vocabulary are not needed when nothing is generated."""
+    decoder = view.model.get_decoder()
     use_cache = cache is not None
     if use_cache:
         inputs.update(cache_kwargs(decoder, cache))
-    if hidden_layer == -1:
+    if view.hidden_layer == -1:
         return decoder(**inputs, use_cache=use_cache).last_hidden_state
-    return decoder(**inputs, use_cache=use_cache, output_hidden_states=True).hidden_states[hidden_layer]
+    return decoder(**inputs, use_cache=use_cache, output_hidden_states=True).hidden_states[view.hidden_layer]
 
 
 # The calling thread's (or task's) capture: the dict the decoder's final states go to, see _final_hidden_states.
@@ -270,20 +275,22 @@ class IncrementalDecoder:
     rows no longer fed). Made by :func:`incremental_decoder`.
     """
 
-    def __init__(self, model, captured: dict, hidden_layer: int, options: DecodeOptions):
-        self.model, self.captured, self.hidden_layer, self.options = model, captured, hidden_layer, options
+    def __init__(self, view: ModelView, captured: dict):
+        self.view, self.captured = view, captured
+        self.model, self.hidden_layer, self.options = view.model, view.hidden_layer, view.options
         self.kv_cache = None
         self.batch = 0
         self.rows: Tensor | None = None
         self.mask: Tensor | None = None  # attention mask over the KV cache's columns, for ``rows``
         self.released: Tensor | None = None  # continuous batching: which cache rows no prompt holds now
-        self.native: NativeStep | None | bool = options.native_step and hidden_layer == -1  # built at first use
+        # built at first use
+        self.native: NativeStep | None | bool = self.options.native_step and self.hidden_layer == -1
         self.native_threads = 0  # PyTorch's thread count while single-row native steps hold it at one
 
     def fresh(self) -> IncrementalDecoder:
         """Another decoder on the same model, in the same :func:`incremental_decoder` block: a batch of
         its own (a prompt pass to admit, a new cache)."""
-        return IncrementalDecoder(self.model, self.captured, self.hidden_layer, self.options)
+        return IncrementalDecoder(self.view, self.captured)
 
     def _forward(self, logits: bool = True, cache=None, **inputs) -> tuple[Tensor, Tensor | None]:
         """One forward pass that reads and extends the KV ``cache`` (None: none): (hidden states of the fed
@@ -294,7 +301,7 @@ class IncrementalDecoder:
         else:
             inputs.pop("input_ids", None)
         if not logits:
-            return decoder_states(self.model.get_decoder(), self.hidden_layer, cache, **inputs), None
+            return decoder_states(self.view, cache, **inputs), None
         inputs.update(cache_kwargs(self.model, cache))
         if self.hidden_layer == -1:
             output = self.model(**inputs, logits_to_keep=1, use_cache=True)
@@ -503,9 +510,9 @@ class IncrementalDecoder:
                 layer.shift(start, offset)
             self.mask = torch.cat([self.mask.new_zeros((len(self.mask), offset)), self.mask[:, start:]], 1)
 
-    def step(self, tokens: Tensor, alive: Tensor, pad_token_id: int, keep_rows: bool = False) -> tuple[Tensor, Tensor]:
+    def step(self, tokens: Tensor, alive: Tensor, keep_rows: bool = False) -> tuple[Tensor, Tensor]:
         """Feed one token to each of ``rows`` (``alive``: its rationale goes on; the others get
-        padding, masked out). Returns the hidden states (B, 1, H) and the logits of ``rows``
+        the view's padding, masked out). Returns the hidden states (B, 1, H) and the logits of ``rows``
         after any finished ones were dropped (none with ``keep_rows``: slots about to take new prompts)."""
         dead = int((~alive).sum())
         # Finished rows leave once they are a quarter of those fed: dropping copies the KV cache
@@ -518,7 +525,7 @@ class IncrementalDecoder:
                 self.released = self.released[keep]
         if self.released is not None:  # slots prompts come and go through: keep a column free
             self._make_room(0)
-        tokens = torch.where(alive, tokens, pad_token_id)
+        tokens = torch.where(alive, tokens, self.view.pad_token_id)
         # A finished slot attends to its own padding, never to nothing: a row with no column to attend
         # would put NaN into its keys and values, where a later prompt could meet them behind the mask.
         fed = alive if self.released is None else torch.ones_like(alive)
@@ -605,13 +612,11 @@ def packed_linears_for(model, options: DecodeOptions):
 
 
 @contextlib.contextmanager
-def incremental_decoder(
-    model, hidden_layer: int = -1, options: DecodeOptions | None = None
-) -> Iterator[IncrementalDecoder]:
-    """An :class:`IncrementalDecoder` for one batch, with packed linear layers on if ``options`` say so."""
-    options = options or DecodeOptions()
-    with packed_linears_for(model, options), _final_hidden_states(model) as captured:
-        decoder = IncrementalDecoder(model, captured, hidden_layer, options)
+def incremental_decoder(view: ModelView) -> Iterator[IncrementalDecoder]:
+    """An :class:`IncrementalDecoder` over the view's model for one batch, with packed linear layers on if its
+    options say so."""
+    with packed_linears_for(view.model, view.options), _final_hidden_states(view.model) as captured:
+        decoder = IncrementalDecoder(view, captured)
         try:
             yield decoder
         finally:

@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from grace_st.runtime.batch import Rollouts, left_pad, per_row, prompt_pooling_mask
-from grace_st.runtime.decoding import DecodeOptions, IncrementalDecoder, incremental_decoder
+from grace_st.runtime.decoding import IncrementalDecoder, incremental_decoder
+from grace_st.runtime.model_view import ModelView
 
 
 def inverse_cdf_draw(probs: Tensor, uniforms: Tensor) -> Tensor:
@@ -66,16 +67,6 @@ def _sample(
     return torch.where(greedy, logits.argmax(-1), sampled) if greedy.any() else sampled
 
 
-def _choose(
-    logits: Tensor, rows: Tensor, do_sample: bool, temperatures: Tensor, top_p: float, generators, inverse_cdf: bool
-) -> Tensor:
-    """Eq. 1 for the rows still fed: r_k ~ pi(. | P(x) + r_<k), or the argmax when greedy."""
-    if not do_sample:
-        return logits.argmax(-1)
-    row_generators = None if generators is None else [generators[i] for i in rows.tolist()]
-    return _sample(logits, temperatures[rows], top_p, row_generators, inverse_cdf)
-
-
 def penalise_repeats(logits: Tensor, written: Tensor | None, penalty: float) -> Tensor:
     """CTRL's repetition penalty (Keskar et al., 2019; transformers' ``repetition_penalty``) over the
     rationale's own tokens: where a row has already written a token (``written``, (rows, V) bool), its
@@ -104,36 +95,118 @@ def _written(rows: int, logits: Tensor | None, penalty: float) -> Tensor | None:
 
 @dataclass(frozen=True)
 class RolloutSettings:
-    """What every row of a rollout shares: the ids that end a rationale (Eq. 1 stops at any), the pad id,
-    whether tokens are sampled and with which top-p, the repetition penalty over each rationale's own
-    tokens (1: none; :func:`penalise_repeats`), the layer whose states are kept (-1: the decoder's final,
-    normed states) and how the model is fed (:class:`~grace_st.runtime.decoding.DecodeOptions`: speed only).
-    What differs a row (its prompt, budget, temperature and seed) travels with the row."""
+    """How every row of a rollout draws its tokens (Eq. 1): whether they are sampled and with which top-p, and the
+    repetition penalty over each rationale's own tokens (1: none; :func:`penalise_repeats`). The model, the layer
+    whose states are kept, the pad and stop ids and how the model is fed are the
+    :class:`~grace_st.runtime.model_view.ModelView`'s; what differs a row (its prompt, budget, temperature and seed)
+    travels with the row."""
 
-    eos_token_ids: tuple[int, ...]
-    pad_token_id: int
     do_sample: bool = False
     top_p: float = 1.0
     repetition_penalty: float = 1.0
-    hidden_layer: int = -1
-    options: DecodeOptions | None = None
-
-    def stop_ids(self, device) -> Tensor:
-        return torch.tensor(sorted(set(self.eos_token_ids)), device=device)
 
 
-def _sampling(settings: RolloutSettings, temperature, rows: int, seeds, device):
-    """What Eq. 1's draws need, a row at a time: the stop ids, each row's temperature, and one
-    generator a row when seeded (so a row's rationale does not depend on its batch)."""
-    temperatures = torch.tensor(per_row(temperature, rows), dtype=torch.float32, device=device)
-    seeded = settings.do_sample and seeds is not None
-    generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if seeded else None
-    return settings.stop_ids(device), temperatures, generators
+@dataclass(eq=False)
+class DecodeState:
+    """Eq. 1's bookkeeping over a decoder's rows (a batch's rows, or a stream's slots) from one step to the next:
+    which rows have ended, each row's temperature and generator, and which tokens each rationale has written (the
+    repetition penalty's). :func:`generate_rollouts` and :class:`RolloutStream` both step through
+    :func:`decode_step`, so a row's rationale is one computation whichever loop decodes it (batch invariance,
+    ``tests/test_batch_invariance.py``)."""
+
+    settings: RolloutSettings
+    stop_ids: Tensor  # the ids that end a rationale
+    inverse_cdf: bool  # DecodeOptions.inverse_cdf_sampling
+    done: Tensor  # (rows,) bool: the rationale ended, or (a stream's slot) no prompt holds the row
+    temperatures: Tensor  # (rows,) float32; 0: greedy
+    # one a row when seeded, so a row's draws do not depend on its batch; a None among the rows stepped: every row
+    # draws from torch's global generator
+    generators: list[torch.Generator | None] | None
+    written: Tensor | None = None  # (rows, V) bool (_written); None without a penalty
+    idle: torch.Generator | None = None  # what a stream's free slot draws with: its token is never read
+
+    @classmethod
+    def for_batch(
+        cls, view: ModelView, settings: RolloutSettings, rows: int, temperature, seeds, logits, inverse_cdf, device
+    ) -> DecodeState:
+        """Every row decoding from the start: its temperature (one for all, or one a row), its generator when
+        ``seeds`` are given and tokens are sampled, nothing written (``logits``: the prompt pass's; None at a
+        budget of 0)."""
+        temperatures = torch.tensor(per_row(temperature, rows), dtype=torch.float32, device=device)
+        seeded = settings.do_sample and seeds is not None
+        generators = [torch.Generator().manual_seed(int(s)) for s in seeds] if seeded else None
+        return cls(
+            settings, view.stop_ids(device), inverse_cdf, torch.zeros(rows, dtype=torch.bool, device=device),
+            temperatures, generators, _written(rows, logits, settings.repetition_penalty),
+        )
+
+    @classmethod
+    def for_slots(cls, view: ModelView, settings: RolloutSettings, rows: int, inverse_cdf, device) -> DecodeState:
+        """``rows`` slots no prompt holds yet (:meth:`occupy`)."""
+        state = cls(
+            settings, view.stop_ids(device), inverse_cdf, torch.ones(0, dtype=torch.bool, device=device),
+            torch.zeros(0, device=device), [], idle=torch.Generator(),
+        )
+        state.add_rows(rows)
+        return state
+
+    def add_rows(self, count: int) -> None:
+        """``count`` more free slots."""
+        self.done = torch.cat([self.done, self.done.new_ones(count)])
+        self.temperatures = torch.cat([self.temperatures, self.temperatures.new_zeros(count)])
+        self.generators += [self.idle] * count
+        if self.written is not None:
+            self.written = torch.cat([self.written, self.written.new_zeros((count, self.written.shape[-1]))])
+
+    def occupy(self, slots: Tensor, temperatures: Sequence[float], generators, logits: Tensor) -> None:
+        """New rows in ``slots``: their temperatures and generators, nothing written yet (``logits``: the slots'
+        logits, whose width the written tokens take at the first call)."""
+        self.done[slots] = False
+        self.temperatures[slots] = torch.tensor(temperatures, dtype=torch.float32, device=self.temperatures.device)
+        for slot, generator in zip(slots.tolist(), generators):
+            self.generators[slot] = generator
+        if self.written is None:
+            self.written = _written(len(self.done), logits, self.settings.repetition_penalty)
+        else:
+            self.written.index_fill_(0, slots, False)
+
+    def vacate(self, slot: int) -> None:
+        """The slot's row has left: the slot is free, greedy, on the idle generator."""
+        self.done[slot] = True
+        self.temperatures[slot] = 0.0
+        self.generators[slot] = self.idle
+
+
+def _choose(logits: Tensor, rows: Tensor, state: DecodeState) -> Tensor:
+    """Eq. 1 for the rows still fed: r_k ~ pi(. | P(x) + r_<k) at each row's temperature, or the argmax."""
+    if not state.settings.do_sample:
+        return logits.argmax(-1)
+    generators = None if state.generators is None else [state.generators[i] for i in rows.tolist()]
+    if generators is not None and any(generator is None for generator in generators):
+        generators = None
+    return _sample(logits, state.temperatures[rows], state.settings.top_p, generators, state.inverse_cdf)
+
+
+def decode_step(logits: Tensor, rows: Tensor, state: DecodeState) -> tuple[Tensor, Tensor, Tensor]:
+    """One step of Eq. 1 over the decoder's fed ``rows`` and their ``logits``: the repetition penalty over each
+    rationale's written tokens, then a token a row. Returns the tokens, the rows they end (``stopping``: an EOS,
+    the row now done) and the rows that go on (``alive``: their tokens now written); a row already done is in
+    neither."""
+    if state.written is not None:
+        logits = penalise_repeats(logits, state.written[rows], state.settings.repetition_penalty)
+    token = _choose(logits, rows, state)
+    live = ~state.done[rows]
+    stopping = live & torch.isin(token, state.stop_ids)
+    alive = live & ~stopping
+    state.done[rows[stopping]] = True
+    if state.written is not None:
+        state.written[rows[alive], token[alive]] = True
+    return token, stopping, alive
 
 
 @torch.no_grad()
 def generate_rollouts(
-    model,
+    view: ModelView,
     input_ids: Tensor,
     attention_mask: Tensor,
     instruction_lengths: Tensor,
@@ -149,35 +222,27 @@ def generate_rollouts(
     a training step's queries, negatives and positives share one call; ``seeds`` (one a row) make
     sampling reproducible per text."""
     device, batch = input_ids.device, input_ids.shape[0]
-    eos, temperatures, generators = _sampling(settings, temperature, batch, seeds, device)
-    do_sample, top_p, repetition_penalty = settings.do_sample, settings.top_p, settings.repetition_penalty
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    per_row(temperature, batch)  # checked before the prompt pass
     stop_ids = torch.full((batch,), -1, dtype=torch.long, device=device)
     tokens: list[Tensor] = []  # one (B,) column a step: the rationale token, -1 once the row's rationale ended
     pooled = [prompt_pooling_mask(attention_mask, instruction_lengths.to(device))]  # Eq. 3: t > L_sys
 
-    with incremental_decoder(model, settings.hidden_layer, settings.options) as decoder:
+    with incremental_decoder(view) as decoder:
         states, logits = decoder.prefill(input_ids, attention_mask, instruction_lengths, max_new_tokens)
-        inverse_cdf = decoder.options.inverse_cdf_sampling
-        written = _written(batch, logits, repetition_penalty)
+        state = DecodeState.for_batch(
+            view, settings, batch, temperature, seeds, logits, decoder.options.inverse_cdf_sampling, device
+        )
         all_states = [states]  # Eq. 2 over P(x)
         for _ in range(max_new_tokens):
             rows = decoder.rows  # the rows still fed; logits are theirs
-            if written is not None:
-                logits = penalise_repeats(logits, written[rows], repetition_penalty)
-            token = _choose(logits, rows, do_sample, temperatures, top_p, generators, inverse_cdf)  # Eq. 1
-            stopping = ~finished[rows] & torch.isin(token, eos)
+            token, stopping, alive = decode_step(logits, rows, state)  # Eq. 1
             stop_ids[rows[stopping]] = token[stopping]
-            finished[rows[stopping]] = True
-            if finished.all():
+            if state.done.all():
                 break
-            alive = ~finished[rows]
             step_tokens = torch.full((batch,), -1, dtype=torch.long, device=device)
             step_tokens[rows[alive]] = token[alive]
-            if written is not None:
-                written[rows[alive], token[alive]] = True
             tokens.append(step_tokens)
-            states, logits = decoder.step(token, alive, settings.pad_token_id)
+            states, logits = decoder.step(token, alive)
             all_states.append(states)  # Eq. 2 over r_k, pooled where the rationale goes on
             pooled.append((step_tokens >= 0)[:, None])
 
@@ -187,7 +252,7 @@ def generate_rollouts(
         pooling_mask=torch.cat(pooled, 1),
         token_embeddings=torch.cat(all_states, 1),
         rationale_ids=rationale_ids,
-        truncated=~finished if max_new_tokens > 0 else torch.zeros_like(finished),
+        truncated=~state.done if max_new_tokens > 0 else torch.zeros_like(state.done),
         stop_ids=stop_ids,
     )
 
@@ -246,20 +311,28 @@ class RolloutStream:
         device: torch.device | str = "cpu",
     ):
         self.root, self.decoder, self.settings = decoder, None, settings
+        self.view = decoder.view
         self.slot_policy = slots if callable(slots) else (lambda waiting, n=slots: min(n, waiting))
-        self.eos = settings.stop_ids(device)
         self.device = device
         self.waiting: list[StreamedRow] = []
         self.slot_rows: list[StreamedRow | None] = []
-        self.done = torch.ones(0, dtype=torch.bool, device=device)
+        self.state = self._slots(0)  # Eq. 1's bookkeeping, a slot a row
         self.logits: Tensor | None = None
-        self.written: Tensor | None = None
         self.capacity = 0  # the widest prompt plus budget the cache was allocated for
         self.rows_stepped = 0  # rows fed by the last step (0: it decoded nothing)
         self.rows_prefilled = 0  # rows of the last step's prompt pass for budget-0 rows (0: none ran)
 
     def add(self, row: StreamedRow) -> None:
         self.waiting.append(row)
+
+    @property
+    def done(self) -> Tensor:
+        """(slots,) bool: which slots no decoding row holds."""
+        return self.state.done
+
+    def _slots(self, count: int) -> DecodeState:
+        inverse_cdf = self.root.options.inverse_cdf_sampling
+        return DecodeState.for_slots(self.view, self.settings, count, inverse_cdf, self.device)
 
     @property
     def busy(self) -> bool:
@@ -299,7 +372,7 @@ class RolloutStream:
         taken = {id(row) for row in rows}
         self.waiting = [row for row in self.waiting if id(row) not in taken]
         self.rows_prefilled = len(rows)
-        input_ids, attention_mask = left_pad([row.prompt_ids for row in rows], self.settings.pad_token_id)
+        input_ids, attention_mask = left_pad([row.prompt_ids for row in rows], self.view.pad_token_id)
         spans = torch.tensor([row.instruction_length for row in rows], device=self.device)
         states, _ = self.root.fresh().prefill(input_ids.to(self.device), attention_mask.to(self.device), spans, 0)
         width = states.shape[1]
@@ -321,17 +394,14 @@ class RolloutStream:
             # a new cache, sized for what waits now
             self.close()
             self.decoder, self.capacity = self.root.fresh(), need
-            self.slot_rows, self.done = [None] * count, torch.ones(count, dtype=torch.bool, device=self.device)
-            self.logits = self.written = None
+            self.slot_rows, self.state, self.logits = [None] * count, self._slots(count), None
         elif count > len(self.done) and not empty:  # more waiting than slots free: more slots, same cache
             # at least doubled (to the most the policy allows): a copy of the cache a doubling, not a row
             extra = max(count, min(2 * len(self.done), self.slot_policy(1 << 30))) - len(self.done)
             self.decoder.add_slots(extra)
             self.slot_rows += [None] * extra
-            self.done = torch.cat([self.done, self.done.new_ones(extra)])
+            self.state.add_rows(extra)
             self.logits = torch.cat([self.logits, self.logits.new_zeros((extra, self.logits.shape[-1]))])
-            if self.written is not None:
-                self.written = torch.cat([self.written, self.written.new_zeros((extra, self.written.shape[-1]))])
         if not (bool(self.done.all()) or int(self.done.sum()) >= max(1, len(self.done) // 8)):
             return
         free = self.done.nonzero().squeeze(1).tolist()
@@ -345,7 +415,7 @@ class RolloutStream:
         if not rows:
             return
         slots = torch.tensor(free[: len(rows)], dtype=torch.long, device=self.device)
-        input_ids, attention_mask = left_pad([row.prompt_ids for row in rows], self.settings.pad_token_id)
+        input_ids, attention_mask = left_pad([row.prompt_ids for row in rows], self.view.pad_token_id)
         states, new_logits = self.decoder.admit(
             slots, input_ids.to(self.device), attention_mask.to(self.device),
             torch.tensor([row.instruction_length for row in rows], device=self.device), len(self.done),
@@ -355,36 +425,24 @@ class RolloutStream:
         for index, (slot, row) in enumerate(zip(slots.tolist(), rows)):
             row.prompt_states = states[index, width - len(row.prompt_ids) :]
             self.slot_rows[slot] = row
-        self.done[slots] = False
         if self.logits is None:  # slots no prompt holds yet: logits never read (their rows are done)
             self.logits = new_logits.new_zeros((len(self.done), new_logits.shape[-1]))
         self.logits = self.logits.index_copy(0, slots, new_logits)
-        if self.written is None:
-            self.written = _written(len(self.done), self.logits, self.settings.repetition_penalty)
-        elif self.written is not None:
-            self.written.index_fill_(0, slots, False)
+        self.state.occupy(slots, [row.temperature for row in rows], [row.generator for row in rows], self.logits)
 
     def _decode(self) -> list[StreamedRow]:
         slot_rows = self.decoder.rows  # the slots fed; logits are theirs
-        logits = self.logits
-        if self.written is not None:
-            logits = penalise_repeats(logits, self.written[slot_rows], self.settings.repetition_penalty)
-        token = self._choose(logits, slot_rows)  # Eq. 1
-        live = ~self.done[slot_rows]
-        stopping = live & torch.isin(token, self.eos)
+        token, stopping, alive = decode_step(self.logits, slot_rows, self.state)  # Eq. 1
         ended = []
         for slot, stop in zip(slot_rows[stopping].tolist(), token[stopping].tolist()):
             self.slot_rows[slot].stop_id = stop
             ended.append(self._finish(slot))
-        alive = live & ~stopping
         if not alive.any():
             return ended
         # finished slots stay in the cache (keep_rows): a later prompt takes them
-        states, self.logits = self.decoder.step(token, alive, self.settings.pad_token_id, keep_rows=True)
+        states, self.logits = self.decoder.step(token, alive, keep_rows=True)
         self.rows_stepped = int(alive.sum())
         fed_slots, fed_tokens = slot_rows[alive], token[alive]
-        if self.written is not None:
-            self.written[fed_slots, fed_tokens] = True
         for slot, tok in zip(fed_slots.tolist(), fed_tokens.tolist()):
             row = self.slot_rows[slot]
             row.rationale_ids.append(tok)
@@ -394,18 +452,8 @@ class RolloutStream:
                 ended.append(self._finish(slot))
         return ended
 
-    def _choose(self, logits: Tensor, slot_rows: Tensor) -> Tensor:
-        if not self.settings.do_sample:
-            return logits.argmax(-1)
-        rows = [self.slot_rows[slot] for slot in slot_rows.tolist()]
-        temperatures = torch.tensor([row.temperature if row else 0.0 for row in rows], device=self.device)
-        generators = None
-        if all(row.generator is not None for row in rows if row is not None):  # seeded: each row draws from its own
-            generators = [row.generator if row else torch.Generator() for row in rows]
-        return _sample(logits, temperatures, self.settings.top_p, generators, self.root.options.inverse_cdf_sampling)
-
     def _finish(self, slot: int) -> StreamedRow:
-        self.done[slot] = True
+        self.state.vacate(slot)
         self.decoder.release(torch.tensor([slot], device=self.device))
         row, self.slot_rows[slot] = self.slot_rows[slot], None
         return row
@@ -419,7 +467,7 @@ def streamed_row(key, prompt_ids, instruction_length, max_new_tokens, temperatur
 
 @torch.no_grad()
 def stream_rollouts(
-    model,
+    view: ModelView,
     prompt_ids: Sequence[Sequence[int]],
     instruction_lengths: Sequence[int],
     settings: RolloutSettings,
@@ -445,7 +493,7 @@ def stream_rollouts(
                      None if seeds is None else seeds[i])
         for i in range(rows)
     ]
-    with incremental_decoder(model, settings.hidden_layer, settings.options) as decoder:
+    with incremental_decoder(view) as decoder:
         stream = RolloutStream(decoder, settings, slots=slots, device=device)
         for entry in sorted(entries, key=lambda e: len(e.prompt_ids), reverse=True):
             stream.add(entry)

@@ -266,7 +266,7 @@ class Scheduler:
 
     def _open_stream(self, block: contextlib.ExitStack) -> RolloutStream:
         encoder, engine = self.encoder, self.encoder.engine
-        decoder = block.enter_context(incremental_decoder(encoder.model, encoder.hidden_layer, encoder.decode_options))
+        decoder = block.enter_context(incremental_decoder(engine.view))
         settings = engine.rollout_settings(encoder.do_sample, encoder.top_p, encoder.repetition_penalty)
         return RolloutStream(
             decoder,

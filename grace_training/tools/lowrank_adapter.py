@@ -31,6 +31,7 @@ are not carried (the base's stay); the summary reports their share of the delta.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import random
@@ -170,12 +171,12 @@ def calibration_grams(model, names: list[str], config: Path, count: int, seed: i
     return input_grams(model[0].model, names, sequences), sum(len(s) for s, _ in sequences)
 
 
-def _pooled_states(lm, hidden_layer: int, sequences: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
-    """The hidden states ``encode`` pools (Eq. 3: layer ``hidden_layer``, positions after L_sys) of each sequence, run
+def _pooled_states(view, sequences: list[tuple[torch.Tensor, int]]) -> list[torch.Tensor]:
+    """The hidden states ``encode`` pools (Eq. 3: the view's layer, positions after L_sys) of each sequence, run
     as one right-padded batch."""
     from grace_st.methods.grace import right_padded_states
 
-    states = right_padded_states(lm, [ids for ids, _ in sequences], 0, hidden_layer)
+    states = right_padded_states(view, [ids for ids, _ in sequences])
     return [states[row, span : len(ids)] for row, (ids, span) in enumerate(sequences)]
 
 
@@ -193,12 +194,12 @@ def distill(
     steps: int,
     learning_rate: float,
     batch_size: int = 8,
-    hidden_layer: int = -1,
     held_out: float = 0.1,
     seed: int = 0,
 ) -> dict:
     """Train ``student``'s LoRA factors (the rank-r cut) for ``steps`` steps toward the tuned model's own pooled
-    states on ``sequences``, and keep the step whose error on a held-out tenth is lowest.
+    states on ``sequences``, and keep the step whose error on a held-out tenth is lowest. Both are
+    :class:`~grace_st.runtime.model_view.ModelView` s: the states are the view's layer's.
 
     The per-layer cut is fitted to each layer's outputs on its own, while ``encode`` depends on what the whole stack
     computes. This matches the states Eq. 3 pools, at every pooled position of prompt ⊕ rationale, with the tuned
@@ -212,10 +213,9 @@ def distill(
         raise SystemExit(f"--distill-steps needs more than {len(sequences)} calibration sequences")
     train_batches, held_batches = _length_batches(train, batch_size), _length_batches(held, batch_size)
     with torch.no_grad():
-        targets = {id(b): _pooled_states(tuned, hidden_layer, b) for b in train_batches + held_batches}
+        targets = {id(b): _pooled_states(tuned, b) for b in train_batches + held_batches}
     before, after, kept_step, curve = _train_keeping_best(
         student,
-        hidden_layer,
         train_batches,
         held_batches,
         targets,
@@ -251,16 +251,15 @@ def _length_batches(rows: list[tuple[torch.Tensor, int]], batch_size: int) -> li
     return [rows[i : i + batch_size] for i in range(0, len(rows), batch_size)]
 
 
-def _held_out_error(student, hidden_layer: int, held_batches: list, targets: dict) -> float:
+def _held_out_error(student, held_batches: list, targets: dict) -> float:
     """The student's relative error over every held-out batch (:func:`_relative_error`), without gradient."""
     with torch.no_grad():
-        states = [state for b in held_batches for state in _pooled_states(student, hidden_layer, b)]
+        states = [state for b in held_batches for state in _pooled_states(student, b)]
         return float(_relative_error(states, [t for b in held_batches for t in targets[id(b)]]))
 
 
 def _train_keeping_best(
     student,
-    hidden_layer: int,
     train_batches: list,
     held_batches: list,
     targets: dict,
@@ -274,10 +273,10 @@ def _train_keeping_best(
     cut itself, included). Returns the error before and after, that step, and the checks' curve."""
     from tqdm.auto import tqdm
 
-    factors = [p for name, p in student.named_parameters() if "lora_" in name]
+    factors = [p for name, p in student.model.named_parameters() if "lora_" in name]
     optimizer = torch.optim.AdamW(factors, lr=learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * step / steps)))
-    before = _held_out_error(student, hidden_layer, held_batches, targets)
+    before = _held_out_error(student, held_batches, targets)
     best = (before, 0, [p.detach().clone() for p in factors])
     curve = [{"step": 0, "held_out_error": before}]
     check_every = max(1, steps // 8)
@@ -285,14 +284,14 @@ def _train_keeping_best(
     for step in bar:
         batch = train_batches[int(torch.randint(len(train_batches), (1,), generator=generator))]
         with torch.enable_grad():  # lowrank_adapter runs under no_grad
-            loss = _relative_error(_pooled_states(student, hidden_layer, batch), targets[id(batch)])
+            loss = _relative_error(_pooled_states(student, batch), targets[id(batch)])
             loss.backward()
         optimizer.step()
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         bar.set_postfix(loss=f"{loss.item():.4g}")
         if step % check_every == 0 or step == steps:
-            error = _held_out_error(student, hidden_layer, held_batches, targets)
+            error = _held_out_error(student, held_batches, targets)
             curve.append({"step": step, "train_batch_error": float(loss), "held_out_error": error})
             if error < best[0]:
                 best = (error, step, [p.detach().clone() for p in factors])
@@ -335,13 +334,13 @@ def lowrank_adapter(
 
     distillation = None
     if distill_steps:
+        tuned_view = tuned_model[0].engine.view
         distillation = distill(
-            lm,
-            tuned_lm,
+            dataclasses.replace(tuned_view, model=lm),
+            tuned_view,
             sequences,
             steps=distill_steps,
             learning_rate=distill_learning_rate,
-            hidden_layer=tuned_model[0].hidden_layer,
             seed=seed,
         )
 

@@ -117,10 +117,7 @@ def grc_batch_loss(
         texts += list(side_texts)
         side_sizes.append(len(side_texts))
     suffixes, starts = reconstruction_turns(encoder, texts, seed, config.max_reconstruction_tokens)
-    out = latent_pass(
-        encoder.model, encoder.latent_tokens, prefixes, suffixes, pad_token_id=encoder.pad_token_id,
-        hidden_layer=encoder.hidden_layer,
-    )
+    out = latent_pass(encoder.engine.view, encoder.latent_tokens, prefixes, suffixes)
     lm_head = encoder.model.get_output_embeddings()
     width = out.prefix_states.shape[1]
     left_padded = [[-1] * (width - len(row)) + row for row in prefixes]  # the prefixes as latent_pass laid them

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from grace_st.runtime.model_view import ModelView
 from grace_training.algorithms.grpo.loss import (
     build_policy_batch,
     graded_contrastive_loss,
@@ -41,8 +42,7 @@ def pooled_with_grad(
     policy_wrapped,
     policy,
     parts: tuple[RolloutBatch, ...],
-    pad_token_id: int,
-    hidden_layer: int,
+    view: ModelView,
     device,
     prompts_only: bool = False,
 ) -> torch.Tensor:
@@ -61,12 +61,13 @@ def pooled_with_grad(
         [part.prompt_ids[i] for part, i in selected],
         [part.rationale_ids[i] for part, i in selected],
         [part.stop_ids[i] for part, i in selected],
-        pad_token_id,
+        view.pad_token_id,
         [part.instruction_lengths[i] for part, i in selected],
     )
     batch = {k: v.to(device) for k, v in batch.items()}
     # the temperature scales log-probs only, which are not used here
-    fresh = policy_pass(policy_wrapped, batch, parts[0].temperature, pool_from=policy, hidden_layer=hidden_layer)[1]
+    temperature = parts[0].temperature
+    fresh = policy_pass(policy_wrapped, batch, temperature, pool_from=policy, hidden_layer=view.hidden_layer)[1]
     if not prompts_only:
         return fresh
     kept = torch.cat([part.embeddings for part in parts]).to(device=device, dtype=fresh.dtype)

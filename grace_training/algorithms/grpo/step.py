@@ -354,8 +354,7 @@ class GRPOStep(TrainingStep):
                 self.policy_wrapped,
                 self.policy,
                 anchors,
-                encoder.pad_token_id,
-                encoder.hidden_layer,
+                encoder.engine.view,
                 accelerator.device,
                 prompts_only=cfg.contrastive_anchors == "recompute_prompts",
             )
