@@ -1,4 +1,4 @@
-"""The shipped default's embeddings of a fixed text list, as digests: run it under two code versions and
+"""The shipped models' embeddings of a fixed text list, as digests: run it under two code versions and
 compare the JSON files to show a refactor changed no embedding bit.
 
     python benchmarks/embedding_digest.py --out now.json

@@ -1,14 +1,14 @@
-"""A fixed tiny GRPO run and a fixed tiny ICR run, as per-step losses and weight digests: run it under two
+"""Fixed tiny GRPO, ICR and GRC runs, as per-step losses and weight digests: run it under two
 code versions and compare the JSON files to show a refactor changed no training number.
 
     python benchmarks/training_digest.py --out now.json
     PYTHONPATH=OLD_TREE python benchmarks/training_digest.py --out old.json --compare now.json   # the old code
 
 The model is the test suite's tiny random Llama (``tests/conftest.py``: nothing downloaded), trained on CPU
-for a few steps with LoRA: GRPO with its hybrid InfoNCE term and a text KL term (method.md §2), and GIRCSE's
-iterative contrastive refinement (gircse.md §3), and GRC's three losses (grc.md Eq. 5). Each run's metrics per step and the sha256 of its final
-LoRA weights (and GRC's latent tokens) are recorded; ``--compare`` checks every loss to 1e-6 and every weight digest for equality.
-The runs use keys every version reads (``method: gircse``, the old name of ``algorithm: icr``, names the ICR run).
+for a few steps with LoRA: GRPO with its hybrid InfoNCE term and a text KL term (method.md §2), GIRCSE's
+iterative contrastive refinement (gircse.md §3) and GRC's three losses (grc.md Eq. 5). Each run's metrics per step
+and the sha256 of its final LoRA weights (and GRC's latent tokens) are recorded; ``--compare`` checks every loss to
+1e-6 and every weight digest for equality. The runs use keys every version reads (``method: gircse``, the old name of ``algorithm: icr``, names the ICR run).
 """
 
 from __future__ import annotations
