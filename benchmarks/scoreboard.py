@@ -20,7 +20,6 @@ from pathlib import Path
 
 import numpy as np
 
-from grace_st.evaluation.metrics import spearman
 from grace_st.data import (
     SCOREBOARD_SEED,
     id_fraction,
@@ -30,6 +29,7 @@ from grace_st.data import (
     read_scored_pairs,
     scoreboard_sample,
 )
+from grace_training.evaluation import spearman
 
 SEED = SCOREBOARD_SEED
 # The scoreboard's sample sizes: pairs of STS-B dev, SICK-R trial and MRPC val; SciFact's held-back claims (0: all

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from grace_st.evaluation.metrics import spearman
 from grace_training.data.examples import Triplet
 
 
@@ -33,6 +32,13 @@ def encode_texts(st_model, texts: Sequence[str], task: str | None, batch_size: i
         features = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in features.items()}
         out.append(F.normalize(encoder(features, task=task)["sentence_embedding"].float(), dim=-1).cpu())
     return torch.cat(out) if out else torch.zeros((0, encoder.get_embedding_dimension()))
+
+
+def spearman(x: np.ndarray, y: np.ndarray) -> float:
+    """Spearman's rank correlation of two score lists, as STS tasks report it (the dev scoreboard's too)."""
+    from scipy.stats import spearmanr
+
+    return float(spearmanr(x, y).statistic)
 
 
 def triplet_scores(query: torch.Tensor, positive: torch.Tensor, negatives: list[torch.Tensor]) -> dict[str, float]:
