@@ -103,8 +103,10 @@ class LatentTokens(nn.Module):
         return head.to(token_embeddings.device)
 
     def readout(self, latent_states: Tensor) -> Tensor:
-        """e before L2: the mean over the m latent positions of A(h), (B, d) float32."""
-        return self.adapter(latent_states.float()).mean(1)
+        """e before L2: the mean over the m latent positions of A(h), (B, d) float32, whatever dtype the module was
+        cast to with the model (a bfloat16 model's SentenceTransformer may cast every module)."""
+        weight, bias = self.adapter.weight.float(), self.adapter.bias.float()
+        return torch.nn.functional.linear(latent_states.float(), weight, bias).mean(1)
 
     def save(self, directory: str | Path) -> None:
         from safetensors.torch import save_file
